@@ -1,0 +1,205 @@
+"""The broker port: what Nemesis needs from a topic system.
+
+Two backends implement it: ``embedded`` (one SQLite file) and ``ydb`` (YDB
+topics). The semantics are chosen so that YDB fits without contortions:
+
+* A reader belongs to one consumer name and receives messages only from the
+  partitions currently assigned to it. Each message carries its *partition
+  session* (YDB: the partition session; embedded: the lease generation). When
+  a session ends (the partition was given to another reader), its messages are
+  stale: they are neither processed further nor committed. ``session.alive``
+  says which.
+* The runner decides what may be committed (the contiguous done prefix of a
+  partition session) and hands the reader those messages, in offset order.
+  The reader turns them into its own commit (embedded: one offset update
+  fenced by the lease generation; YDB: the SDK's commit of those messages).
+* A write returns only after the broker acknowledged it durably, and says per
+  message whether it was written or skipped as a duplicate (producer id +
+  seqno, as YDB de-duplicates).
+* Every call that can block takes a timeout: the YDB SDK retries forever.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class PartitionSession(Protocol):
+    """One reader's hold on one partition, from assignment until revocation."""
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def partition(self) -> int: ...
+
+    @property
+    def id(self) -> int:
+        """Unique per (topic, partition) holder: YDB's session id, or the lease generation."""
+        ...
+
+    @property
+    def alive(self) -> bool:
+        """False once the partition was revoked: its messages must not be committed."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Message:
+    """A message read from a topic partition.
+
+    ``created_at`` is the producer's time and ``written_at`` the broker's,
+    both as Unix seconds. ``metadata`` holds the per-message string pairs
+    (YDB metadata items; retry tiers keep their bookkeeping there).
+    """
+
+    topic: str
+    partition: int
+    offset: int
+    value: bytes
+    key: str | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    producer_id: str | None = None
+    seqno: int | None = None
+    created_at: float = 0.0
+    written_at: float = 0.0
+    session: PartitionSession | None = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the message still belongs to a live partition session."""
+        return self.session is None or self.session.alive
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingMessage:
+    """A message to write.
+
+    Partition choice: ``partition`` if given, else a stable hash of ``key``,
+    else round-robin. ``seqno`` with the writer's producer id enables
+    de-duplication: a message whose seqno is not above the last one written
+    by that producer is skipped.
+    """
+
+    value: bytes
+    key: str | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    partition: int | None = None
+    seqno: int | None = None
+    created_at: float | None = None
+
+
+class WriteStatus(enum.Enum):
+    WRITTEN = "written"
+    DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    status: WriteStatus
+    partition: int
+    offset: int | None  # None for a skipped duplicate
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerSpec:
+    name: str
+    # Start position for a consumer that has never committed: the oldest retained message.
+    important: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionInfo:
+    partition: int
+    start_offset: int  # oldest retained offset
+    end_offset: int  # offset the next message will get
+    last_written_at: float | None
+    committed: Mapping[str, int]  # consumer -> committed offset (next to read)
+
+
+@dataclass(frozen=True, slots=True)
+class TopicDescription:
+    name: str
+    partitions: Sequence[PartitionInfo]
+    consumers: Sequence[str]
+    retention_s: float | None
+
+
+class TopicAdmin(Protocol):
+    async def create_topic(
+        self,
+        name: str,
+        *,
+        partitions: int,
+        consumers: Sequence[ConsumerSpec] = (),
+        retention_s: float | None = None,
+        exist_ok: bool = False,
+    ) -> None: ...
+
+    async def add_consumer(self, topic: str, consumer: ConsumerSpec) -> None:
+        """Registers a consumer; a consumer that exists already is left alone."""
+        ...
+
+    async def list_topics(self) -> Sequence[str]: ...
+
+    async def describe_topic(self, name: str) -> TopicDescription: ...
+
+    async def drop_topic(self, name: str) -> None: ...
+
+
+class TopicReader(Protocol):
+    """Reads one topic as one consumer; partitions are assigned by the broker."""
+
+    async def receive(self, max_messages: int, timeout_s: float) -> Sequence[Message]:
+        """Up to ``max_messages``; an empty sequence when nothing arrived in ``timeout_s``."""
+        ...
+
+    async def commit(self, messages: Sequence[Message]) -> None:
+        """Commits a contiguous run of processed messages of one partition session.
+
+        Messages of a dead session are ignored: their partition belongs to
+        another reader now, which will read them again.
+        """
+        ...
+
+    def pause(self, session: PartitionSession) -> None:
+        """Stop delivering messages of this session until ``resume`` (flow control)."""
+        ...
+
+    def resume(self, session: PartitionSession) -> None: ...
+
+    def sessions(self) -> Sequence[PartitionSession]:
+        """The partition sessions this reader holds now."""
+        ...
+
+    async def close(self, timeout_s: float = 5.0) -> None: ...
+
+
+class TopicWriter(Protocol):
+    """Writes to one topic as one producer."""
+
+    @property
+    def producer_id(self) -> str: ...
+
+    async def write(
+        self, messages: Sequence[OutgoingMessage], timeout_s: float = 10.0
+    ) -> Sequence[WriteResult]: ...
+
+    async def close(self, timeout_s: float = 5.0) -> None: ...
+
+
+class Broker(Protocol):
+    """A backend: opens admins, readers and writers over one connection."""
+
+    @property
+    def admin(self) -> TopicAdmin: ...
+
+    async def reader(self, topic: str, consumer: str) -> TopicReader: ...
+
+    async def writer(self, topic: str, producer_id: str | None = None) -> TopicWriter: ...
+
+    async def close(self) -> None: ...

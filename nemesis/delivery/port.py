@@ -1,0 +1,68 @@
+"""The delivery port: a transport pushes events to a handler and reports an Outcome.
+
+A delivery's result is a value, never an exception: each transport has one
+table-like function from the handler's answer to an ``Outcome``
+(``nemesis.delivery.http.outcome_for_response`` for HTTP).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from nemesis.broker.port import Message
+
+
+class Outcome(enum.Enum):
+    """What happened to one message (or one batch) at the handler."""
+
+    DELIVERED = "delivered"  # 2xx: done, may be committed
+    DROPPED = "dropped"  # the handler said `nemesis-verdict: drop`: done, counted apart
+    RETRY = "retry"  # try again later; counts against the circuit breaker
+    DEAD = "dead"  # message-level contract violation: dead-letter at once
+
+    @property
+    def done(self) -> bool:
+        """Whether the message is finished and its offset may be committed."""
+        return self in (Outcome.DELIVERED, Outcome.DROPPED)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One message on its way to a handler, with what the handler contract adds."""
+
+    message: Message
+    id: str  # stable across retries: the handler's idempotency key (ce-id)
+    type: str  # ce-type
+    attempt: int = 1
+    content_type: str = "application/json"
+    payload: bytes | None = None  # the pipeline's output; the message value when None
+
+    @property
+    def body(self) -> bytes:
+        return self.message.value if self.payload is None else self.payload
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryResult:
+    """The handler's answer, reduced to what the outcome table needs."""
+
+    outcome: Outcome
+    status: int | None = None  # HTTP status (gRPC code number for gRPC); None: no answer
+    error: str | None = None  # short, for logs and the DLQ; never the payload
+    retry_after_s: float | None = None  # the handler's Retry-After, if any
+    duration_s: float = 0.0
+
+
+class Transport(Protocol):
+    """Delivers events to one integration's target."""
+
+    async def deliver(self, event: Event) -> DeliveryResult: ...
+
+    async def deliver_batch(self, events: Sequence[Event]) -> DeliveryResult:
+        """One request for several events; the result applies to every one of them."""
+        ...
+
+    async def close(self) -> None: ...

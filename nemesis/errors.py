@@ -1,0 +1,73 @@
+"""Nemesis exceptions, one tree.
+
+::
+
+    NemesisError
+    ├── ConfigError            invalid configuration (carries file, line, field)
+    ├── BrokerError            a topic backend failed          retriable
+    │   ├── BrokerTimeout      a blocking call ran out of time retriable
+    │   ├── TopicNotFound      the topic does not exist
+    │   ├── TopicExists        create of an existing topic
+    │   └── SessionLost        the partition session ended     (stale work, not retriable)
+    └── DeliveryError          a transport could not deliver   retriable
+
+Whether an error may be retried is data on its class (``retriable``). Library
+exceptions (sqlite3, aiohttp, ydb) are translated at the backend boundary.
+Delivery *outcomes* are values (``nemesis.delivery.Outcome``), not exceptions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class NemesisError(Exception):
+    """Root of every error Nemesis raises on purpose."""
+
+    retriable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigProblem:
+    """One problem in one configuration file."""
+
+    file: str
+    line: int | None
+    field: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        return f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
+
+
+class ConfigError(NemesisError):
+    """Configuration could not be loaded; ``problems`` lists every one found."""
+
+    def __init__(self, problems: list[ConfigProblem]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+class BrokerError(NemesisError):
+    retriable = True
+
+
+class BrokerTimeout(BrokerError):
+    retriable = True
+
+
+class TopicNotFound(BrokerError):
+    retriable = False
+
+
+class TopicExists(BrokerError):
+    retriable = False
+
+
+class SessionLost(BrokerError):
+    retriable = False
+
+
+class DeliveryError(NemesisError):
+    retriable = True
