@@ -29,7 +29,8 @@ _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.
 def parse_duration(value: Any) -> float:
     """``90`` -> 90.0 s; ``"1.5s"``, ``"5m"``, ``"2h"``, ``"7d"``, ``"250ms"`` -> seconds."""
     if isinstance(value, bool):
-        raise ValueError("expected a duration such as 30s, 5m or 1h")
+        # pydantic turns only ValueError into a validation error; a TypeError would escape.
+        raise ValueError("expected a duration such as 30s, 5m or 1h")  # noqa: TRY004
     if isinstance(value, int | float):
         seconds = float(value)
     elif isinstance(value, str) and (match := _DURATION.match(value)):
@@ -93,7 +94,9 @@ class DeliveryConfig(Model):
     @model_validator(mode="after")
     def _buffer_holds_a_batch(self) -> DeliveryConfig:
         if self.buffer < self.batch.size:
-            raise ValueError(f"buffer ({self.buffer}) must hold at least one batch ({self.batch.size})")
+            raise ValueError(
+                f"buffer ({self.buffer}) must hold at least one batch ({self.batch.size})"
+            )
         return self
 
 

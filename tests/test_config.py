@@ -1,0 +1,670 @@
+"""The configuration loader: every problem names the right file, line and field."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from nemesis.config import (
+    IntegrationConfig,
+    NemesisConfig,
+    ValidationContext,
+    format_problems,
+    load_integration_file,
+    load_integrations,
+    load_process_config,
+    validate_paths,
+)
+from nemesis.config.document import MAX_VALUES
+from nemesis.config.interpolation import expand
+from nemesis.errors import ConfigError, ConfigProblem
+
+ROOT = Path(__file__).resolve().parent.parent
+
+VALID = """
+name: orders
+owners: [team-orders]
+source: {topic: orders, consumer: loyalty}
+target:
+  url: http://127.0.0.1:9001/events/order
+"""
+KNOWN_FIELDS = (
+    "name, owners, source, pipeline, target, delivery, retry, breaker, rate_limits, flags, paused"
+)
+
+
+def write(directory: Path, name: str, text: str) -> Path:
+    """Write ``text`` dedented, its first line being line 1."""
+    path = directory / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+    return path
+
+
+def problems_of(path: Path, env: Mapping[str, str] | None = None) -> list[ConfigProblem]:
+    with pytest.raises(ConfigError) as info:
+        load_integration_file(path, env={} if env is None else env)
+    return info.value.problems
+
+
+def one_problem(path: Path, env: Mapping[str, str] | None = None) -> ConfigProblem:
+    problems = problems_of(path, env)
+    assert len(problems) == 1, problems
+    return problems[0]
+
+
+# --- fields -------------------------------------------------------------------------
+
+
+def test_a_valid_file_loads(tmp_path: Path) -> None:
+    config = load_integration_file(write(tmp_path, "orders.yaml", VALID), env={})
+    assert config.name == "orders"
+    assert config.source.consumer == "loyalty"
+    assert config.delivery.workers == 32
+
+
+def test_unknown_key_suggests_the_closest_field(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + "  timout_s: 3\n")
+    assert one_problem(path) == ConfigProblem(
+        str(path), 6, "target.timout_s", "unknown field (did you mean timeout_s?)"
+    )
+
+
+def test_unknown_key_at_the_wrong_level_names_where_it_belongs(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + "workers: 4\n")
+    assert one_problem(path) == ConfigProblem(
+        str(path), 6, "workers", "unknown field (workers belongs under delivery)"
+    )
+
+
+def test_unknown_key_without_a_close_match_lists_the_fields(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + "colour: blue\n")
+    assert one_problem(path) == ConfigProblem(
+        str(path), 6, "colour", f"unknown field (expected one of: {KNOWN_FIELDS})"
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "message"),
+    [
+        ("paused: maybe", "paused", "Input should be a valid boolean, unable to interpret input"),
+        ("breaker: [1]", "breaker", "expected a mapping, got a list"),
+        ("flags: {disabled_types: no}", "flags.disabled_types", "expected a list, got a boolean"),
+        ("delivery: {workers: [4]}", "delivery.workers", "expected an integer, got a list"),
+        (
+            "delivery: {workers: many}",
+            "delivery.workers",
+            "Input should be a valid integer, unable to parse string as an integer",
+        ),
+        # A union (name or inline stages) fails once, not once per member.
+        ("pipeline: 5", "pipeline", "expected a string or a list, got a number"),
+    ],
+)
+def test_wrong_type_names_the_expected_type(
+    tmp_path: Path, extra: str, field: str, message: str
+) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + extra + "\n")
+    assert one_problem(path) == ConfigProblem(str(path), 6, field, message)
+
+
+def test_constraint_violation_uses_the_field_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + "delivery:\n  buffer: 10\n  workers: 0\n")
+    assert one_problem(path) == ConfigProblem(
+        str(path), 8, "delivery.workers", "Input should be greater than or equal to 1"
+    )
+
+
+def test_rule_across_fields_points_at_their_mapping(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + "delivery:\n  buffer: 10\n  batch: {size: 50}\n")
+    assert one_problem(path) == ConfigProblem(
+        str(path), 6, "delivery", "buffer (10) must hold at least one batch (50)"
+    )
+
+
+def test_name_pattern_is_explained(tmp_path: Path) -> None:
+    path = write(tmp_path, "Orders_1.yaml", VALID.replace("name: orders", "name: Orders_1"))
+    assert one_problem(path) == ConfigProblem(
+        str(path),
+        1,
+        "name",
+        "must be lowercase letters, digits and dashes (at most 63),"
+        " starting and ending with a letter or a digit",
+    )
+
+
+def test_missing_field_points_at_the_parent_mapping(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "orders.yaml",
+        """
+        # Leading comments: a missing top-level field points at the first key.
+
+        name: orders
+        owners: [team-orders]
+        source:
+          topic: orders
+        """,
+    )
+    assert problems_of(path) == [
+        ConfigProblem(str(path), 3, "target", "required field is missing"),
+        ConfigProblem(str(path), 5, "source.consumer", "required field is missing"),
+    ]
+
+
+def test_an_empty_section_is_a_clear_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + "delivery:\n")
+    assert one_problem(path) == ConfigProblem(
+        str(path), 6, "delivery", "expected a mapping, got an empty value"
+    )
+
+
+def test_several_errors_in_one_file_are_all_reported_in_line_order(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "orders.yaml",
+        """
+        name: orders
+        owners: team-orders
+        source: {topic: orders, consumer: loyalty}
+        target:
+          url: ftp://loyalty.svc
+          timout_s: 5
+        delivery:
+          workers: 0
+          ordering: random
+        retry:
+          tiers: [1m, soon]
+        """,
+    )
+    assert problems_of(path) == [
+        ConfigProblem(str(path), 2, "owners", "expected a list, got a string"),
+        ConfigProblem(
+            str(path),
+            5,
+            "target.url",
+            "must start with http://, https://, grpc:// or grpcs:// and name a host",
+        ),
+        ConfigProblem(str(path), 6, "target.timout_s", "unknown field (did you mean timeout_s?)"),
+        ConfigProblem(
+            str(path), 8, "delivery.workers", "Input should be greater than or equal to 1"
+        ),
+        ConfigProblem(
+            str(path), 9, "delivery.ordering", "Input should be 'none', 'key' or 'partition'"
+        ),
+        ConfigProblem(
+            str(path),
+            11,
+            "retry.tiers[1]",
+            "expected a duration such as 30s, 5m or 1h, got 'soon'",
+        ),
+    ]
+
+
+# --- durations ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("written", "seconds"),
+    [("1m", 60.0), ("250ms", 0.25), ("1.5s", 1.5), ("2h", 7200.0), ("7d", 604800.0), ("90", 90.0)],
+)
+def test_durations_are_read_in_seconds(tmp_path: Path, written: str, seconds: float) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + f"retry: {{tiers: [{written}]}}\n")
+    assert load_integration_file(path, env={}).retry.tiers == [seconds]
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ("5 minutes", "expected a duration such as 30s, 5m or 1h, got '5 minutes'"),
+        ("1w", "expected a duration such as 30s, 5m or 1h, got '1w'"),
+        ("-1s", "expected a duration such as 30s, 5m or 1h, got '-1s'"),
+        ("true", "expected a duration such as 30s, 5m or 1h"),
+    ],
+)
+def test_bad_durations_name_the_item(tmp_path: Path, written: str, message: str) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + f"retry:\n  tiers:\n    - 1m\n    - {written}\n")
+    assert one_problem(path) == ConfigProblem(str(path), 9, "retry.tiers[1]", message)
+
+
+def test_a_zero_retry_tier_is_rejected(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + "retry: {tiers: [0s]}\n")
+    assert one_problem(path) == ConfigProblem(
+        str(path), 6, "retry.tiers", "every retry tier needs a delay above zero"
+    )
+
+
+# --- YAML itself ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "message"),
+    [
+        (
+            "name: orders\nowners: [a\nsource: {}\n",
+            3,
+            "invalid YAML: while parsing a flow sequence (line 2), expected ',' or ']',"
+            " but got ':' (column 7)",
+        ),
+        ("name: orders: x\n", 1, "invalid YAML: mapping values are not allowed here (column 13)"),
+        (
+            "name: orders\n\towners: []\n",
+            2,
+            "invalid YAML: while scanning for the next token,"
+            " found character '\\t' that cannot start any token (column 1)",
+        ),
+        (
+            "name: orders\n---\nname: other\n",
+            2,
+            "invalid YAML: expected a single document in the stream (line 1),"
+            " but found another document (column 1)",
+        ),
+    ],
+)
+def test_broken_syntax_reports_line_and_column(
+    tmp_path: Path, text: str, line: int, message: str
+) -> None:
+    path = write(tmp_path, "orders.yaml", text)
+    assert one_problem(path) == ConfigProblem(str(path), line, None, message)
+
+
+@pytest.mark.parametrize("text", ["", "# nothing yet\n", "---\n"])
+def test_an_empty_file_is_a_clear_error(tmp_path: Path, text: str) -> None:
+    path = write(tmp_path, "orders.yaml", text)
+    assert one_problem(path) == ConfigProblem(
+        str(path), None, None, "the file is empty: expected a mapping such as `name: ...`"
+    )
+
+
+def test_the_top_level_must_be_a_mapping(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", "- name: orders\n")
+    assert one_problem(path) == ConfigProblem(
+        str(path), 1, None, "the top level must be a mapping of field names to values, not a list"
+    )
+
+
+def test_duplicate_key_names_both_lines(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + "delivery:\n  workers: 4\n  workers: 8\n")
+    assert one_problem(path) == ConfigProblem(
+        str(path), 8, "delivery.workers", "duplicate key (first defined at line 7)"
+    )
+
+
+def test_anchors_and_merge_keys_work_and_keep_their_lines(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "orders.yaml",
+        VALID
+        + """
+        defaults: &fast {workers: 0, buffer: 64}
+        """.strip()
+        + "\ndelivery:\n  <<: *fast\n  buffer: 128\n",
+    )
+    problems = problems_of(path)
+    # The merged value is reported where it is written: in the anchor.
+    assert (
+        ConfigProblem(
+            str(path), 6, "delivery.workers", "Input should be greater than or equal to 1"
+        )
+        in problems
+    )
+    assert (
+        ConfigProblem(str(path), 6, "defaults", f"unknown field (expected one of: {KNOWN_FIELDS})")
+        in problems
+    )
+    assert len(problems) == 2
+
+
+def test_a_recursive_alias_is_rejected_without_recursing(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + "flags: {disabled_types: &loop [*loop]}\n")
+    assert one_problem(path) == ConfigProblem(
+        str(path), 6, "flags.disabled_types[0]", "an alias refers to a value that contains it"
+    )
+
+
+def test_alias_expansion_is_bounded(tmp_path: Path) -> None:
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 7)]
+    path = write(tmp_path, "orders.yaml", "\n".join(levels) + "\n")
+    assert ConfigProblem(
+        str(path), 1, None, f"the file expands to more than {MAX_VALUES} values (aliases?)"
+    ) in problems_of(path)
+
+
+def test_explicit_tags_are_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + "delivery: {workers: !!int many}\n")
+    assert one_problem(path) == ConfigProblem(
+        str(path), 6, "delivery.workers", "unsupported YAML tag !!int: write plain values"
+    )
+
+
+def test_control_characters_and_deep_nesting_are_reported_not_raised(tmp_path: Path) -> None:
+    control = write(tmp_path, "orders.yaml", "name: orders\nowners: [\x07]\n")
+    assert one_problem(control) == ConfigProblem(
+        str(control), 2, None, "invalid YAML: special characters are not allowed (character #x0007)"
+    )
+    # PyYAML composes recursively, two frames a level; its scanner is quadratic in depth.
+    depth = sys.getrecursionlimit() // 2 + 100
+    deep = write(tmp_path, "orders.yaml", "name: " + "[" * depth + "]" * depth + "\n")
+    assert one_problem(deep) == ConfigProblem(
+        str(deep), None, None, "invalid YAML: values are nested too deeply"
+    )
+
+
+def test_a_file_that_is_not_utf8_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "orders.yaml"
+    path.write_bytes(b"name: orders\nowners: [\xff]\n")
+    assert one_problem(path) == ConfigProblem(str(path), 2, None, "the file is not valid UTF-8")
+
+
+# --- environment variables ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("written", "env", "value"),
+    [
+        ("Bearer ${TOKEN}", {"TOKEN": "s3cret"}, "Bearer s3cret"),
+        ("${TOKEN:-dev}", {}, "dev"),
+        ("${TOKEN:-dev}", {"TOKEN": ""}, "dev"),
+        ("${TOKEN:-dev}", {"TOKEN": "prod"}, "prod"),
+        ("${TOKEN}", {"TOKEN": ""}, ""),
+        ("$${TOKEN} costs $5", {}, "${TOKEN} costs $5"),
+    ],
+)
+def test_environment_variables_are_interpolated(
+    tmp_path: Path, written: str, env: dict[str, str], value: str
+) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + f"  headers: {{authorization: '{written}'}}\n")
+    assert load_integration_file(path, env=env).target.headers == {"authorization": value}
+
+
+def test_an_unset_variable_names_file_line_and_field(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + "  headers:\n    authorization: ${TOKEN}\n")
+    assert one_problem(path) == ConfigProblem(
+        str(path),
+        7,
+        "target.headers.authorization",
+        "environment variable TOKEN is not set (set it, or write ${TOKEN:-default} to give a"
+        " default)",
+    )
+
+
+def test_a_malformed_reference_is_an_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + "  headers: {authorization: '${MY TOKEN}'}\n")
+    assert one_problem(path) == ConfigProblem(
+        str(path),
+        6,
+        "target.headers.authorization",
+        "invalid variable reference '${MY TOKEN}': write ${NAME} or ${NAME:-default}"
+        " ($${ for a literal ${)",
+    )
+
+
+def test_interpolated_numbers_are_validated_without_echoing_the_value(tmp_path: Path) -> None:
+    path = write(tmp_path, "nemesis.yaml", "admin: {port: '${ADMIN_PORT}'}\n")
+    assert load_process_config(path, env={"ADMIN_PORT": "9000"}).admin.port == 9000
+    with pytest.raises(ConfigError) as info:
+        load_process_config(path, env={"ADMIN_PORT": "hunter2"})
+    assert info.value.problems == [
+        ConfigProblem(
+            str(path),
+            1,
+            "admin.port",
+            "Input should be a valid integer, unable to parse string as an integer",
+        )
+    ]
+    assert "hunter2" not in str(info.value)
+
+
+def test_expand_reports_every_unset_variable() -> None:
+    expansion = expand("${A}-${B:-b}-${C}", {"B": ""})
+    assert expansion.unset == ("A", "C")
+    assert expansion.text == "${A}-b-${C}"
+
+
+# --- files and directories ------------------------------------------------------------
+
+
+def test_the_file_name_must_match_the_name(tmp_path: Path) -> None:
+    path = write(tmp_path, "loyalty.yaml", VALID)
+    assert one_problem(path) == ConfigProblem(
+        str(path),
+        1,
+        "name",
+        "'orders' does not match the file name 'loyalty.yaml': an integration lives in"
+        " <name>.yaml (rename the file to orders.yaml or change the name)",
+    )
+
+
+def test_a_directory_yields_the_good_configs_and_the_problems_of_the_bad(
+    tmp_path: Path,
+) -> None:
+    good = write(tmp_path, "orders.yaml", VALID)
+    bad = write(tmp_path, "payments.yml", VALID.replace("orders", "payments") + "paused: 3\n")
+    write(tmp_path, "README.md", "not YAML: ignored")
+    write(tmp_path, ".#orders.yaml", "editor lock file: ignored")
+    integrations, problems = load_integrations(tmp_path, env={})
+    assert integrations == {"orders": load_integration_file(good, env={})}
+    assert problems == [
+        ConfigProblem(
+            str(bad), 6, "paused", "Input should be a valid boolean, unable to interpret input"
+        )
+    ]
+
+
+def test_a_duplicate_name_names_both_files(tmp_path: Path) -> None:
+    first = write(tmp_path, "orders.yaml", VALID + "delivery: {workers: 1}\n")
+    second = write(tmp_path, "orders.yml", "# the same integration again\n" + VALID.lstrip())
+    loaded = load_integrations(tmp_path, env={})
+    # Both are valid: the first in file order keeps the name.
+    assert loaded.integrations["orders"].delivery.workers == 1
+    assert loaded.problems == [
+        ConfigProblem(
+            str(second), 2, "name", f"integration name 'orders' is already used by {first}:1"
+        )
+    ]
+
+
+def test_a_broken_duplicate_cannot_take_the_name_from_a_valid_file(tmp_path: Path) -> None:
+    broken = write(tmp_path, "orders.yaml", VALID + "paused: 3\n")
+    write(tmp_path, "orders.yml", VALID + "delivery: {workers: 2}\n")
+    loaded = load_integrations(tmp_path, env={})
+    assert loaded.integrations["orders"].delivery.workers == 2
+    assert [(p.file, p.line, p.field) for p in loaded.problems] == [
+        (str(broken), 1, "name"),
+        (str(broken), 6, "paused"),
+    ]
+
+
+def test_a_missing_integrations_directory_is_a_problem(tmp_path: Path) -> None:
+    loaded = load_integrations(tmp_path / "nope", env={})
+    assert loaded.integrations == {}
+    assert loaded.problems == [
+        ConfigProblem(str(tmp_path / "nope"), None, None, "no such directory")
+    ]
+
+
+# --- process configuration ------------------------------------------------------------
+
+
+def test_no_process_config_file_means_defaults() -> None:
+    assert load_process_config(None) == NemesisConfig()
+
+
+def test_process_directories_are_resolved_against_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "nemesis.yaml", f"data_dir: var\npipelines_dir: {tmp_path / 'p'}\n")
+    config = load_process_config(path, env={})
+    assert config.data_dir == str(tmp_path / "var")
+    assert config.integrations_dir == str(tmp_path / "integrations")
+    assert config.pipelines_dir == str(tmp_path / "p")
+
+
+def test_process_config_reports_every_problem(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "nemesis.yaml",
+        """
+        backend:
+          kind: kafka
+          retention: forever
+        admin: {port: 70000}
+        """,
+    )
+    with pytest.raises(ConfigError) as info:
+        load_process_config(path, env={})
+    assert [(p.line, p.field) for p in info.value.problems] == [
+        (2, "backend.kind"),
+        (3, "backend.retention"),
+        (4, "admin.port"),
+    ]
+
+
+def test_a_missing_process_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_process_config(tmp_path / "nemesis.yaml", env={})
+    assert info.value.problems == [
+        ConfigProblem(
+            str(tmp_path / "nemesis.yaml"),
+            None,
+            None,
+            "cannot read the file: No such file or directory",
+        )
+    ]
+
+
+# --- validate -------------------------------------------------------------------------
+
+
+def test_validate_takes_files_and_directories_and_reports_everything(tmp_path: Path) -> None:
+    integrations = tmp_path / "integrations"
+    integrations.mkdir()
+    write(integrations, "orders.yaml", VALID)
+    bad = write(integrations, "payments.yaml", "name: payments\n")
+    process = write(tmp_path, "nemesis.prod.yaml", "log_format: xml\n")
+    lone = write(tmp_path, "lone.yaml", VALID.replace("orders", "lone") + "  timeout_s: 0\n")
+    problems = validate_paths(
+        # The same file twice (directly and through its directory) is not a duplicate.
+        [process, integrations, integrations / "orders.yaml", lone, tmp_path / "missing"],
+        env={},
+    )
+    assert [(Path(p.file).name, p.line, p.field) for p in problems] == [
+        ("payments.yaml", 1, "owners"),
+        ("payments.yaml", 1, "source"),
+        ("payments.yaml", 1, "target"),
+        ("lone.yaml", 6, "target.timeout_s"),
+        ("missing", None, None),
+        ("nemesis.prod.yaml", 1, "log_format"),
+    ]
+    assert problems[0].file == str(bad)
+
+
+def test_validate_does_not_need_secrets_unless_asked(tmp_path: Path) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + "  headers: {authorization: '${TOKEN}'}\n")
+    assert validate_paths([path], env={}) == []
+    assert [p.field for p in validate_paths([path], env={}, require_env=True)] == [
+        "target.headers.authorization"
+    ]
+
+
+def test_validate_without_paths_uses_the_configured_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "teams").mkdir()
+    write(tmp_path, "nemesis.yaml", "integrations_dir: teams\n")
+    write(tmp_path / "teams", "orders.yaml", VALID + "paused: 3\n")
+    monkeypatch.chdir(tmp_path)
+    assert [(p.file, p.line, p.field) for p in validate_paths([], env={})] == [
+        (str(Path("teams/orders.yaml")), 6, "paused")
+    ]
+
+
+@dataclass
+class PipelineChecker:
+    """A stand-in for the pipeline validation that plugs into validate_paths."""
+
+    calls: list[tuple[list[Path], ValidationContext]] = field(default_factory=list)
+
+    def claims(self, path: Path) -> bool:
+        return path.name == "pipelines"
+
+    def check(self, paths: Sequence[Path], context: ValidationContext) -> list[ConfigProblem]:
+        self.calls.append((list(paths), context))
+        return [ConfigProblem(str(p / "city.yaml"), 3, "stages", "unknown stage") for p in paths]
+
+
+def test_checkers_claim_their_paths_and_see_what_was_loaded(tmp_path: Path) -> None:
+    pipelines = tmp_path / "pipelines"
+    pipelines.mkdir()
+    write(pipelines, "city.yaml", "stages: [{frobnicate: {}}]\n")  # not an integration
+    orders = write(tmp_path, "orders.yaml", VALID)
+    checker = PipelineChecker()
+    problems = validate_paths([pipelines, orders], env={}, checkers=[checker])
+    assert problems == [ConfigProblem(str(pipelines / "city.yaml"), 3, "stages", "unknown stage")]
+    [(paths, context)] = checker.calls
+    assert paths == [pipelines]
+    assert list(context.integrations.integrations) == ["orders"]
+
+
+# --- output ---------------------------------------------------------------------------
+
+
+def test_problems_format_as_sorted_lines_or_github_annotations() -> None:
+    problems = [
+        ConfigProblem("integrations/b.yaml", 3, "target.url", "bad"),
+        ConfigProblem("integrations/a.yaml", 12, "delivery.workers", "too low, really: 0%"),
+        ConfigProblem("integrations/a.yaml", 7, None, "invalid YAML"),
+        ConfigProblem("integrations/a.yaml", None, None, "the file is empty"),
+    ]
+    assert format_problems(problems) == "\n".join(
+        [
+            "integrations/a.yaml: the file is empty",
+            "integrations/a.yaml:7: invalid YAML",
+            "integrations/a.yaml:12: delivery.workers: too low, really: 0%",
+            "integrations/b.yaml:3: target.url: bad",
+        ]
+    )
+    assert format_problems(problems, "github").splitlines() == [
+        "::error file=integrations/a.yaml::the file is empty",
+        "::error file=integrations/a.yaml,line=7::invalid YAML",
+        "::error file=integrations/a.yaml,line=12::delivery.workers: too low, really: 0%25",
+        "::error file=integrations/b.yaml,line=3::target.url: bad",
+    ]
+
+
+# --- shipped examples -----------------------------------------------------------------
+
+
+def test_the_shipped_examples_validate() -> None:
+    paths = [ROOT / "nemesis.example.yaml", ROOT / "integrations"]
+    assert validate_paths(paths, env={}, require_env=True) == []
+
+
+def test_the_example_integration_reads_as_documented() -> None:
+    config = load_integration_file(ROOT / "integrations" / "orders-to-loyalty.yaml", env={})
+    assert config == IntegrationConfig.model_validate(
+        {
+            "name": "orders-to-loyalty",
+            "owners": ["team-loyalty"],
+            "source": {"topic": "orders", "consumer": "loyalty"},
+            "target": {"url": "http://127.0.0.1:9001/events/order", "timeout_s": 5},
+            "retry": {"tiers": ["1m", "5m", "15m"]},
+            "rate_limits": {"main": 500, "retry": 50, "replay": 20},
+        }
+    )
+
+
+def test_the_example_process_config_holds_the_defaults() -> None:
+    config = load_process_config(ROOT / "nemesis.example.yaml", env={})
+    assert config == load_process_config(None).model_copy(
+        update={
+            name: str(ROOT / value)
+            for name, value in [
+                ("data_dir", "data"),
+                ("integrations_dir", "integrations"),
+                ("pipelines_dir", "pipelines"),
+            ]
+        }
+    )
