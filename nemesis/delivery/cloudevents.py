@@ -1,0 +1,160 @@
+"""CloudEvents 1.0 encodings of an ``Event``: binary-mode HTTP headers and the JSON batch.
+
+Binary mode (one event per request) carries the attributes as ``ce-*`` headers
+and the payload as the body. String attributes are percent-encoded as the
+CloudEvents HTTP binding prescribes (section 3.1.3.2): space, ``"``, ``%`` and
+everything outside printable ASCII become ``%XX`` of their UTF-8 bytes. That
+also neutralises CR/LF, so a message key or type can never inject a header.
+
+The batch mode body is ``application/cloudevents-batch+json``: a JSON array of
+structured events. A JSON payload goes into ``data`` as JSON (its bytes are
+embedded unchanged), any other payload as base64 in ``data_base64``.
+
+Extensions (``partitionkey``, ``topic``, ``partition``, ``offset``,
+``attempt``) are strings in both modes: binary-mode headers are strings
+anyway, and a CloudEvents Integer is 32-bit while offsets are 64-bit, so a
+handler reads them the same way whichever mode its integration uses.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from urllib.parse import quote, unquote
+
+import orjson
+
+from nemesis.delivery.port import Event
+
+SPECVERSION = "1.0"
+BATCH_CONTENT_TYPE = "application/cloudevents-batch+json"
+STRUCTURED_CONTENT_TYPE = "application/cloudevents+json"
+FALLBACK_CONTENT_TYPE = "application/octet-stream"
+
+# Printable ASCII except '"' and '%': the characters a header value may carry unencoded.
+_UNENCODED = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"%')
+_NEEDS_NO_ENCODING = re.compile(r"[!#$&-~]*")
+# A media type with parameters: visible ASCII, spaces and tabs, nothing that ends a header line.
+_SAFE_CONTENT_TYPE = re.compile(r"[\t\x20-\x7e]+")
+
+
+def encode_header_value(value: str) -> str:
+    """Percent-encodes a string attribute for a ``ce-*`` header (CloudEvents HTTP binding)."""
+    if _NEEDS_NO_ENCODING.fullmatch(value):
+        return value
+    # errors="replace": a lone surrogate must not fail a delivery; it becomes "?".
+    return quote(value, safe=_UNENCODED, encoding="utf-8", errors="replace")
+
+
+def decode_header_value(value: str) -> str:
+    """Reverses ``encode_header_value`` (for handlers and tests)."""
+    return unquote(value, encoding="utf-8", errors="replace") if "%" in value else value
+
+
+def safe_content_type(content_type: str) -> str:
+    """The content type if it can travel in a header as is, else application/octet-stream."""
+    if _SAFE_CONTENT_TYPE.fullmatch(content_type):
+        return content_type
+    return FALLBACK_CONTENT_TYPE
+
+
+def is_json(content_type: str) -> bool:
+    """Whether a media type is JSON (``application/json``, ``text/json`` or a ``+json`` type)."""
+    media_type = content_type.partition(";")[0].strip().lower()
+    return media_type in ("application/json", "text/json") or media_type.endswith("+json")
+
+
+def rfc3339(unix_s: float) -> str:
+    """Unix seconds as an RFC 3339 UTC timestamp with microseconds."""
+    # isoformat is the quickest formatter here; it always ends in "+00:00" for UTC.
+    return datetime.fromtimestamp(unix_s, tz=UTC).isoformat(timespec="microseconds")[:-6] + "Z"
+
+
+def event_time(event: Event) -> str | None:
+    """The producer's time, else the broker's; None when the message carries neither."""
+    message = event.message
+    unix_s = message.created_at or message.written_at
+    return rfc3339(unix_s) if unix_s > 0 else None
+
+
+def source_for(integration: str) -> str:
+    """The ``ce-source`` of every event an integration delivers."""
+    return f"nemesis/{integration}"
+
+
+def binary_headers(event: Event, source: str) -> dict[str, str]:
+    """The ``ce-*`` and content-type headers of one event in binary mode."""
+    message = event.message
+    headers = {
+        "ce-specversion": SPECVERSION,
+        "ce-id": encode_header_value(event.id),
+        "ce-source": encode_header_value(source),
+        "ce-type": encode_header_value(event.type),
+        "ce-topic": encode_header_value(message.topic),
+        "ce-partition": str(message.partition),
+        "ce-offset": str(message.offset),
+        "ce-attempt": str(event.attempt),
+        "content-type": safe_content_type(event.content_type),
+    }
+    time = event_time(event)
+    if time is not None:
+        headers["ce-time"] = time
+    if message.key is not None:
+        headers["ce-partitionkey"] = encode_header_value(message.key)
+    return headers
+
+
+def _utf8(text: str) -> str:
+    # orjson refuses lone surrogates; one odd key must not fail a whole batch.
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", errors="replace").decode("utf-8")
+    return text
+
+
+def structured_event(event: Event, source: str) -> dict[str, object]:
+    """One event in the CloudEvents JSON format (a batch element)."""
+    message = event.message
+    body = event.body
+    structured: dict[str, object] = {
+        "specversion": SPECVERSION,
+        "id": _utf8(event.id),
+        "source": _utf8(source),
+        "type": _utf8(event.type),
+        "datacontenttype": _utf8(event.content_type),
+        "topic": message.topic,
+        "partition": str(message.partition),
+        "offset": str(message.offset),
+        "attempt": str(event.attempt),
+    }
+    time = event_time(event)
+    if time is not None:
+        structured["time"] = time
+    if message.key is not None:
+        structured["partitionkey"] = _utf8(message.key)
+    if is_json(event.content_type) and _parses_as_json(body):
+        # Embedded byte for byte: no re-serialisation, numbers keep their exact text.
+        structured["data"] = orjson.Fragment(body)
+    else:
+        structured["data_base64"] = base64.b64encode(body).decode("ascii")
+    return structured
+
+
+def _parses_as_json(body: bytes) -> bool:
+    # A payload labelled JSON that is not JSON would corrupt the whole batch array,
+    # so it travels as base64 instead (its datacontenttype still says what it claims).
+    try:
+        orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
+def batch_body(events: Sequence[Event], source: str) -> bytes:
+    """The body of a CloudEvents JSON batch request."""
+    return orjson.dumps([structured_event(event, source) for event in events])

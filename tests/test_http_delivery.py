@@ -1,0 +1,585 @@
+"""The HTTP transport against a real handler server on loopback (DESIGN.md section 6)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import AsyncIterator
+from email.utils import parsedate_to_datetime
+
+import orjson
+import pytest
+from multidict import CIMultiDict
+
+from nemesis import __version__
+from nemesis.broker.port import Message
+from nemesis.config.models import TargetConfig
+from nemesis.delivery.cloudevents import (
+    BATCH_CONTENT_TYPE,
+    batch_body,
+    decode_header_value,
+    encode_header_value,
+)
+from nemesis.delivery.http import (
+    ERROR_TEXT_CHARS,
+    HttpTransport,
+    http_transport,
+    outcome_for_response,
+    parse_retry_after,
+)
+from nemesis.delivery.port import Event, Outcome
+from nemesis.errors import ConfigError
+from nemesis.testing import HandlerServer
+
+INTEGRATION = "orders-to-loyalty"
+CREATED_AT = 1764480000.25  # 2025-11-30T05:20:00.25Z
+PAYLOAD = b'{"order": {"id": 17, "city": "msk", "amount": 250.5}}'
+
+
+def make_event(
+    id_: str = "orders/3/41",
+    *,
+    key: str | None = "customer-9",
+    value: bytes = PAYLOAD,
+    type_: str = "order.created",
+    attempt: int = 1,
+    content_type: str = "application/json",
+    payload: bytes | None = None,
+    partition: int = 3,
+    offset: int = 41,
+    created_at: float = CREATED_AT,
+    written_at: float = 0.0,
+) -> Event:
+    message = Message(
+        topic="orders",
+        partition=partition,
+        offset=offset,
+        value=value,
+        key=key,
+        created_at=created_at,
+        written_at=written_at,
+    )
+    return Event(
+        message=message,
+        id=id_,
+        type=type_,
+        attempt=attempt,
+        content_type=content_type,
+        payload=payload,
+    )
+
+
+class FrozenWallClock:
+    """Real monotonic time, a fixed wall clock (for Retry-After dates)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[HandlerServer]:
+    async with HandlerServer() as handler:
+        yield handler
+
+
+def target(server: HandlerServer, **fields: object) -> TargetConfig:
+    return TargetConfig.model_validate({"url": server.url, "timeout_s": 2.0, **fields})
+
+
+@pytest.fixture
+async def transport(server: HandlerServer) -> AsyncIterator[HttpTransport]:
+    delivering = http_transport(target(server), integration=INTEGRATION, max_connections=4)
+    yield delivering
+    await delivering.close()
+
+
+# --- the outcome table ---------------------------------------------------------------
+
+DELIVERED_STATUSES = [200, 201, 202, 204, 299]
+DEAD_STATUSES = [400, 409, 410, 413, 415, 422]
+RETRY_STATUSES = [408, 425, 429, 500, 502, 503, 504, 599, 401, 403, 404, 405]
+# Decided here (not in the contract table): redirects, other 4xx and nonsense retry.
+UNLISTED_STATUSES = [301, 302, 303, 307, 308, 402, 406, 411, 418, 421, 451, 600, 999]
+
+TABLE = (
+    [(status, Outcome.DELIVERED) for status in DELIVERED_STATUSES]
+    + [(status, Outcome.DEAD) for status in DEAD_STATUSES]
+    + [(status, Outcome.RETRY) for status in RETRY_STATUSES + UNLISTED_STATUSES]
+)
+
+
+@pytest.mark.parametrize(("status", "outcome"), TABLE)
+async def test_status_maps_to_outcome(
+    server: HandlerServer, transport: HttpTransport, status: int, outcome: Outcome
+) -> None:
+    server.behave(status, headers={"location": "http://127.0.0.1:1/elsewhere"})
+
+    result = await transport.deliver(make_event())
+
+    assert result.outcome is outcome
+    assert result.status == status
+    if outcome is Outcome.DELIVERED:
+        assert result.error is None
+    else:
+        assert result.error == f"HTTP {status}"
+    assert server.requests == 1  # redirects are not followed
+
+
+@pytest.mark.parametrize(
+    ("status", "verdict", "outcome"),
+    [
+        (None, None, Outcome.RETRY),  # timeout or connection error
+        (100, None, Outcome.RETRY),
+        (199, None, Outcome.RETRY),
+        (200, None, Outcome.DELIVERED),
+        (200, "drop", Outcome.DROPPED),
+        (200, "dead", Outcome.DEAD),
+        (200, "retry", Outcome.RETRY),
+        (200, "nonsense", Outcome.DELIVERED),
+        (503, "drop", Outcome.DROPPED),
+        (422, "retry", Outcome.RETRY),
+        (500, "dead", Outcome.DEAD),
+        (422, "nonsense", Outcome.DEAD),
+    ],
+)
+def test_outcome_function(status: int | None, verdict: str | None, outcome: Outcome) -> None:
+    headers = CIMultiDict[str]() if verdict is None else CIMultiDict({"Nemesis-Verdict": verdict})
+    assert outcome_for_response(status, headers) is outcome
+
+
+@pytest.mark.parametrize(
+    ("status", "verdict", "outcome"),
+    [
+        (200, "drop", Outcome.DROPPED),
+        (503, "drop", Outcome.DROPPED),
+        (200, "dead", Outcome.DEAD),
+        (500, "dead", Outcome.DEAD),
+        (200, "retry", Outcome.RETRY),
+        (422, "retry", Outcome.RETRY),
+        (204, " DROP ", Outcome.DROPPED),
+        (200, "nonsense", Outcome.DELIVERED),
+        (409, "nonsense", Outcome.DEAD),
+    ],
+)
+async def test_verdict_header_overrides_status(
+    server: HandlerServer, transport: HttpTransport, status: int, verdict: str, outcome: Outcome
+) -> None:
+    server.behave(status, headers={"Nemesis-Verdict": verdict})
+
+    result = await transport.deliver(make_event())
+
+    assert result.outcome is outcome
+    assert result.status == status
+    if outcome is not Outcome.DELIVERED and verdict.strip().lower() != "nonsense":
+        assert result.error == f"HTTP {status} (nemesis-verdict: {verdict.strip().lower()})"
+
+
+# --- Retry-After --------------------------------------------------------------------
+
+
+async def test_retry_after_seconds(server: HandlerServer, transport: HttpTransport) -> None:
+    server.behave(429, headers={"Retry-After": "120"})
+
+    result = await transport.deliver(make_event())
+
+    assert (result.outcome, result.retry_after_s) == (Outcome.RETRY, 120.0)
+
+
+async def test_retry_after_http_date(server: HandlerServer) -> None:
+    date = "Wed, 21 Oct 2026 07:28:00 GMT"
+    now = parsedate_to_datetime(date).timestamp() - 90
+    server.behave(503, headers={"Retry-After": date})
+    delivering = HttpTransport(
+        target(server), integration=INTEGRATION, max_connections=1, clock=FrozenWallClock(now)
+    )
+    try:
+        result = await delivering.deliver(make_event())
+    finally:
+        await delivering.close()
+
+    assert (result.outcome, result.retry_after_s) == (Outcome.RETRY, 90.0)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("0", 0.0),
+        (" 7 ", 7.0),
+        ("1.5", 1.5),
+        ("-3", None),
+        ("soon", None),
+        ("nan", None),
+        ("inf", None),
+        ("", None),
+        ("Wed, 21 Oct 2026 07:28:30 GMT", 30.0),
+        ("Wed, 21 Oct 2026 07:27:00 GMT", 0.0),  # in the past: now
+        ("Wednesday, 21-Oct-26 07:28:30 GMT", 30.0),  # RFC 850, still allowed
+    ],
+)
+def test_parse_retry_after(value: str, seconds: float | None) -> None:
+    now = parsedate_to_datetime("Wed, 21 Oct 2026 07:28:00 GMT").timestamp()
+    assert parse_retry_after(value, now) == seconds
+
+
+# --- no answer ----------------------------------------------------------------------
+
+
+async def test_timeout_is_retry_with_error_text(server: HandlerServer) -> None:
+    server.delay(1.0)
+    delivering = http_transport(
+        target(server, timeout_s=0.2), integration=INTEGRATION, max_connections=1
+    )
+    try:
+        result = await delivering.deliver(make_event())
+    finally:
+        await delivering.close()
+
+    assert result.outcome is Outcome.RETRY
+    assert result.status is None
+    assert result.error == "timeout after 0.2s"
+    assert 0.2 <= result.duration_s < 0.9
+
+
+async def test_hung_handler_times_out(server: HandlerServer) -> None:
+    server.hang()
+    delivering = http_transport(
+        target(server, timeout_s=0.1), integration=INTEGRATION, max_connections=1
+    )
+    try:
+        result = await delivering.deliver(make_event())
+    finally:
+        await delivering.close()
+        server.release()
+
+    assert (result.outcome, result.error) == (Outcome.RETRY, "timeout after 0.1s")
+
+
+async def test_connection_refused_is_retry(server: HandlerServer, transport: HttpTransport) -> None:
+    await server.refuse_connections()
+
+    refused = await transport.deliver(make_event())
+    await server.accept_connections()
+    delivered = await transport.deliver(make_event())
+
+    assert (refused.outcome, refused.status, refused.error) == (
+        Outcome.RETRY,
+        None,
+        "connection refused",
+    )
+    assert delivered.outcome is Outcome.DELIVERED
+
+
+async def test_connection_dropped_by_handler_is_resent_once(
+    server: HandlerServer, transport: HttpTransport
+) -> None:
+    server.when(lambda entry: entry.receipt == 1, disconnect=True)
+
+    result = await transport.deliver(make_event())
+
+    assert result.outcome is Outcome.DELIVERED
+    assert server.ledger.counts() == {"orders/3/41": 2}
+    assert transport.statistics().resends == 1
+
+
+async def test_connection_dropped_twice_is_retry(
+    server: HandlerServer, transport: HttpTransport
+) -> None:
+    server.behave(disconnect=True)
+
+    result = await transport.deliver(make_event())
+
+    assert (result.outcome, result.status, result.error) == (
+        Outcome.RETRY,
+        None,
+        "server disconnected",
+    )
+    assert server.requests == 2
+
+
+async def test_handler_going_away_mid_request_is_retry(
+    server: HandlerServer, transport: HttpTransport
+) -> None:
+    server.hang()
+    delivery = asyncio.create_task(transport.deliver(make_event()))
+    await server.ledger.wait_until(lambda ledger: ledger.requests == 1, timeout_s=2.0)
+
+    await server.refuse_connections()
+    result = await delivery
+
+    assert (result.outcome, result.error) == (Outcome.RETRY, "connection refused")
+
+
+async def test_closed_transport_answers_retry(server: HandlerServer) -> None:
+    delivering = http_transport(target(server), integration=INTEGRATION, max_connections=1)
+    await delivering.deliver(make_event())
+    await delivering.close()
+
+    result = await delivering.deliver(make_event())
+
+    assert (result.outcome, result.error) == (Outcome.RETRY, "transport closed")
+    assert server.requests == 1
+
+
+# --- the request --------------------------------------------------------------------
+
+
+async def test_binary_mode_headers(server: HandlerServer) -> None:
+    delivering = http_transport(
+        target(server, headers={"Authorization": "Bearer s3cret", "X-Team": "loyalty"}),
+        integration=INTEGRATION,
+        max_connections=1,
+    )
+    try:
+        result = await delivering.deliver(make_event(attempt=3, offset=2**40, partition=7))
+    finally:
+        await delivering.close()
+
+    assert result.outcome is Outcome.DELIVERED
+    [entry] = server.ledger.entries
+    assert entry.body == PAYLOAD
+    assert entry.headers == {
+        "host": f"127.0.0.1:{server.port}",
+        "user-agent": f"nemesis/{__version__}",
+        "content-type": "application/json",
+        "content-length": str(len(PAYLOAD)),
+        "ce-specversion": "1.0",
+        "ce-id": "orders/3/41",
+        "ce-source": f"nemesis/{INTEGRATION}",
+        "ce-type": "order.created",
+        "ce-time": "2025-11-30T05:20:00.250000Z",
+        "ce-partitionkey": "customer-9",
+        "ce-topic": "orders",
+        "ce-partition": "7",
+        "ce-offset": str(2**40),
+        "ce-attempt": "3",
+        "authorization": "Bearer s3cret",
+        "x-team": "loyalty",
+    }
+
+
+async def test_time_falls_back_to_written_at_and_key_is_optional(
+    server: HandlerServer, transport: HttpTransport
+) -> None:
+    await transport.deliver(make_event("a", key=None, created_at=0.0, written_at=CREATED_AT))
+    await transport.deliver(make_event("b", created_at=0.0, written_at=0.0))
+
+    written, unknown = server.ledger.entries
+    assert written.headers["ce-time"] == "2025-11-30T05:20:00.250000Z"
+    assert "ce-partitionkey" not in written.headers
+    assert "ce-time" not in unknown.headers
+
+
+async def test_pipeline_payload_replaces_the_message_value(
+    server: HandlerServer, transport: HttpTransport
+) -> None:
+    await transport.deliver(
+        make_event(payload=b"\x00\x01binary", content_type="application/x-protobuf")
+    )
+
+    [entry] = server.ledger.entries
+    assert (entry.body, entry.content_type) == (b"\x00\x01binary", "application/x-protobuf")
+
+
+async def test_header_injection_is_neutralised(
+    server: HandlerServer, transport: HttpTransport
+) -> None:
+    key = "k\r\nx-injected: yes"
+    type_ = "order\r\n\r\nGET /admin HTTP/1.1"
+    id_ = 'id "1"\n100%'
+
+    result = await transport.deliver(
+        make_event(id_, key=key, type_=type_, content_type="text/plain\r\nx-evil: 1")
+    )
+
+    assert result.outcome is Outcome.DELIVERED
+    assert server.requests == 1
+    [entry] = server.ledger.entries
+    assert "x-injected" not in entry.headers
+    assert "x-evil" not in entry.headers
+    assert entry.headers["content-type"] == "application/octet-stream"
+    assert entry.headers["ce-partitionkey"] == "k%0D%0Ax-injected:%20yes"
+    for name in ("ce-id", "ce-type", "ce-partitionkey"):
+        assert all(0x21 <= ord(c) <= 0x7E for c in entry.headers[name]), name
+    assert (entry.key, entry.type, entry.id) == (key, type_, id_)
+
+
+async def test_unicode_key_round_trips(server: HandlerServer, transport: HttpTransport) -> None:
+    key = "ключ-🔑 «x»"
+
+    await transport.deliver(make_event(key=key, type_="заказ.создан"))
+
+    [entry] = server.ledger.entries
+    assert entry.headers["ce-partitionkey"].isascii()
+    assert (entry.key, entry.type) == (key, "заказ.создан")
+
+
+def test_header_encoding_follows_the_cloudevents_http_binding() -> None:
+    # The example of the CloudEvents HTTP protocol binding, section 3.1.3.2.
+    assert encode_header_value("Euro € 😀") == "Euro%20%E2%82%AC%20%F0%9F%98%80"
+    assert encode_header_value('a"b%c') == "a%22b%25c"
+    assert encode_header_value("plain-ascii_1.2:3/4") == "plain-ascii_1.2:3/4"
+    assert decode_header_value("Euro%20%E2%82%AC%20%F0%9F%98%80") == "Euro € 😀"
+    assert encode_header_value("lone \ud800 surrogate") == "lone%20?%20surrogate"
+
+
+# --- batches ------------------------------------------------------------------------
+
+
+async def test_batch_is_a_cloudevents_json_array(
+    server: HandlerServer, transport: HttpTransport
+) -> None:
+    events = [
+        make_event("e-json", offset=1),
+        make_event(
+            "e-bin", offset=2, key=None, content_type="application/x-protobuf", payload=b"\xff\x00"
+        ),
+        make_event("e-bad", offset=3, payload=b"{not json", content_type="application/json"),
+        make_event("e-text", offset=4, payload="привет".encode(), content_type="text/plain"),
+    ]
+
+    result = await transport.deliver_batch(events)
+
+    assert result.outcome is Outcome.DELIVERED
+    assert server.requests == 1
+    entries = server.ledger.entries
+    assert [entry.id for entry in entries] == ["e-json", "e-bin", "e-bad", "e-text"]
+    assert {(entry.mode, entry.batch_size) for entry in entries} == {("batch", 4)}
+    assert entries[0].headers["content-type"] == BATCH_CONTENT_TYPE
+    assert not [name for name in entries[0].headers if name.startswith("ce-")]
+    assert orjson.loads(entries[0].body) == orjson.loads(PAYLOAD)
+    assert [entry.body for entry in entries[1:]] == [b"\xff\x00", b"{not json", "привет".encode()]
+    assert [entry.offset for entry in entries] == [1, 2, 3, 4]
+
+
+def test_batch_body_structure() -> None:
+    events = [
+        make_event("e-json", attempt=2),
+        make_event("e-bin", key=None, payload=b"\x01", content_type="application/octet-stream"),
+    ]
+
+    json_event, binary_event = orjson.loads(batch_body(events, f"nemesis/{INTEGRATION}"))
+
+    assert json_event == {
+        "specversion": "1.0",
+        "id": "e-json",
+        "source": f"nemesis/{INTEGRATION}",
+        "type": "order.created",
+        "time": "2025-11-30T05:20:00.250000Z",
+        "datacontenttype": "application/json",
+        "partitionkey": "customer-9",
+        "topic": "orders",
+        "partition": "3",
+        "offset": "41",
+        "attempt": "2",
+        "data": orjson.loads(PAYLOAD),
+    }
+    assert "data" not in binary_event
+    assert "partitionkey" not in binary_event
+    assert base64.b64decode(binary_event["data_base64"]) == b"\x01"
+    # JSON data is embedded byte for byte, not re-serialised.
+    assert PAYLOAD in batch_body(events[:1], "nemesis/x")
+
+
+async def test_batch_outcome_applies_to_all(
+    server: HandlerServer, transport: HttpTransport
+) -> None:
+    server.behave(422, body="second event has no city")
+
+    result = await transport.deliver_batch([make_event("a"), make_event("b")])
+
+    assert (result.outcome, result.error) == (Outcome.DEAD, "HTTP 422: second event has no city")
+
+
+async def test_empty_batch_is_a_caller_error(transport: HttpTransport) -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        await transport.deliver_batch([])
+
+
+# --- the answer ---------------------------------------------------------------------
+
+
+async def test_error_text_is_short_and_one_line(
+    server: HandlerServer, transport: HttpTransport
+) -> None:
+    server.behave(500, body="Traceback:\r\n  line\t1\n" * 100)
+
+    result = await transport.deliver(make_event())
+
+    assert result.error is not None
+    assert result.error.startswith("HTTP 500: Traceback: line 1 Traceback: line 1")
+    assert len(result.error) <= len("HTTP 500: ") + ERROR_TEXT_CHARS
+    assert "\n" not in result.error
+
+
+async def test_error_text_never_echoes_the_payload(
+    server: HandlerServer, transport: HttpTransport
+) -> None:
+    server.behave(422, body=b"invalid order: " + PAYLOAD)
+
+    result = await transport.deliver(make_event())
+
+    assert result.error == "HTTP 422: invalid order: <request payload>"
+
+
+async def test_large_error_bodies_keep_the_connection(
+    server: HandlerServer, transport: HttpTransport
+) -> None:
+    server.behave(503, body=b"x" * 100_000)
+
+    results = [await transport.deliver(make_event(str(n))) for n in range(5)]
+
+    assert {result.outcome for result in results} == {Outcome.RETRY}
+    assert server.connections == 1
+
+
+async def test_connection_pool_is_reused(server: HandlerServer) -> None:
+    delivering = http_transport(target(server), integration=INTEGRATION, max_connections=4)
+    try:
+        sequential = [await delivering.deliver(make_event(f"s{n}")) for n in range(20)]
+        assert server.connections == 1
+        concurrent = await asyncio.gather(
+            *(delivering.deliver(make_event(f"c{n}")) for n in range(200))
+        )
+        assert delivering.statistics().in_flight == 0
+    finally:
+        await delivering.close()
+
+    assert {result.outcome for result in sequential + concurrent} == {Outcome.DELIVERED}
+    assert len(server.ledger.done_ids()) == 220
+    assert server.connections <= 4
+    assert delivering.statistics().requests == 220
+
+
+# --- configuration ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"X-Token": "a\r\nX-Injected: 1"},
+        {"X-Token": "a\nb"},
+        {"bad header": "x"},
+        {"ce-id": "fixed"},
+        {"Content-Type": "text/plain"},
+        {"Content-Length": "0"},
+    ],
+)
+def test_target_headers_are_checked(headers: dict[str, str]) -> None:
+    config = TargetConfig(url="http://127.0.0.1:9/", headers=headers)
+    with pytest.raises(ConfigError, match=r"target\.headers"):
+        http_transport(config, integration=INTEGRATION, max_connections=1)
+
+
+def test_http_transport_needs_an_http_url() -> None:
+    with pytest.raises(ConfigError, match="http"):
+        http_transport(TargetConfig(url="grpc://127.0.0.1:9"), integration="x", max_connections=1)
