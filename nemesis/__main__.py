@@ -1,0 +1,3 @@
+from nemesis.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""The ``embedded`` broker backend: a durable topic log in one SQLite file.
+
+Several processes on one machine may share the file: writers serialize on
+SQLite's write lock, and readers of one consumer split the partitions
+through leases with expiry and heartbeats (``leases``), rebalancing when a
+reader joins, leaves or dies. ``open_embedded`` is the factory.
+"""
+
+from nemesis.broker.embedded.broker import (
+    EmbeddedAdmin,
+    EmbeddedBroker,
+    EmbeddedWriter,
+    open_embedded,
+)
+from nemesis.broker.embedded.leases import fair_share
+from nemesis.broker.embedded.log import partition_for_key
+from nemesis.broker.embedded.reader import (
+    EmbeddedReader,
+    EmbeddedSession,
+    PartitionStatistics,
+    ReaderStatistics,
+)
+
+__all__ = [
+    "EmbeddedAdmin",
+    "EmbeddedBroker",
+    "EmbeddedReader",
+    "EmbeddedSession",
+    "EmbeddedWriter",
+    "PartitionStatistics",
+    "ReaderStatistics",
+    "fair_share",
+    "open_embedded",
+    "partition_for_key",
+]

@@ -1,0 +1,298 @@
+"""SQLite plumbing: the schema, and connections that each live on their own thread.
+
+The event loop never touches a ``sqlite3.Connection``. Each connection is
+created, used and closed by one worker thread (a single-thread executor), so
+jobs on it run one at a time, in submission order. The broker keeps three
+(see ``Database``), so that a long append or a checkpoint does not delay
+delivery.
+
+Durability: WAL with ``synchronous=NORMAL`` survives a process kill (the WAL
+is written before the commit returns; only an OS crash or power loss can
+drop the last transactions). Several processes may open the same file;
+writers serialize on ``BEGIN IMMEDIATE`` and wait up to the busy timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from nemesis.errors import BrokerError, BrokerTimeout
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+BACKSTOP_CHECKPOINT_PAGES = 50_000  # about 200 MB of WAL
+
+# Column order matters in ``messages``: SQLite reads a row's columns in order and
+# spills a large value into overflow pages, so the small columns retention and
+# readers need come before the value.
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS topics (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        name TEXT NOT NULL UNIQUE,
+        partitions INTEGER NOT NULL,
+        retention_s REAL,
+        created_at REAL NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS partitions (
+        topic_id INTEGER NOT NULL,
+        partition_id INTEGER NOT NULL,
+        start_offset INTEGER NOT NULL,
+        end_offset INTEGER NOT NULL,
+        last_written_at REAL,
+        PRIMARY KEY (topic_id, partition_id)
+    ) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS messages (
+        topic_id INTEGER NOT NULL,
+        partition_id INTEGER NOT NULL,
+        msg_offset INTEGER NOT NULL,
+        written_at REAL NOT NULL,
+        created_at REAL NOT NULL,
+        seqno INTEGER,
+        producer_id TEXT,
+        key TEXT,
+        metadata TEXT,
+        value BLOB NOT NULL,
+        PRIMARY KEY (topic_id, partition_id, msg_offset)
+    ) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS producers (
+        topic_id INTEGER NOT NULL,
+        producer_id TEXT NOT NULL,
+        last_seqno INTEGER NOT NULL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (topic_id, producer_id)
+    ) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS consumers (
+        topic_id INTEGER NOT NULL,
+        name TEXT NOT NULL,
+        important INTEGER NOT NULL,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (topic_id, name)
+    ) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS offsets (
+        topic_id INTEGER NOT NULL,
+        consumer TEXT NOT NULL,
+        partition_id INTEGER NOT NULL,
+        committed INTEGER NOT NULL,
+        committed_at REAL NOT NULL,
+        PRIMARY KEY (topic_id, consumer, partition_id)
+    ) WITHOUT ROWID""",
+    # A lease row outlives its holder (owner NULL once released) so that the
+    # generation keeps growing: it is the fencing token of every commit.
+    """CREATE TABLE IF NOT EXISTS leases (
+        topic_id INTEGER NOT NULL,
+        consumer TEXT NOT NULL,
+        partition_id INTEGER NOT NULL,
+        owner TEXT,
+        generation INTEGER NOT NULL,
+        expires_at REAL NOT NULL,
+        PRIMARY KEY (topic_id, consumer, partition_id)
+    ) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS members (
+        topic_id INTEGER NOT NULL,
+        consumer TEXT NOT NULL,
+        member_id TEXT NOT NULL,
+        expires_at REAL NOT NULL,
+        PRIMARY KEY (topic_id, consumer, member_id)
+    ) WITHOUT ROWID""",
+    # Dropped topics whose messages are still being deleted in small batches; a
+    # process killed halfway leaves the id here and the next housekeeping resumes.
+    "CREATE TABLE IF NOT EXISTS dropped_topics (topic_id INTEGER PRIMARY KEY)",
+)
+
+
+def translate(exc: sqlite3.Error) -> BrokerError:
+    """Maps a sqlite3 error to the Nemesis tree: a busy or locked file is a timeout."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return BrokerTimeout(f"sqlite: {exc}")
+    return BrokerError(f"sqlite: {exc}")
+
+
+@contextmanager
+def write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT``; rolls back on any exception.
+
+    IMMEDIATE takes the write lock up front, so a transaction that reads
+    before it writes (end offsets, lease rows) cannot be invalidated by
+    another process and fail with SQLITE_BUSY half-way.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+@contextmanager
+def read_transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """One snapshot for several SELECTs."""
+    conn.execute("BEGIN")
+    try:
+        yield
+    finally:
+        conn.execute("COMMIT")
+
+
+class SqliteThread:
+    """One sqlite3 connection owned by one thread; jobs run there one at a time."""
+
+    def __init__(
+        self, path: Path, name: str, *, busy_timeout_s: float, pragmas: Sequence[str] = ()
+    ) -> None:
+        self._path = path
+        self._name = name
+        self._busy_timeout_s = busy_timeout_s
+        self._pragmas = tuple(pragmas)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nemesis-{name}")
+        self._conn: sqlite3.Connection | None = None
+        self._closed = False
+
+    async def open(self, timeout_s: float) -> None:
+        """Connects on the worker thread and applies the pragmas."""
+        await self._submit(self._connect, timeout_s)
+
+    async def run(self, job: Callable[[sqlite3.Connection], T], *, timeout_s: float) -> T:
+        """Runs ``job(conn)`` on the connection's thread.
+
+        On timeout the job is abandoned, not interrupted: one that already
+        started runs to its end (its transaction commits or rolls back
+        whole); one still queued never starts.
+        """
+        return await self._submit(lambda: job(self._connection()), timeout_s)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Closes the connection on its thread, then stops the thread."""
+        if self._closed:
+            return
+        try:
+            await self._submit(self._disconnect, timeout_s)
+        finally:
+            self._closed = True
+            # The worker is idle unless the close timed out; then it is left to
+            # finish its job and exit on its own rather than block the loop.
+            self._executor.shutdown(wait=self._conn is None, cancel_futures=True)
+
+    async def _submit(self, job: Callable[[], T], timeout_s: float) -> T:
+        if self._closed:
+            raise BrokerError(f"{self._name}: the connection is closed")
+        future = asyncio.get_running_loop().run_in_executor(self._executor, self._translated, job)
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            raise BrokerTimeout(f"{self._name}: no answer within {timeout_s:g}s") from None
+
+    @staticmethod
+    def _translated(job: Callable[[], T]) -> T:
+        try:
+            return job()
+        except sqlite3.Error as exc:
+            raise translate(exc) from exc
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise BrokerError(f"{self._name}: the connection is not open")
+        return self._conn
+
+    def _connect(self) -> None:
+        if self._conn is not None:
+            return
+        conn = sqlite3.connect(
+            self._path,
+            timeout=self._busy_timeout_s,
+            isolation_level=None,  # transactions are explicit: BEGIN IMMEDIATE / COMMIT
+            check_same_thread=True,
+        )
+        try:
+            self._configure(conn)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    def _configure(self, conn: sqlite3.Connection) -> None:
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise BrokerError(f"{self._path}: cannot use WAL mode (got {mode!r})")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA temp_store=MEMORY")
+        conn.execute("PRAGMA cache_size=-16000")
+        for pragma in self._pragmas:
+            conn.execute(f"PRAGMA {pragma}")
+
+    def _disconnect(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class Database:
+    """The connections of one broker, each on its own thread.
+
+    ``writer`` takes every write (appends, leases, commits, retention);
+    ``reader`` serves reads; ``maintenance`` runs WAL checkpoints and other
+    slow read-only work, so neither of the others waits behind an fsync.
+    """
+
+    def __init__(self, path: Path, *, busy_timeout_s: float = 5.0) -> None:
+        self.path = path
+        # The write connection leaves checkpoints to the maintenance one: a
+        # checkpoint on commit stalls that append for tens of milliseconds.
+        # The threshold is only a backstop should maintenance stop running.
+        self.writer = SqliteThread(
+            path,
+            "sqlite-write",
+            busy_timeout_s=busy_timeout_s,
+            pragmas=(f"wal_autocheckpoint={BACKSTOP_CHECKPOINT_PAGES}",),
+        )
+        self.reader = SqliteThread(
+            path, "sqlite-read", busy_timeout_s=busy_timeout_s, pragmas=("query_only=ON",)
+        )
+        self.maintenance = SqliteThread(path, "sqlite-maintenance", busy_timeout_s=busy_timeout_s)
+
+    async def open(self, timeout_s: float) -> None:
+        """Opens every connection and creates (or checks) the schema."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            # The write connection switches the file to WAL before the others open.
+            await self.writer.open(timeout_s)
+            await self.writer.run(_create_schema, timeout_s=timeout_s)
+            await self.reader.open(timeout_s)
+            await self.maintenance.open(timeout_s)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Closes every connection."""
+        try:
+            await self.maintenance.close(timeout_s)
+            await self.reader.close(timeout_s)
+        finally:
+            await self.writer.close(timeout_s)
+
+
+def checkpoint(conn: sqlite3.Connection) -> int:
+    """Copies committed WAL frames into the database file, blocking no one; returns how many."""
+    _busy, _frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    return max(int(copied), 0)
+
+
+def _create_schema(conn: sqlite3.Connection) -> None:
+    with write_transaction(conn):
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise BrokerError(
+                f"schema version {version} is newer than this Nemesis ({SCHEMA_VERSION})"
+            )
+        for statement in SCHEMA:
+            conn.execute(statement)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")

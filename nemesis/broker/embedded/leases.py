@@ -1,0 +1,222 @@
+"""Partition leases: how readers of one consumer share a topic, across processes.
+
+The protocol, run by every reader in its heartbeat (one write transaction):
+
+1. Renew its member row (``expires_at = now + lease_s``) and forget members
+   whose row expired: they died without saying goodbye.
+2. Compute the fair share from the live members alone, the same way in every
+   process: members sorted by id, partition ``p`` goes to ``members[p % n]``.
+3. Release held partitions outside its share; renew those inside it. A
+   partition whose lease row no longer names it with the same generation
+   (or whose lease expired) is *lost*: its session ends.
+4. Take every partition of its share that is free or whose lease expired,
+   bumping the generation. A partition still leased to a live member is left
+   for that member to release at its own next heartbeat.
+
+The generation is the fencing token: a commit updates the offset only if the
+lease row still names the committing reader with the session's generation,
+in the same transaction, so a reader that lost its partition cannot move the
+new owner's offset.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from nemesis.broker.embedded.db import write_transaction
+from nemesis.errors import TopicNotFound
+
+
+def fair_share(members: Sequence[str], partitions: int, member: str) -> frozenset[int]:
+    """The partitions ``member`` should hold when ``members`` share a topic."""
+    ordered = sorted(members)
+    if member not in ordered:
+        return frozenset()
+    return frozenset(p for p in range(partitions) if ordered[p % len(ordered)] == member)
+
+
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    """A partition just leased: its new generation and where reading starts."""
+
+    partition: int
+    generation: int
+    position: int  # the committed offset, or the oldest retained one
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatResult:
+    """What changed for one member in one heartbeat."""
+
+    expires_at: float  # the renewed leases run until then
+    acquired: tuple[Acquired, ...]
+    kept: tuple[int, ...]
+    released: tuple[int, ...]
+    lost: tuple[int, ...]
+    settled: bool  # holds its whole fair share (nothing waits on another member)
+    members: int
+
+
+def heartbeat(
+    conn: sqlite3.Connection,
+    *,
+    topic_id: int,
+    consumer: str,
+    member_id: str,
+    held: Mapping[int, int],
+    now: float,
+    lease_s: float,
+    leaving: bool = False,
+) -> HeartbeatResult:
+    """Runs one round of the lease protocol for ``member_id`` (see the module docstring).
+
+    ``held`` maps the partitions the member believes it holds to their
+    generations. ``leaving`` releases everything the member holds and removes
+    the member, so the others rebalance at their next heartbeat.
+    """
+    expires_at = now + lease_s
+    with write_transaction(conn):
+        row = conn.execute("SELECT partitions FROM topics WHERE id = ?", (topic_id,)).fetchone()
+        if row is None:
+            raise TopicNotFound(f"topic id {topic_id} was dropped")
+        partitions = int(row[0])
+        if leaving:
+            conn.execute(
+                "DELETE FROM members WHERE topic_id = ? AND consumer = ? AND member_id = ?",
+                (topic_id, consumer, member_id),
+            )
+            conn.execute(
+                "UPDATE leases SET owner = NULL, expires_at = 0"
+                " WHERE topic_id = ? AND consumer = ? AND owner = ?",
+                (topic_id, consumer, member_id),
+            )
+            return HeartbeatResult(now, (), (), tuple(held), (), True, 0)
+        conn.execute(
+            "INSERT INTO members (topic_id, consumer, member_id, expires_at) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (topic_id, consumer, member_id)"
+            " DO UPDATE SET expires_at = excluded.expires_at",
+            (topic_id, consumer, member_id, expires_at),
+        )
+        conn.execute(
+            "DELETE FROM members WHERE topic_id = ? AND consumer = ? AND expires_at < ?",
+            (topic_id, consumer, now),
+        )
+        members = [
+            r[0]
+            for r in conn.execute(
+                "SELECT member_id FROM members WHERE topic_id = ? AND consumer = ?",
+                (topic_id, consumer),
+            )
+        ]
+        share = fair_share(members, partitions, member_id)
+        leases: dict[int, tuple[str | None, int, float]] = {
+            r[0]: (r[1], r[2], r[3])
+            for r in conn.execute(
+                "SELECT partition_id, owner, generation, expires_at FROM leases"
+                " WHERE topic_id = ? AND consumer = ?",
+                (topic_id, consumer),
+            )
+        }
+        kept: list[int] = []
+        released: list[int] = []
+        lost: list[int] = []
+        for partition, generation in held.items():
+            owner, current, lease_expires = leases.get(partition, (None, 0, 0.0))
+            if owner != member_id or current != generation or lease_expires < now:
+                lost.append(partition)
+            elif partition in share:
+                kept.append(partition)
+            else:
+                released.append(partition)
+        conn.executemany(
+            "UPDATE leases SET expires_at = ?"
+            " WHERE topic_id = ? AND consumer = ? AND partition_id = ?",
+            [(expires_at, topic_id, consumer, p) for p in kept],
+        )
+        conn.executemany(
+            "UPDATE leases SET owner = NULL, expires_at = 0"
+            " WHERE topic_id = ? AND consumer = ? AND partition_id = ?",
+            [(topic_id, consumer, p) for p in released],
+        )
+        acquired: list[Acquired] = []
+        waiting = False
+        for partition in sorted(share.difference(kept)):
+            owner, generation, lease_expires = leases.get(partition, (None, 0, 0.0))
+            # Our own name on a lease we do not know of: a heartbeat whose
+            # answer we never got (timeout), or a restart under the same
+            # member id. Either way it is ours to take over with a new generation.
+            if owner is not None and owner != member_id and lease_expires >= now:
+                waiting = True
+                continue
+            acquired.append(
+                Acquired(
+                    partition, generation + 1, _start_position(conn, topic_id, consumer, partition)
+                )
+            )
+        conn.executemany(
+            "INSERT INTO leases (topic_id, consumer, partition_id, owner, generation, expires_at)"
+            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (topic_id, consumer, partition_id) DO UPDATE"
+            " SET owner = excluded.owner, generation = excluded.generation,"
+            " expires_at = excluded.expires_at",
+            [
+                (topic_id, consumer, a.partition, member_id, a.generation, expires_at)
+                for a in acquired
+            ],
+        )
+    return HeartbeatResult(
+        expires_at=expires_at,
+        acquired=tuple(acquired),
+        kept=tuple(kept),
+        released=tuple(released),
+        lost=tuple(lost),
+        settled=not waiting,
+        members=len(members),
+    )
+
+
+def _start_position(conn: sqlite3.Connection, topic_id: int, consumer: str, partition: int) -> int:
+    row = conn.execute(
+        "SELECT MAX(p.start_offset, COALESCE(o.committed, 0)) FROM partitions p"
+        " LEFT JOIN offsets o ON o.topic_id = p.topic_id AND o.partition_id = p.partition_id"
+        " AND o.consumer = ? WHERE p.topic_id = ? AND p.partition_id = ?",
+        (consumer, topic_id, partition),
+    ).fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def commit_offset(
+    conn: sqlite3.Connection,
+    *,
+    topic_id: int,
+    consumer: str,
+    partition: int,
+    owner: str,
+    generation: int,
+    offset: int,
+    now: float,
+) -> bool:
+    """Moves the committed offset forward, fenced by the lease; False if the lease is gone.
+
+    Fencing on owner and generation (not on expiry) is enough: a lease row
+    that still names this session was not taken over, and a reader that
+    takes it over later reads the committed offset in its own transaction,
+    after this one.
+    """
+    with write_transaction(conn):
+        fence = conn.execute(
+            "SELECT 1 FROM leases WHERE topic_id = ? AND consumer = ? AND partition_id = ?"
+            " AND owner = ? AND generation = ?",
+            (topic_id, consumer, partition, owner, generation),
+        ).fetchone()
+        if fence is None:
+            return False
+        conn.execute(
+            "INSERT INTO offsets (topic_id, consumer, partition_id, committed, committed_at)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic_id, consumer, partition_id) DO UPDATE"
+            " SET committed = excluded.committed, committed_at = excluded.committed_at"
+            " WHERE excluded.committed > offsets.committed",
+            (topic_id, consumer, partition, offset, now),
+        )
+    return True

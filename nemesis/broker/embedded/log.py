@@ -1,0 +1,569 @@
+"""The log itself: topics, appends, reads and retention, as SQL run on a connection's thread.
+
+Every function here is synchronous and takes the ``sqlite3.Connection`` of
+the thread it runs on (see ``db.SqliteThread``); the async classes in
+``broker`` and ``reader`` schedule them. Offsets within a partition are
+dense: the log never has gaps except the prefix retention removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import orjson
+
+from nemesis.broker.embedded.db import read_transaction, write_transaction
+from nemesis.broker.embedded.tail import ReadRow
+from nemesis.broker.port import (
+    ConsumerSpec,
+    Message,
+    OutgoingMessage,
+    PartitionInfo,
+    PartitionSession,
+    TopicDescription,
+    WriteResult,
+    WriteStatus,
+)
+from nemesis.errors import TopicExists, TopicNotFound
+
+_NO_METADATA: Mapping[str, str] = MappingProxyType({})
+
+
+def partition_for_key(key: str, partitions: int) -> int:
+    """The partition of a key: CRC-32 of its UTF-8 bytes, stable across processes and versions."""
+    return zlib.crc32(key.encode("utf-8")) % partitions
+
+
+@dataclass(frozen=True, slots=True)
+class Topic:
+    """A topic's row: its id never changes and is never reused, unlike its name."""
+
+    id: int
+    name: str
+    partitions: int
+    retention_s: float | None
+
+
+def find_topic(conn: sqlite3.Connection, name: str) -> Topic:
+    """The topic called ``name``, or TopicNotFound."""
+    row = conn.execute(
+        "SELECT id, partitions, retention_s FROM topics WHERE name = ?", (name,)
+    ).fetchone()
+    if row is None:
+        raise TopicNotFound(f"topic {name!r} does not exist")
+    return Topic(row[0], name, row[1], row[2])
+
+
+def find_consumer(conn: sqlite3.Connection, topic: str, consumer: str) -> Topic:
+    """The topic, after checking ``consumer`` is registered on it (YDB requires it too)."""
+    found = find_topic(conn, topic)
+    row = conn.execute(
+        "SELECT 1 FROM consumers WHERE topic_id = ? AND name = ?", (found.id, consumer)
+    ).fetchone()
+    if row is None:
+        raise TopicNotFound(f"topic {topic!r} has no consumer {consumer!r}")
+    return found
+
+
+# --- admin ----------------------------------------------------------------------
+
+
+def create_topic(
+    conn: sqlite3.Connection,
+    name: str,
+    *,
+    partitions: int,
+    consumers: Sequence[ConsumerSpec],
+    retention_s: float | None,
+    exist_ok: bool,
+    now: float,
+) -> None:
+    """Creates a topic with its partitions and consumers; TopicExists unless ``exist_ok``.
+
+    With ``exist_ok`` an existing topic keeps its partitions and retention;
+    only missing consumers are added.
+    """
+    with write_transaction(conn):
+        row = conn.execute("SELECT id FROM topics WHERE name = ?", (name,)).fetchone()
+        if row is not None:
+            if not exist_ok:
+                raise TopicExists(f"topic {name!r} already exists")
+            topic_id = int(row[0])
+        else:
+            cursor = conn.execute(
+                "INSERT INTO topics (name, partitions, retention_s, created_at)"
+                " VALUES (?, ?, ?, ?)",
+                (name, partitions, retention_s, now),
+            )
+            topic_id = int(cursor.lastrowid or 0)
+            conn.executemany(
+                "INSERT INTO partitions (topic_id, partition_id, start_offset, end_offset)"
+                " VALUES (?, ?, 0, 0)",
+                [(topic_id, p) for p in range(partitions)],
+            )
+        _insert_consumers(conn, topic_id, consumers, now)
+
+
+def add_consumer(conn: sqlite3.Connection, topic: str, consumer: ConsumerSpec, now: float) -> None:
+    """Registers a consumer; an existing one is left as it is."""
+    with write_transaction(conn):
+        _insert_consumers(conn, find_topic(conn, topic).id, [consumer], now)
+
+
+def _insert_consumers(
+    conn: sqlite3.Connection, topic_id: int, consumers: Sequence[ConsumerSpec], now: float
+) -> None:
+    conn.executemany(
+        "INSERT OR IGNORE INTO consumers (topic_id, name, important, created_at)"
+        " VALUES (?, ?, ?, ?)",
+        [(topic_id, c.name, int(c.important), now) for c in consumers],
+    )
+
+
+def list_topics(conn: sqlite3.Connection) -> list[str]:
+    """Topic names in alphabetical order."""
+    return [row[0] for row in conn.execute("SELECT name FROM topics ORDER BY name")]
+
+
+def describe_topic(conn: sqlite3.Connection, name: str) -> TopicDescription:
+    """Partitions with their offsets, and each consumer's committed offset.
+
+    A consumer's committed offset is reported as the next offset it will
+    read: never below the partition's start (retention may have deleted
+    what it had not committed), and the start for one that never committed.
+    """
+    with read_transaction(conn):
+        topic = find_topic(conn, name)
+        consumers = [
+            row[0]
+            for row in conn.execute(
+                "SELECT name FROM consumers WHERE topic_id = ? ORDER BY name", (topic.id,)
+            )
+        ]
+        committed: dict[tuple[str, int], int] = {
+            (row[0], row[1]): row[2]
+            for row in conn.execute(
+                "SELECT consumer, partition_id, committed FROM offsets WHERE topic_id = ?",
+                (topic.id,),
+            )
+        }
+        infos = [
+            PartitionInfo(
+                partition=p,
+                start_offset=start,
+                end_offset=end,
+                last_written_at=last,
+                committed={c: max(committed.get((c, p), start), start) for c in consumers},
+            )
+            for p, start, end, last in conn.execute(
+                "SELECT partition_id, start_offset, end_offset, last_written_at FROM partitions"
+                " WHERE topic_id = ? ORDER BY partition_id",
+                (topic.id,),
+            )
+        ]
+    return TopicDescription(
+        name=name, partitions=infos, consumers=consumers, retention_s=topic.retention_s
+    )
+
+
+def drop_topic(conn: sqlite3.Connection, name: str) -> int:
+    """Deletes a topic's metadata at once, returning its id; the messages go in batches later."""
+    with write_transaction(conn):
+        topic_id = find_topic(conn, name).id
+        for table in ("partitions", "producers", "consumers", "offsets", "leases", "members"):
+            conn.execute(f"DELETE FROM {table} WHERE topic_id = ?", (topic_id,))
+        conn.execute("DELETE FROM topics WHERE id = ?", (topic_id,))
+        conn.execute("INSERT OR IGNORE INTO dropped_topics (topic_id) VALUES (?)", (topic_id,))
+    return topic_id
+
+
+def purge_dropped(conn: sqlite3.Connection, batch: int) -> int:
+    """Deletes up to ``batch`` messages of dropped topics; 0 when none are left."""
+    with write_transaction(conn):
+        row = conn.execute("SELECT topic_id FROM dropped_topics LIMIT 1").fetchone()
+        if row is None:
+            return 0
+        topic_id = row[0]
+        last = conn.execute(
+            "SELECT partition_id, msg_offset FROM messages WHERE topic_id = ?"
+            " ORDER BY partition_id, msg_offset LIMIT 1 OFFSET ?",
+            (topic_id, batch - 1),
+        ).fetchone()
+        if last is None:
+            deleted = conn.execute("DELETE FROM messages WHERE topic_id = ?", (topic_id,)).rowcount
+            conn.execute("DELETE FROM dropped_topics WHERE topic_id = ?", (topic_id,))
+            # Report progress even for an empty topic so the caller asks again.
+            return max(deleted, 1)
+        return int(
+            conn.execute(
+                "DELETE FROM messages WHERE topic_id = ? AND (partition_id, msg_offset) <= (?, ?)",
+                (topic_id, last[0], last[1]),
+            ).rowcount
+        )
+
+
+# --- append ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class AppendTarget:
+    """What an append needs to know about its writer; touched only on the write thread."""
+
+    topic: Topic
+    producer_id: str
+    next_round_robin: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    """The outcome of one append: per-message results and the rows inserted."""
+
+    results: list[WriteResult]
+    rows: list[tuple[Any, ...]]  # as inserted: (topic_id, partition_id, msg_offset, ...)
+
+
+def append(
+    conn: sqlite3.Connection,
+    target: AppendTarget,
+    messages: Sequence[OutgoingMessage],
+    now: float,
+) -> Appended:
+    """Appends a batch in one transaction, skipping duplicates by producer seqno.
+
+    De-duplication follows YDB: per topic and producer, a message whose
+    seqno is not above the last written one is a duplicate (also within the
+    batch); a message without seqno is always written.
+    """
+    topic = target.topic
+    partitions = [_choose_partition(target, m) for m in messages]
+    with write_transaction(conn):
+        if conn.execute("SELECT 1 FROM topics WHERE id = ?", (topic.id,)).fetchone() is None:
+            raise TopicNotFound(f"topic {topic.name!r} does not exist")
+        last_seqno: int | None = None
+        if any(m.seqno is not None for m in messages):
+            row = conn.execute(
+                "SELECT last_seqno FROM producers WHERE topic_id = ? AND producer_id = ?",
+                (topic.id, target.producer_id),
+            ).fetchone()
+            last_seqno = None if row is None else row[0]
+        seqno_before = last_seqno
+        ends: dict[int, int] = dict(
+            conn.execute(
+                "SELECT partition_id, end_offset FROM partitions WHERE topic_id = ?", (topic.id,)
+            ).fetchall()
+        )
+        rows: list[tuple[Any, ...]] = []
+        results: list[WriteResult] = []
+        for message, partition in zip(messages, partitions, strict=True):
+            seqno = message.seqno
+            if seqno is not None:
+                if last_seqno is not None and seqno <= last_seqno:
+                    results.append(WriteResult(WriteStatus.DUPLICATE, partition, None))
+                    continue
+                last_seqno = seqno
+            offset = ends[partition]
+            ends[partition] = offset + 1
+            rows.append(
+                (
+                    topic.id,
+                    partition,
+                    offset,
+                    now,
+                    now if message.created_at is None else message.created_at,
+                    seqno,
+                    target.producer_id,
+                    message.key,
+                    orjson.dumps(dict(message.metadata)).decode() if message.metadata else None,
+                    message.value,
+                )
+            )
+            results.append(WriteResult(WriteStatus.WRITTEN, partition, offset))
+        if rows:
+            conn.executemany(
+                "INSERT INTO messages (topic_id, partition_id, msg_offset, written_at, created_at,"
+                " seqno, producer_id, key, metadata, value) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            touched = {row[1] for row in rows}
+            conn.executemany(
+                "UPDATE partitions SET end_offset = ?, last_written_at = ?"
+                " WHERE topic_id = ? AND partition_id = ?",
+                [(ends[p], now, topic.id, p) for p in touched],
+            )
+        if last_seqno is not None and last_seqno != seqno_before:
+            conn.execute(
+                "INSERT INTO producers (topic_id, producer_id, last_seqno, updated_at)"
+                " VALUES (?, ?, ?, ?) ON CONFLICT (topic_id, producer_id)"
+                " DO UPDATE SET last_seqno = excluded.last_seqno, updated_at = excluded.updated_at",
+                (topic.id, target.producer_id, last_seqno, now),
+            )
+    return Appended(results, rows)
+
+
+def _choose_partition(target: AppendTarget, message: OutgoingMessage) -> int:
+    count = target.topic.partitions
+    if message.partition is not None:
+        if not 0 <= message.partition < count:
+            raise ValueError(
+                f"partition {message.partition} is out of range: "
+                f"topic {target.topic.name!r} has {count}"
+            )
+        return message.partition
+    if message.key is not None:
+        return partition_for_key(message.key, count)
+    partition = target.next_round_robin % count
+    target.next_round_robin = partition + 1
+    return partition
+
+
+# --- read -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ReadRequest:
+    """One partition to read from ``position`` on, for ``session``."""
+
+    session: PartitionSession
+    position: int
+    messages: list[Message] = field(default_factory=list)
+    # The read reached the partition's end (returned less than it asked for).
+    exhausted: bool = False
+
+
+_READ_SQL = (
+    "SELECT msg_offset, value, key, metadata, producer_id, seqno, created_at, written_at"
+    " FROM messages WHERE topic_id = ? AND partition_id = ? AND msg_offset >= ?"
+    " ORDER BY msg_offset LIMIT ?"
+)
+
+
+def read(
+    conn: sqlite3.Connection, topic: Topic, requests: Sequence[ReadRequest], max_messages: int
+) -> None:
+    """Fills each request's ``messages`` from the file, up to ``max_messages`` in all, fairly."""
+
+    def fetch(partition: int, position: int, limit: int) -> Sequence[ReadRow]:
+        rows: list[ReadRow] = conn.execute(
+            _READ_SQL, (topic.id, partition, position, limit)
+        ).fetchall()
+        return rows
+
+    fill(topic.name, requests, max_messages, fetch)
+
+
+def fill(
+    topic: str,
+    requests: Sequence[ReadRequest],
+    max_messages: int,
+    fetch: Callable[[int, int, int], Sequence[ReadRow]],
+) -> None:
+    """Fills each request's ``messages`` with ``fetch(partition, position, limit)``, fairly.
+
+    Each pass gives every partition that still has messages an equal share
+    of what is left of the budget, so one busy partition cannot starve the
+    others and a lone busy partition still fills the whole batch.
+    """
+    budget = max_messages
+    pending = [(r, r.position) for r in requests]
+    build = _build_message
+    while pending and budget > 0:
+        share = -(-budget // len(pending))
+        still_full = []
+        for request, position in pending:
+            limit = min(share, budget)
+            if limit <= 0:
+                break
+            rows = fetch(request.session.partition, position, limit)
+            if len(rows) < limit:
+                request.exhausted = True
+            if not rows:
+                continue
+            session = request.session
+            partition = session.partition
+            request.messages.extend(
+                [
+                    build(
+                        topic,
+                        partition,
+                        offset,
+                        value,
+                        key,
+                        _NO_METADATA if meta is None else orjson.loads(meta),
+                        producer,
+                        seqno,
+                        created,
+                        written,
+                        session,
+                    )
+                    for offset, value, key, meta, producer, seqno, created, written in rows
+                ]
+            )
+            budget -= len(rows)
+            if len(rows) == limit:
+                still_full.append((request, rows[-1][0] + 1))
+        pending = still_full
+
+
+_MESSAGE_FIELDS = (
+    "topic",
+    "partition",
+    "offset",
+    "value",
+    "key",
+    "metadata",
+    "producer_id",
+    "seqno",
+    "created_at",
+    "written_at",
+    "session",
+)
+
+
+def _message_builder() -> Callable[..., Message]:
+    """A Message constructor without the frozen dataclass's per-field ``object.__setattr__``.
+
+    The generated ``__init__`` of a frozen slotted dataclass costs about
+    twice as much as setting the slots directly, and a read of a few hundred
+    thousand messages a second spends most of its time there. Should
+    ``Message`` gain or lose a field, this falls back to the keyword
+    constructor (which then fails loudly if a field went away) rather than
+    leave a slot unset.
+    """
+    if {f.name for f in dataclasses.fields(Message)} != set(_MESSAGE_FIELDS):
+
+        def build_by_keyword(*values: Any) -> Message:
+            return Message(**dict(zip(_MESSAGE_FIELDS, values, strict=True)))
+
+        return build_by_keyword
+
+    (
+        topic_,
+        partition_,
+        offset_,
+        value_,
+        key_,
+        metadata_,
+        producer_,
+        seqno_,
+        created_,
+        written_,
+        session_,
+    ) = (getattr(Message, name).__set__ for name in _MESSAGE_FIELDS)
+    new = object.__new__
+
+    def build(
+        topic: str,
+        partition: int,
+        offset: int,
+        value: bytes,
+        key: str | None,
+        metadata: Mapping[str, str],
+        producer_id: str | None,
+        seqno: int | None,
+        created_at: float,
+        written_at: float,
+        session: PartitionSession,
+    ) -> Message:
+        message: Message = new(Message)
+        topic_(message, topic)
+        partition_(message, partition)
+        offset_(message, offset)
+        value_(message, value)
+        key_(message, key)
+        metadata_(message, metadata)
+        producer_(message, producer_id)
+        seqno_(message, seqno)
+        created_(message, created_at)
+        written_(message, written_at)
+        session_(message, session)
+        return message
+
+    return build
+
+
+_build_message = _message_builder()
+
+
+# --- retention --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiryCandidate:
+    """A partition whose oldest message is older than its topic's retention."""
+
+    topic_id: int
+    partition: int
+    cutoff: float  # messages written before this Unix time are expired
+
+
+def expiry_candidates(conn: sqlite3.Connection, now: float) -> list[ExpiryCandidate]:
+    """Partitions whose oldest retained message has expired (a cheap read-only check)."""
+    candidates = []
+    with read_transaction(conn):
+        partitions = conn.execute(
+            "SELECT t.id, t.retention_s, p.partition_id, p.start_offset"
+            " FROM topics t JOIN partitions p ON p.topic_id = t.id"
+            " WHERE t.retention_s IS NOT NULL AND p.start_offset < p.end_offset"
+        ).fetchall()
+        for topic_id, retention_s, partition, start in partitions:
+            cutoff = now - retention_s
+            oldest = conn.execute(
+                "SELECT written_at FROM messages WHERE topic_id = ? AND partition_id = ?"
+                " AND msg_offset >= ? ORDER BY msg_offset LIMIT 1",
+                (topic_id, partition, start),
+            ).fetchone()
+            if oldest is not None and oldest[0] < cutoff:
+                candidates.append(ExpiryCandidate(topic_id, partition, cutoff))
+    return candidates
+
+
+def expire(conn: sqlite3.Connection, candidate: ExpiryCandidate, batch: int) -> int:
+    """Deletes up to ``batch`` expired messages from the head of one partition.
+
+    Only a prefix is deleted, so the partition stays dense: it stops at the
+    first message still within retention (even if a later one is older,
+    after a wall-clock step back) and at the committed offset of any
+    *important* consumer, whose unread messages retention must keep (as YDB).
+    """
+    topic_id, partition = candidate.topic_id, candidate.partition
+    with write_transaction(conn):
+        row = conn.execute(
+            "SELECT start_offset FROM partitions WHERE topic_id = ? AND partition_id = ?",
+            (topic_id, partition),
+        ).fetchone()
+        if row is None:  # dropped meanwhile
+            return 0
+        start = row[0]
+        floor = conn.execute(
+            "SELECT MIN(COALESCE(o.committed, ?)) FROM consumers c LEFT JOIN offsets o"
+            " ON o.topic_id = c.topic_id AND o.consumer = c.name AND o.partition_id = ?"
+            " WHERE c.topic_id = ? AND c.important",
+            (start, partition, topic_id),
+        ).fetchone()[0]
+        new_start = start
+        for offset, written_at in conn.execute(
+            "SELECT msg_offset, written_at FROM messages WHERE topic_id = ? AND partition_id = ?"
+            " AND msg_offset >= ? ORDER BY msg_offset LIMIT ?",
+            (topic_id, partition, start, batch),
+        ).fetchall():
+            if written_at >= candidate.cutoff or (floor is not None and offset >= floor):
+                break
+            new_start = offset + 1
+        if new_start == start:
+            return 0
+        conn.execute(
+            "DELETE FROM messages WHERE topic_id = ? AND partition_id = ?"
+            " AND msg_offset >= ? AND msg_offset < ?",
+            (topic_id, partition, start, new_start),
+        )
+        conn.execute(
+            "UPDATE partitions SET start_offset = ? WHERE topic_id = ? AND partition_id = ?",
+            (new_start, topic_id, partition),
+        )
+    return int(new_start - start)

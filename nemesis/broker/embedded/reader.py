@@ -1,0 +1,605 @@
+"""The embedded reader: leased partition sessions, fair reads, fenced commits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import sqlite3
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+from nemesis.broker.embedded import leases, log
+from nemesis.broker.embedded.db import Database
+from nemesis.broker.embedded.tail import TailCache
+from nemesis.broker.port import Message, PartitionSession
+from nemesis.clock import Clock
+from nemesis.errors import BrokerError, TopicNotFound
+
+logger = logging.getLogger(__name__)
+
+# Polling the file is how a reader sees writers in other processes: soon after
+# data, often (the next message is likely close behind); when idle, rarely.
+POLL_MIN_S = 0.002
+POLL_MAX_S = 0.05
+# While the tail cache keeps serving in-process appends, the file is still
+# read this often, for what other processes append.
+TAIL_WINDOW_S = 0.01
+# A read that has started may finish after the caller's wait budget ran out;
+# one that takes longer than this means the read thread is stuck.
+READ_TIMEOUT_S = 10.0
+
+
+class EmbeddedSession:
+    """A lease on one partition held by one reader; its id is the lease generation."""
+
+    __slots__ = (
+        "_alive",
+        "_id",
+        "_partition",
+        "_topic",
+        "caught_up",
+        "committed",
+        "expires_at",
+        "holder",
+        "paused",
+        "position",
+    )
+
+    def __init__(
+        self,
+        topic: str,
+        partition: int,
+        generation: int,
+        *,
+        holder: str,
+        position: int,
+        expires_at: float,
+    ) -> None:
+        self._topic = topic
+        self.holder = holder  # the member id of the reader that holds it
+        self._partition = partition
+        self._id = generation
+        self._alive = True
+        self.paused = False
+        self.position = position  # next offset to deliver
+        self.committed = position  # highest offset committed through this session
+        self.expires_at = expires_at
+        # The last file read reached the partition's end: nothing is waiting in
+        # the file except what other processes wrote since (see _read_tail).
+        self.caught_up = False
+
+    @property
+    def topic(self) -> str:
+        return self._topic
+
+    @property
+    def partition(self) -> int:
+        return self._partition
+
+    @property
+    def id(self) -> int:
+        return self._id
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def end(self) -> None:
+        """Marks the session dead: its partition is gone, its messages are stale."""
+        self._alive = False
+
+    def __repr__(self) -> str:
+        state = "alive" if self._alive else "dead"
+        return f"<EmbeddedSession {self._topic}[{self._partition}] gen={self._id} {state}>"
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionStatistics:
+    """One held partition, as seen by its reader."""
+
+    partition: int
+    session_id: int
+    paused: bool
+    position: int  # next offset to deliver
+    committed: int  # next offset to read after a restart, as far as this reader knows
+    lease_expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderStatistics:
+    """A snapshot of one reader for metrics and the admin API."""
+
+    topic: str
+    consumer: str
+    member_id: str
+    members: int  # live readers of this consumer, at the last heartbeat
+    partitions: tuple[PartitionStatistics, ...]
+    paused: int
+    closed: bool
+
+
+class EmbeddedReader:
+    """Reads one topic as one consumer from the partitions this member leases.
+
+    Delivery is at least once: a read position lives in memory per session
+    and starts at the committed offset, so whatever was delivered but not
+    committed when a session ends is delivered again by its next owner.
+    """
+
+    def __init__(
+        self,
+        *,
+        db: Database,
+        tail: TailCache,
+        topic: log.Topic,
+        consumer: str,
+        member_id: str,
+        lease_s: float,
+        clock: Clock,
+        on_rebalance: Callable[[EmbeddedReader], None],
+        on_close: Callable[[EmbeddedReader], None],
+        commit_timeout_s: float = 10.0,
+    ) -> None:
+        self._db = db
+        self._tail = tail
+        # When the tail cache began answering instead of the file (see _read_tail).
+        self._tail_since: float | None = None
+        self._topic = topic
+        self._consumer = consumer
+        self._member_id = member_id
+        self._lease_s = lease_s
+        self._clock = clock
+        self._on_rebalance = on_rebalance
+        self._on_close = on_close
+        self._commit_timeout_s = commit_timeout_s
+        self._sessions: dict[int, EmbeddedSession] = {}
+        self._members = 0
+        self._settled = False
+        self._turn = 0  # rotates which partition is read first
+        self._poll_s = POLL_MIN_S
+        self._dirty = False  # set by wake(): something may be readable now
+        self._waiter: asyncio.Future[None] | None = None
+        self._receive_lock = asyncio.Lock()
+        self._heartbeat_lock = asyncio.Lock()
+        self._poke = asyncio.Event()
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._failure: BrokerError | None = None
+        self._closed = False
+
+    @property
+    def topic(self) -> str:
+        return self._topic.name
+
+    @property
+    def topic_id(self) -> int:
+        return self._topic.id
+
+    @property
+    def consumer(self) -> str:
+        return self._consumer
+
+    @property
+    def member_id(self) -> str:
+        return self._member_id
+
+    async def start(self, timeout_s: float) -> None:
+        """Joins the consumer's members, takes a first share, and starts heartbeating."""
+        await self.heartbeat(timeout_s)
+        self._heartbeat_task = asyncio.create_task(
+            self._heartbeat_loop(), name=f"nemesis-lease:{self._topic.name}:{self._member_id}"
+        )
+
+    # --- reading ------------------------------------------------------------------
+
+    async def receive(self, max_messages: int, timeout_s: float) -> Sequence[Message]:
+        """Up to ``max_messages`` from live, unpaused sessions; empty after ``timeout_s``.
+
+        Messages come in offset order within each partition, and partitions
+        share the batch evenly. A write through the same broker wakes a
+        waiting receive at once; writes from other processes are seen by
+        polling, every few ms after data and every ``POLL_MAX_S`` when idle.
+        """
+        if max_messages < 1:
+            raise ValueError("max_messages must be at least 1")
+        if self._closed:
+            raise RuntimeError("the reader is closed")
+        self._raise_if_failed()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        async with self._receive_lock:
+            while not self._closed:
+                self._dirty = False
+                batch = await self._read(max_messages, max(deadline - loop.time(), READ_TIMEOUT_S))
+                if batch:
+                    self._poll_s = POLL_MIN_S
+                    return batch
+                self._raise_if_failed()
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                if not self._dirty:
+                    await self._wait(min(remaining, self._poll_s))
+                    self._poll_s = min(self._poll_s * 2, POLL_MAX_S)
+        return ()
+
+    async def _read(self, max_messages: int, timeout_s: float) -> list[Message]:
+        self._expire_sessions()
+        sessions = [s for s in self._sessions.values() if not s.paused]
+        if not sessions:
+            return []
+        sessions.sort(key=lambda s: s.partition)
+        self._turn = (self._turn + 1) % len(sessions)
+        sessions = sessions[self._turn :] + sessions[: self._turn]
+        from_tail = self._read_tail(sessions, max_messages)
+        if from_tail is not None:
+            return from_tail
+        requests = [log.ReadRequest(s, s.position) for s in sessions]
+        await self._db.reader.run(
+            partial(log.read, topic=self._topic, requests=requests, max_messages=max_messages),
+            timeout_s=timeout_s,
+        )
+        self._tail_since = None
+        for request in requests:
+            if isinstance(request.session, EmbeddedSession):
+                request.session.caught_up = request.exhausted
+        return self._advance(requests)
+
+    def _read_tail(
+        self, sessions: list[EmbeddedSession], max_messages: int
+    ) -> list[Message] | None:
+        """Messages straight from the tail cache, or None when the file must be read.
+
+        The file is read instead when a partition may have a backlog there
+        (it was not caught up at the last file read), and at least every
+        TAIL_WINDOW_S while the cache keeps answering, since writers in
+        other processes only show up in the file.
+        """
+        now = asyncio.get_running_loop().time()
+        if self._tail_since is not None and now - self._tail_since > TAIL_WINDOW_S:
+            return None
+        tail, topic_id = self._tail, self._topic.id
+        covered = []
+        for session in sessions:
+            if tail.get(topic_id, session.partition, session.position, 1):
+                covered.append(session)
+            elif not session.caught_up:
+                return None
+        if not covered:
+            return None
+        if self._tail_since is None:
+            self._tail_since = now
+        requests = [log.ReadRequest(s, s.position) for s in covered]
+        log.fill(self._topic.name, requests, max_messages, partial(tail.get, topic_id))
+        return self._advance(requests)
+
+    def _advance(self, requests: list[log.ReadRequest]) -> list[Message]:
+        batch: list[Message] = []
+        for request in requests:
+            session = request.session
+            # Ended or paused while the read ran: drop the page, keep the position.
+            if (
+                not request.messages
+                or not session.alive
+                or not isinstance(session, EmbeddedSession)
+            ):
+                continue
+            if session.paused:
+                continue
+            session.position = request.messages[-1].offset + 1
+            batch.extend(request.messages)
+        return batch
+
+    async def _wait(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiter = waiter
+        # A bare timer and future: asyncio.wait_for would create a task per wait,
+        # and this runs once per idle poll.
+        timer = loop.call_later(seconds, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def wake(self) -> None:
+        """Something may be readable now (an append, a new lease, a resume)."""
+        self._dirty = True
+        waiter = self._waiter
+        if waiter is not None:
+            _resolve(waiter)
+
+    def _expire_sessions(self) -> None:
+        # A lease that ran out without a renewal (a heartbeat that failed or
+        # could not run) may be taken by another member any moment now.
+        now = self._clock.time()
+        for partition, session in list(self._sessions.items()):
+            if now > session.expires_at:
+                logger.warning(
+                    "lease on %s[%d] for %s expired before it was renewed",
+                    self._topic.name,
+                    partition,
+                    self._consumer,
+                )
+                session.end()
+                del self._sessions[partition]
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        task = self._heartbeat_task
+        if task is not None and task.done():
+            raise BrokerError("the lease heartbeat stopped") from task.exception()
+
+    # --- committing -----------------------------------------------------------------
+
+    async def commit(self, messages: Sequence[Message]) -> None:
+        """Commits a run of one session's messages in read order: the offset becomes last + 1.
+
+        The runner hands over the contiguous done prefix in read order; its
+        offsets are consecutive except where retention deleted messages the
+        reader had not reached yet. Ignored when the session has ended, here
+        or in the file (the lease row must still name this session's
+        generation, checked in the same transaction as the update); a commit
+        never moves an offset back.
+        """
+        if not messages:
+            return
+        session = messages[0].session
+        if not isinstance(session, EmbeddedSession) or session.holder != self._member_id:
+            raise ValueError("messages were not received by this reader")
+        for previous, message in itertools.pairwise(messages):
+            if message.session is not session or message.offset <= previous.offset:
+                raise ValueError("commit takes one partition session's messages in offset order")
+        offset = messages[-1].offset + 1
+        if not session.alive or offset <= session.committed:
+            return
+        fenced = await self._db.writer.run(
+            partial(
+                leases.commit_offset,
+                topic_id=self._topic.id,
+                consumer=self._consumer,
+                partition=session.partition,
+                owner=self._member_id,
+                generation=session.id,
+                offset=offset,
+                now=self._clock.time(),
+            ),
+            timeout_s=self._commit_timeout_s,
+        )
+        if not fenced:
+            logger.info("commit on %s ignored: the partition was taken over", session)
+            self._end_session(session.partition, session)
+            return
+        session.committed = max(session.committed, offset)
+
+    # --- flow control and introspection -------------------------------------------------
+
+    def pause(self, session: PartitionSession) -> None:
+        """Stops delivering this session's messages until ``resume``."""
+        own = self._own(session)
+        if own is not None:
+            own.paused = True
+
+    def resume(self, session: PartitionSession) -> None:
+        """Delivers this session's messages again."""
+        own = self._own(session)
+        if own is not None and own.paused:
+            own.paused = False
+            self.wake()
+
+    def _own(self, session: PartitionSession) -> EmbeddedSession | None:
+        own = self._sessions.get(session.partition)
+        if own is not session:
+            return None  # ended already (or never ours): nothing to pause
+        return own
+
+    def sessions(self) -> Sequence[PartitionSession]:
+        """The live sessions, by partition."""
+        return [self._sessions[p] for p in sorted(self._sessions)]
+
+    def statistics(self) -> ReaderStatistics:
+        """Partitions held, paused, and read/commit positions."""
+        held = tuple(
+            PartitionStatistics(
+                partition=s.partition,
+                session_id=s.id,
+                paused=s.paused,
+                position=s.position,
+                committed=s.committed,
+                lease_expires_at=s.expires_at,
+            )
+            for s in self.sessions()
+            if isinstance(s, EmbeddedSession)
+        )
+        return ReaderStatistics(
+            topic=self._topic.name,
+            consumer=self._consumer,
+            member_id=self._member_id,
+            members=self._members,
+            partitions=held,
+            paused=sum(p.paused for p in held),
+            closed=self._closed,
+        )
+
+    # --- leases ---------------------------------------------------------------------------
+
+    async def heartbeat(self, timeout_s: float | None = None) -> None:
+        """Renews this member's leases and rebalances now, instead of at the next beat."""
+        async with self._heartbeat_lock:
+            if self._closed:
+                return
+            held = {p: s.id for p, s in self._sessions.items()}
+            result = await self._db.writer.run(
+                partial(
+                    _heartbeat_job,
+                    clock=self._clock,
+                    topic_id=self._topic.id,
+                    consumer=self._consumer,
+                    member_id=self._member_id,
+                    held=held,
+                    lease_s=self._lease_s,
+                ),
+                timeout_s=self._lease_s if timeout_s is None else timeout_s,
+            )
+            self._apply(held, result)
+
+    def _apply(self, held: dict[int, int], result: leases.HeartbeatResult) -> None:
+        if self._closed:
+            return  # close() released everything; this answer is stale
+        self._members = result.members
+        self._settled = result.settled
+        for partition in result.kept:
+            session = self._sessions.get(partition)
+            if session is not None and session.id == held[partition]:
+                session.expires_at = result.expires_at
+        for partition in (*result.released, *result.lost):
+            self._end_session(partition, None, generation=held[partition])
+        for acquired in result.acquired:
+            previous = self._sessions.get(acquired.partition)
+            if previous is not None:
+                previous.end()
+            self._sessions[acquired.partition] = EmbeddedSession(
+                self._topic.name,
+                acquired.partition,
+                acquired.generation,
+                holder=self._member_id,
+                position=acquired.position,
+                expires_at=result.expires_at,
+            )
+        if result.acquired:
+            self.wake()
+        if result.released:
+            self._on_rebalance(self)
+
+    def _end_session(
+        self, partition: int, session: EmbeddedSession | None, generation: int | None = None
+    ) -> None:
+        current = self._sessions.get(partition)
+        if current is None:
+            return
+        if (session is not None and current is not session) or (
+            generation is not None and current.id != generation
+        ):
+            return
+        current.end()
+        del self._sessions[partition]
+
+    def poke(self) -> None:
+        """Asks for a heartbeat now: a sibling reader joined or let partitions go."""
+        self._poke.set()
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self._lease_s / 3
+        delay = interval
+        while True:
+            await self._sleep_or_poke(delay)
+            # Cleared before the beat, not before the sleep: a poke that comes
+            # while a beat runs must cause another one.
+            self._poke.clear()
+            try:
+                await self.heartbeat()
+            except TopicNotFound as exc:
+                self._fail(exc)
+                return
+            except BrokerError as exc:
+                # Retried at the next beat; if none succeeds before the leases
+                # run out, receive() ends the sessions on its own.
+                logger.warning("lease heartbeat for %s failed: %s", self._member_id, exc)
+                delay = interval / 2
+                continue
+            # Until the whole share is held, check back soon: the members that
+            # must let partitions go do so at their own next beat.
+            delay = interval if self._settled else interval / 4
+
+    async def _sleep_or_poke(self, seconds: float) -> None:
+        sleeper = asyncio.ensure_future(self._clock.sleep(seconds))
+        poked = asyncio.ensure_future(self._poke.wait())
+        try:
+            await asyncio.wait((sleeper, poked), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in (sleeper, poked):
+                waiter.cancel()
+            await asyncio.gather(sleeper, poked, return_exceptions=True)
+
+    def _fail(self, error: BrokerError) -> None:
+        self._failure = error
+        for session in self._sessions.values():
+            session.end()
+        self._sessions.clear()
+        self.wake()
+
+    # --- closing ----------------------------------------------------------------------------
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Releases every lease at once, so other members take over without waiting for expiry."""
+        if self._closed:
+            return
+        self._closed = True
+        task, self._heartbeat_task = self._heartbeat_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for session in self._sessions.values():
+            session.end()
+        held = {p: s.id for p, s in self._sessions.items()}
+        self._sessions.clear()
+        self.wake()
+        try:
+            await self._db.writer.run(
+                partial(
+                    _heartbeat_job,
+                    clock=self._clock,
+                    topic_id=self._topic.id,
+                    consumer=self._consumer,
+                    member_id=self._member_id,
+                    held=held,
+                    lease_s=self._lease_s,
+                    leaving=True,
+                ),
+                timeout_s=timeout_s,
+            )
+        except TopicNotFound:
+            pass  # dropped: nothing left to release
+        except BrokerError as exc:
+            logger.warning(
+                "%s could not release its leases (they expire on their own): %s",
+                self._member_id,
+                exc,
+            )
+        finally:
+            self._on_close(self)
+
+
+def _heartbeat_job(
+    conn: sqlite3.Connection,
+    *,
+    clock: Clock,
+    topic_id: int,
+    consumer: str,
+    member_id: str,
+    held: dict[int, int],
+    lease_s: float,
+    leaving: bool = False,
+) -> leases.HeartbeatResult:
+    # The time is read on the write thread, when the transaction starts, not
+    # when the job was queued: expiry decisions must use the time they run at.
+    return leases.heartbeat(
+        conn,
+        topic_id=topic_id,
+        consumer=consumer,
+        member_id=member_id,
+        held=held,
+        now=clock.time(),
+        lease_s=lease_s,
+        leaving=leaving,
+    )
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

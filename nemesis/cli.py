@@ -1,0 +1,383 @@
+"""The ``nemesis`` command line (DESIGN.md section 4)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import orjson
+
+from nemesis.broker.embedded import open_embedded
+from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage, WriteStatus
+from nemesis.config.loader import (
+    format_problems,
+    load_integrations,
+    load_process_config,
+    validate_paths,
+)
+from nemesis.config.models import NemesisConfig, parse_duration
+from nemesis.errors import ConfigError, NemesisError
+
+log = logging.getLogger("nemesis")
+
+EXIT_OK = 0
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        return EXIT_USAGE
+    _configure_logging(getattr(args, "log_level", "info"))
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except ConfigError as exc:
+        print(format_problems(exc.problems), file=sys.stderr)
+        return EXIT_INVALID
+    except NemesisError as exc:
+        print(f"nemesis: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nemesis",
+        description="Reads topics and pushes every message to the handler of the team that "
+        "registered an integration.",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run the proxy for every integration")
+    _config_option(run)
+    run.set_defaults(handler=cmd_run)
+
+    validate = commands.add_parser(
+        "validate", help="validate integration and process YAML (exit 1 on any error)"
+    )
+    validate.add_argument("paths", nargs="*", type=Path, help="files or directories (default: integrations/)")
+    validate.add_argument("--format", choices=["text", "github"], default="text")
+    validate.set_defaults(handler=cmd_validate)
+
+    publish = commands.add_parser("publish", help="write messages to a topic")
+    _config_option(publish)
+    publish.add_argument("topic")
+    publish.add_argument("data", nargs="?", help="the payload (default: --file, else stdin)")
+    publish.add_argument("--file", type=Path, help="read the payload from a file ('-' for stdin)")
+    publish.add_argument(
+        "--lines", action="store_true", help="every line of the input is one message (JSON lines)"
+    )
+    publish.add_argument("--key", help="message key (chooses the partition)")
+    publish.add_argument("--partition", type=int, help="write to this partition")
+    publish.add_argument(
+        "--header", action="append", default=[], metavar="K=V", help="metadata pair (repeatable)"
+    )
+    publish.add_argument(
+        "--key-field", help="with --lines: take each message's key from this top-level JSON field"
+    )
+    publish.add_argument("--batch", type=int, default=500, help="messages per write (default 500)")
+    publish.set_defaults(handler=cmd_publish)
+
+    topics = commands.add_parser("topics", help="topic admin on the configured backend")
+    topic_commands = topics.add_subparsers(title="topic commands", metavar="ACTION", required=True)
+    create = topic_commands.add_parser("create", help="create a topic")
+    _config_option(create)
+    create.add_argument("name")
+    create.add_argument("--partitions", type=int, default=None)
+    create.add_argument("--retention", help="e.g. 7d, 12h (default: the backend's)")
+    create.add_argument("--consumer", action="append", default=[], help="register a consumer")
+    create.add_argument("--exist-ok", action="store_true")
+    create.set_defaults(handler=cmd_topics_create)
+    listing = topic_commands.add_parser("list", help="list topics")
+    _config_option(listing)
+    listing.set_defaults(handler=cmd_topics_list)
+    describe = topic_commands.add_parser("describe", help="partitions, offsets and consumer lag")
+    _config_option(describe)
+    describe.add_argument("name")
+    describe.add_argument("--json", action="store_true")
+    describe.set_defaults(handler=cmd_topics_describe)
+
+    demo = commands.add_parser("demo", help="the whole thing on the embedded backend, in one minute")
+    demo.add_argument("--dir", type=Path, default=Path("demo-data"), help="where the demo keeps its data")
+    demo.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    demo.add_argument("--rate", type=float, default=50.0, help="sample orders per second")
+    demo.set_defaults(handler=cmd_demo)
+    return parser
+
+
+def _config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-c",
+        "--config",
+        type=Path,
+        default=None,
+        help="process configuration (default: ./nemesis.yaml if present)",
+    )
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _process_config(args: argparse.Namespace) -> NemesisConfig:
+    path: Path | None = args.config
+    if path is None and Path("nemesis.yaml").exists():
+        path = Path("nemesis.yaml")
+    return load_process_config(path)
+
+
+def run_async(main: Coroutine[Any, Any, int]) -> int:
+    """Runs the coroutine on uvloop when it is installed (measured faster), else asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        result: int = runner.run(main)
+        return result
+
+
+async def open_broker(config: NemesisConfig) -> Broker:
+    """The configured backend."""
+    return await open_embedded(config.backend, data_dir=Path(config.data_dir))
+
+
+# --- run --------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    config = _process_config(args)
+    return run_async(_run(config))
+
+
+async def _run(config: NemesisConfig) -> int:
+    from nemesis.runtime.app import Proxy
+
+    integrations, problems = load_integrations(Path(config.integrations_dir))
+    for problem in problems:
+        log.error("%s (integration not started)", problem)
+    if not integrations:
+        log.error("no valid integration in %s; nothing to run", config.integrations_dir)
+        return EXIT_INVALID
+    broker = await open_broker(config)
+    proxy = Proxy(broker, integrations)
+    with _stop_on_signals(proxy.stop):
+        log.info("running %d integrations: %s", len(integrations), ", ".join(sorted(integrations)))
+        try:
+            await proxy.run()
+        finally:
+            await broker.close()
+    return EXIT_OK
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop)
+    try:
+        yield
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+# --- validate ---------------------------------------------------------------------
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    paths: list[Path] = args.paths or [Path("integrations")]
+    problems = validate_paths(paths)
+    if problems:
+        print(format_problems(problems, style=args.format))
+        print(f"{len(problems)} problem(s) found", file=sys.stderr)
+        return EXIT_INVALID
+    print("all valid")
+    return EXIT_OK
+
+
+# --- publish ----------------------------------------------------------------------
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    config = _process_config(args)
+    metadata = {}
+    for pair in args.header:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise NemesisError(f"--header {pair!r}: expected NAME=VALUE")
+        metadata[name] = value
+    payloads = _payloads(args, sys.stdin.buffer)
+    return run_async(_publish(config, args, metadata, payloads))
+
+
+def _payloads(args: argparse.Namespace, stdin: Any) -> Iterator[bytes]:
+    if args.data is not None:
+        source: bytes = args.data.encode()
+    elif args.file is not None and str(args.file) != "-":
+        source = args.file.read_bytes()
+    else:
+        source = stdin.read()
+    if not args.lines:
+        yield source
+        return
+    for line in source.splitlines():
+        if line.strip():
+            yield line
+
+
+async def _publish(
+    config: NemesisConfig, args: argparse.Namespace, metadata: dict[str, str], payloads: Iterator[bytes]
+) -> int:
+    broker = await open_broker(config)
+    written = duplicates = 0
+    try:
+        writer = await broker.writer(args.topic)
+        batch: list[OutgoingMessage] = []
+        for payload in payloads:
+            key = args.key
+            if args.key_field:
+                key = _json_field(payload, args.key_field)
+            batch.append(
+                OutgoingMessage(value=payload, key=key, metadata=metadata, partition=args.partition)
+            )
+            if len(batch) >= args.batch:
+                w, d = await _write(writer, batch)
+                written, duplicates, batch = written + w, duplicates + d, []
+        if batch:
+            w, d = await _write(writer, batch)
+            written, duplicates = written + w, duplicates + d
+        await writer.close()
+    finally:
+        await broker.close()
+    print(f"written {written} message(s) to {args.topic}" + (f", {duplicates} duplicate(s) skipped" if duplicates else ""))
+    return EXIT_OK
+
+
+async def _write(writer: Any, batch: list[OutgoingMessage]) -> tuple[int, int]:
+    results = await writer.write(batch)
+    dup = sum(1 for r in results if r.status is WriteStatus.DUPLICATE)
+    return len(results) - dup, dup
+
+
+def _json_field(payload: bytes, name: str) -> str | None:
+    try:
+        document = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(document, dict) and document.get(name) is not None:
+        return str(document[name])
+    return None
+
+
+# --- topics -----------------------------------------------------------------------
+
+
+def cmd_topics_create(args: argparse.Namespace) -> int:
+    config = _process_config(args)
+
+    async def create() -> int:
+        broker = await open_broker(config)
+        try:
+            await broker.admin.create_topic(
+                args.name,
+                partitions=args.partitions or config.backend.default_partitions,
+                consumers=[ConsumerSpec(c) for c in args.consumer],
+                retention_s=parse_duration(args.retention) if args.retention else config.backend.retention,
+                exist_ok=args.exist_ok,
+            )
+        finally:
+            await broker.close()
+        print(f"topic {args.name} ready")
+        return EXIT_OK
+
+    return run_async(create())
+
+
+def cmd_topics_list(args: argparse.Namespace) -> int:
+    config = _process_config(args)
+
+    async def listing() -> int:
+        broker = await open_broker(config)
+        try:
+            for name in await broker.admin.list_topics():
+                print(name)
+        finally:
+            await broker.close()
+        return EXIT_OK
+
+    return run_async(listing())
+
+
+def cmd_topics_describe(args: argparse.Namespace) -> int:
+    config = _process_config(args)
+
+    async def describe() -> int:
+        broker = await open_broker(config)
+        try:
+            description = await broker.admin.describe_topic(args.name)
+        finally:
+            await broker.close()
+        _print_description(description, args.json, sys.stdout)
+        return EXIT_OK
+
+    return run_async(describe())
+
+
+def _print_description(description: Any, as_json: bool, out: TextIO) -> None:
+    if as_json:
+        document = {
+            "name": description.name,
+            "retention_s": description.retention_s,
+            "consumers": list(description.consumers),
+            "partitions": [
+                {
+                    "partition": p.partition,
+                    "start_offset": p.start_offset,
+                    "end_offset": p.end_offset,
+                    "last_written_at": p.last_written_at,
+                    "committed": dict(p.committed),
+                }
+                for p in description.partitions
+            ],
+        }
+        out.write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return
+    out.write(f"topic {description.name}  retention {description.retention_s}s\n")
+    consumers = list(description.consumers)
+    header = f"{'partition':>9} {'start':>10} {'end':>10}" + "".join(f" {c + ' lag':>16}" for c in consumers)
+    out.write(header + "\n")
+    for p in description.partitions:
+        lags = "".join(f" {p.end_offset - p.committed.get(c, p.start_offset):>16}" for c in consumers)
+        out.write(f"{p.partition:>9} {p.start_offset:>10} {p.end_offset:>10}{lags}\n")
+
+
+# --- demo -------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from nemesis.demo import run_demo
+
+    return run_async(run_demo(args.dir, duration_s=args.duration, rate=args.rate))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

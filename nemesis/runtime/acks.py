@@ -1,0 +1,195 @@
+"""Per-partition acknowledgement tracking: the commit rule.
+
+Messages of one partition are read in offset order but finish in any order
+(many workers per partition). An offset may be committed only when every
+message before it is done, so each partition session keeps its read-but-not-
+committed messages in read order and, on demand, hands out the contiguous
+done prefix (uForwarder's AckTrackingQueue). A message that never finishes
+holds its partition's commit point where it is; the runner bounds how many
+messages may pile up behind it by pausing that partition (see ``outstanding``).
+
+Sessions are tracked apart: when a partition is revoked its session dies and
+everything tracked for it is forgotten, never committed; the new owner reads
+those messages again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from nemesis.broker.port import Message, PartitionSession
+
+SessionKey = tuple[str, int, int]  # topic, partition, session id
+
+
+def session_key(message: Message) -> SessionKey:
+    session_id = message.session.id if message.session is not None else 0
+    return (message.topic, message.partition, session_id)
+
+
+class _Entry:
+    __slots__ = ("done", "message")
+
+    def __init__(self, message: Message) -> None:
+        self.message = message
+        self.done = False
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionStats:
+    topic: str
+    partition: int
+    outstanding: int  # read, not committed
+    unfinished: int  # read, not done
+    oldest_unfinished_offset: int | None
+    oldest_unfinished_written_at: float | None
+
+
+class PartitionAcks:
+    """The read-but-not-committed messages of one partition session, in read order."""
+
+    __slots__ = ("_entries", "_index", "_unfinished", "session")
+
+    def __init__(self, session: PartitionSession | None) -> None:
+        self.session = session
+        self._entries: deque[_Entry] = deque()
+        self._index: dict[int, _Entry] = {}
+        self._unfinished = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.session is None or self.session.alive
+
+    @property
+    def outstanding(self) -> int:
+        """Messages read and not yet committed (done ones waiting behind a gap included)."""
+        return len(self._entries)
+
+    @property
+    def unfinished(self) -> int:
+        return self._unfinished
+
+    def add(self, message: Message) -> None:
+        if self._entries and message.offset <= self._entries[-1].message.offset:
+            raise ValueError(
+                f"offset {message.offset} read after {self._entries[-1].message.offset} "
+                f"in {message.topic}/{message.partition}"
+            )
+        entry = _Entry(message)
+        self._entries.append(entry)
+        self._index[message.offset] = entry
+        self._unfinished += 1
+
+    def ack(self, message: Message) -> bool:
+        """Marks a message done; False if it is not tracked (or was done already)."""
+        entry = self._index.get(message.offset)
+        if entry is None or entry.done:
+            return False
+        entry.done = True
+        self._unfinished -= 1
+        return True
+
+    def take_committable(self) -> list[Message]:
+        """Removes and returns the contiguous done prefix, in offset order."""
+        entries = self._entries
+        taken: list[Message] = []
+        while entries and entries[0].done:
+            message = entries.popleft().message
+            del self._index[message.offset]
+            taken.append(message)
+        return taken
+
+    def oldest_unfinished(self) -> Message | None:
+        for entry in self._entries:
+            if not entry.done:
+                return entry.message
+        return None
+
+    def clear(self) -> int:
+        """Forgets everything; returns how many unfinished messages were dropped."""
+        dropped = self._unfinished
+        self._entries.clear()
+        self._index.clear()
+        self._unfinished = 0
+        return dropped
+
+
+class AckTracker:
+    """Acknowledgements of every partition session a runner holds."""
+
+    def __init__(self) -> None:
+        self._partitions: dict[SessionKey, PartitionAcks] = {}
+        self._unfinished = 0
+
+    @property
+    def unfinished(self) -> int:
+        """Messages read and not done, across all live sessions (the buffer's fill)."""
+        return self._unfinished
+
+    @property
+    def outstanding(self) -> int:
+        return sum(p.outstanding for p in self._partitions.values())
+
+    def partitions(self) -> Iterator[PartitionAcks]:
+        return iter(list(self._partitions.values()))
+
+    def partition_of(self, message: Message) -> PartitionAcks | None:
+        return self._partitions.get(session_key(message))
+
+    def add(self, message: Message) -> PartitionAcks:
+        key = session_key(message)
+        acks = self._partitions.get(key)
+        if acks is None:
+            acks = self._partitions[key] = PartitionAcks(message.session)
+        acks.add(message)
+        self._unfinished += 1
+        return acks
+
+    def ack(self, message: Message) -> bool:
+        """Marks a message done; a message of a forgotten session is ignored."""
+        acks = self._partitions.get(session_key(message))
+        if acks is None or not acks.ack(message):
+            return False
+        self._unfinished -= 1
+        return True
+
+    def take_committable(self) -> list[list[Message]]:
+        """The done prefix of every live session; dead sessions are forgotten."""
+        runs: list[list[Message]] = []
+        for key, acks in list(self._partitions.items()):
+            if not acks.alive:
+                self._unfinished -= acks.clear()
+                del self._partitions[key]
+                continue
+            run = acks.take_committable()
+            if run:
+                runs.append(run)
+        return runs
+
+    def forget_dead(self) -> int:
+        """Drops dead sessions at once; returns how many unfinished messages went with them."""
+        dropped = 0
+        for key, acks in list(self._partitions.items()):
+            if not acks.alive:
+                dropped += acks.clear()
+                del self._partitions[key]
+        self._unfinished -= dropped
+        return dropped
+
+    def statistics(self) -> list[PartitionStats]:
+        stats = []
+        for (topic, partition, _), acks in self._partitions.items():
+            oldest = acks.oldest_unfinished()
+            stats.append(
+                PartitionStats(
+                    topic=topic,
+                    partition=partition,
+                    outstanding=acks.outstanding,
+                    unfinished=acks.unfinished,
+                    oldest_unfinished_offset=None if oldest is None else oldest.offset,
+                    oldest_unfinished_written_at=None if oldest is None else oldest.written_at,
+                )
+            )
+        return stats

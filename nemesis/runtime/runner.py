@@ -1,0 +1,383 @@
+"""The runner of one integration: reader -> bounded buffer -> workers -> delivery -> commit.
+
+::
+
+    intake ──> scheduler (ordering) ──> N workers ──> transport ──> settler
+      │  bounded: at most delivery.buffer          │                  │
+      │  messages unfinished                       ▼                  ▼
+      └──────────── ack tracker <──── ack (done) ──┴── retry in place (delay)
+                         │
+                 commit loop: contiguous done prefix per partition session
+
+The commit rule: an offset is committed only when every message before it
+in its partition is done (``nemesis.runtime.acks``). Messages of a revoked
+partition session are neither delivered further nor committed.
+
+Memory is bounded twice: no more than ``delivery.buffer`` messages are
+unfinished at once (intake waits), and no partition holds more than
+``delivery.buffer`` uncommitted messages (done ones included, waiting behind a
+slow or failing one): such a partition is paused at the reader while the
+others flow on.
+
+Shutdown: stop reading, let workers drain for the grace period, commit what is
+done under ``asyncio.shield``, then cancel what is left (it is redelivered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from nemesis.broker.port import Broker, Message, PartitionSession, TopicReader
+from nemesis.clock import SYSTEM_CLOCK, Clock
+from nemesis.config.models import IntegrationConfig
+from nemesis.delivery.port import DeliveryResult, Transport
+from nemesis.errors import BrokerError
+from nemesis.metrics import Metrics, status_class
+from nemesis.runtime.acks import AckTracker, PartitionStats
+from nemesis.runtime.events import EventFactory
+from nemesis.runtime.scheduler import Scheduler, Work
+from nemesis.runtime.settle import Action, RetryInPlace, Settler
+
+log = logging.getLogger(__name__)
+
+
+class RunnerState(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOptions:
+    """Knobs of the runner that are not part of an integration's YAML."""
+
+    receive_timeout_s: float = 0.2
+    max_receive: int = 500
+    commit_interval_s: float = 0.1
+    commit_timeout_s: float = 10.0
+    shutdown_grace_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerStats:
+    """A snapshot of a runner for metrics and the admin API."""
+
+    integration: str
+    state: RunnerState
+    workers: int
+    buffered: int  # read, not yet started by a worker
+    in_flight: int  # being delivered right now
+    delayed: int  # waiting for a retry in place
+    unfinished: int  # read, not done (the buffer's fill)
+    outstanding: int  # read, not committed
+    messages_read: int
+    last_read_at: float | None  # monotonic time messages last arrived
+    last_commit_at: float | None
+    paused_partitions: int
+    partitions: Sequence[PartitionStats] = field(default_factory=tuple)
+
+
+class IntegrationRunner:
+    """Runs one integration until ``stop()``."""
+
+    def __init__(
+        self,
+        config: IntegrationConfig,
+        broker: Broker,
+        transport: Transport,
+        *,
+        settler: Settler | None = None,
+        metrics: Metrics | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        options: RunnerOptions = RunnerOptions(),
+    ) -> None:
+        self.config = config
+        self.name = config.name
+        self._broker = broker
+        self._transport = transport
+        self._settler = settler or RetryInPlace(config.name, config.retry.tiers)
+        self._metrics = metrics or Metrics()
+        self._clock = clock
+        self._options = options
+        self._events = EventFactory(config)
+        self._tracker = AckTracker()
+        self._scheduler = Scheduler(config.delivery.ordering, clock)
+        self._state = RunnerState.STARTING
+        self._stopping = asyncio.Event()
+        self._resumed = asyncio.Event()
+        if not config.paused:
+            self._resumed.set()
+        self._progress = asyncio.Event()  # set whenever a message finishes or a session is dropped
+        self._paused_sessions: dict[tuple[str, int, int], PartitionSession] = {}
+        self._in_flight = 0
+        self._messages_read = 0
+        self._last_read_at: float | None = None
+        self._last_commit_at: float | None = None
+        self._bind_metrics()
+
+    def _bind_metrics(self) -> None:
+        m, name, topic = self._metrics, self.name, self.config.source.topic
+        self._m_read = m.messages_read.labels(name, topic)
+        self._m_duration = m.delivery_duration.labels(name)
+        self._m_batch = m.delivery_batch_size.labels(name)
+        self._m_retries = m.retries_in_place.labels(name)
+        self._m_commits = m.commits.labels(name, topic)
+        self._m_committed = m.committed_messages.labels(name, topic)
+        self._m_commit_failures = m.commit_failures.labels(name, topic)
+        self._m_stale = m.stale_dropped.labels(name)
+
+    # --- control ------------------------------------------------------------
+
+    @property
+    def state(self) -> RunnerState:
+        return self._state
+
+    def stop(self) -> None:
+        """Asks the runner to drain and stop; ``run()`` returns when it has."""
+        self._stopping.set()
+
+    def pause(self) -> None:
+        """Stops reading new messages; what is in flight finishes."""
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self._resumed.set()
+
+    def statistics(self) -> RunnerStats:
+        return RunnerStats(
+            integration=self.name,
+            state=self._state,
+            workers=self.config.delivery.workers,
+            buffered=self._scheduler.ready + self._scheduler.waiting,
+            in_flight=self._in_flight,
+            delayed=self._scheduler.delayed,
+            unfinished=self._tracker.unfinished,
+            outstanding=self._tracker.outstanding,
+            messages_read=self._messages_read,
+            last_read_at=self._last_read_at,
+            last_commit_at=self._last_commit_at,
+            paused_partitions=len(self._paused_sessions),
+            partitions=tuple(self._tracker.statistics()),
+        )
+
+    # --- the run ------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Reads, delivers and commits until ``stop()``, then drains and returns."""
+        source = self.config.source
+        reader = await self._broker.reader(source.topic, source.consumer)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                intake = tasks.create_task(self._intake(reader), name=f"{self.name}:intake")
+                helpers = [
+                    tasks.create_task(self._commit_loop(reader), name=f"{self.name}:commit"),
+                    tasks.create_task(self._scheduler.run_timers(), name=f"{self.name}:timers"),
+                ]
+                helpers += [
+                    tasks.create_task(self._worker(), name=f"{self.name}:worker-{i}")
+                    for i in range(self.config.delivery.workers)
+                ]
+                await self._stopping.wait()
+                await intake
+                self._state = RunnerState.DRAINING
+                await self._drain(self._options.shutdown_grace_s)
+                for task in helpers:
+                    task.cancel()
+        finally:
+            # Commit what finished, even when cancelled: it is only ever less redelivery.
+            await asyncio.shield(self._commit(reader))
+            await reader.close()
+            await self._transport.close()
+            self._state = RunnerState.STOPPED
+
+    async def _drain(self, grace_s: float) -> None:
+        try:
+            async with asyncio.timeout(grace_s):
+                while self._tracker.unfinished > 0:
+                    self._progress.clear()
+                    await self._progress.wait()
+        except TimeoutError:
+            log.warning(
+                "integration %s: %d messages unfinished after the %.1fs grace period; "
+                "they will be delivered again",
+                self.name,
+                self._tracker.unfinished,
+                grace_s,
+            )
+
+    async def _intake(self, reader: TopicReader) -> None:
+        buffer = self.config.delivery.buffer
+        while not self._stopping.is_set():
+            if not self._resumed.is_set():
+                self._state = RunnerState.PAUSED
+                await _first(self._resumed, self._stopping)
+                continue
+            self._state = RunnerState.RUNNING
+            free = buffer - self._tracker.unfinished
+            if free <= 0:
+                self._progress.clear()
+                if self._tracker.unfinished >= buffer:
+                    await _first(self._progress, self._stopping)
+                continue
+            self._flow_control(reader)
+            messages = await reader.receive(
+                min(free, self._options.max_receive), self._options.receive_timeout_s
+            )
+            if messages:
+                self._admit(messages)
+
+    def _admit(self, messages: Sequence[Message]) -> None:
+        admitted = 0
+        for message in messages:
+            if not message.alive:
+                continue
+            self._tracker.add(message)
+            self._scheduler.put(Work(message))
+            admitted += 1
+        self._messages_read += admitted
+        self._last_read_at = self._clock.monotonic()
+        self._m_read.inc(admitted)
+
+    def _flow_control(self, reader: TopicReader) -> None:
+        """Pauses partitions with too much uncommitted behind a slow message; resumes drained ones."""
+        cap = self.config.delivery.buffer
+        for acks in self._tracker.partitions():
+            session = acks.session
+            if session is None:
+                continue
+            key = (session.topic, session.partition, session.id)
+            if key not in self._paused_sessions and acks.outstanding >= cap:
+                reader.pause(session)
+                self._paused_sessions[key] = session
+            elif key in self._paused_sessions and acks.outstanding <= cap // 2:
+                reader.resume(session)
+                del self._paused_sessions[key]
+        for key, session in list(self._paused_sessions.items()):
+            if not session.alive:
+                del self._paused_sessions[key]
+
+    # --- workers ------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while True:
+            batch = await self._next_batch()
+            await self._process(batch)
+
+    async def _next_batch(self) -> list[Work]:
+        first = await self._scheduler.get()
+        size = self.config.delivery.batch.size
+        if size == 1:
+            return [first]
+        batch = [first]
+        deadline = self._clock.monotonic() + self.config.delivery.batch.max_wait_ms / 1000
+        while len(batch) < size:
+            work = self._scheduler.get_nowait()
+            if work is None:
+                remaining = deadline - self._clock.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    work = await asyncio.wait_for(self._scheduler.get(), remaining)
+                except TimeoutError:
+                    break
+            batch.append(work)
+        return batch
+
+    async def _process(self, batch: list[Work]) -> None:
+        live: list[Work] = []
+        for work in batch:
+            if work.message.alive:
+                live.append(work)
+            else:
+                # Its partition now belongs to another reader, which delivers it again.
+                self._scheduler.done(work)
+                self._m_stale.inc()
+        if not live:
+            return
+        events = [self._events(work.message, work.attempt) for work in live]
+        self._in_flight += len(live)
+        try:
+            if len(events) == 1:
+                result = await self._transport.deliver(events[0])
+            else:
+                result = await self._transport.deliver_batch(events)
+        finally:
+            self._in_flight -= len(live)
+        self._observe(result, len(live))
+        for work in live:
+            decision = await self._settler.settle(work, result)
+            if decision.action is Action.ACK:
+                self._finish(work)
+            else:
+                if work.first_failure_at is None:
+                    work.first_failure_at = self._clock.time()
+                work.attempt += 1
+                work.last_error = result.error
+                self._m_retries.inc()
+                self._scheduler.put_later(work, decision.delay_s)
+
+    def _observe(self, result: DeliveryResult, count: int) -> None:
+        self._m_duration.observe(result.duration_s)
+        self._m_batch.observe(count)
+        self._metrics.deliveries.labels(
+            self.name, result.outcome.value, status_class(result.status)
+        ).inc(count)
+
+    def _finish(self, work: Work) -> None:
+        self._tracker.ack(work.message)
+        self._scheduler.done(work)
+        self._progress.set()
+
+    # --- commits ------------------------------------------------------------
+
+    async def _commit_loop(self, reader: TopicReader) -> None:
+        while True:
+            await self._clock.sleep(self._options.commit_interval_s)
+            await self._commit(reader)
+            self._flow_control(reader)
+
+    async def _commit(self, reader: TopicReader) -> None:
+        unfinished_before = self._tracker.unfinished
+        runs = self._tracker.take_committable()
+        dropped = unfinished_before - self._tracker.unfinished
+        if dropped:
+            self._progress.set()
+        for run in runs:
+            try:
+                async with asyncio.timeout(self._options.commit_timeout_s):
+                    await reader.commit(run)
+            except (BrokerError, TimeoutError) as exc:
+                # Not fatal: the next commit of this partition covers these offsets too,
+                # and if none comes they are delivered again (at-least-once).
+                self._m_commit_failures.inc()
+                log.warning(
+                    "integration %s: commit of %s/%s up to %d failed: %s",
+                    self.name,
+                    run[-1].topic,
+                    run[-1].partition,
+                    run[-1].offset,
+                    exc,
+                )
+                continue
+            self._m_commits.inc()
+            self._m_committed.inc(len(run))
+            self._last_commit_at = self._clock.monotonic()
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Waits until any of the events is set."""
+    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiter

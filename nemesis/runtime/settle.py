@@ -1,0 +1,82 @@
+"""What happens to a message after its delivery: the one place that decides.
+
+Workers never decide on their own whether to acknowledge, retry or dead-letter:
+they hand the delivery result to a ``Settler`` and do what it says
+(faststream's acknowledgement middleware, dramatiq's Retries).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from nemesis.delivery.port import DeliveryResult, Outcome
+from nemesis.runtime.scheduler import Work
+
+log = logging.getLogger(__name__)
+
+
+class Action(enum.Enum):
+    ACK = "ack"  # finished: the offset may be committed
+    RETRY_IN_PLACE = "retry_in_place"  # deliver again after `delay_s`, keeping the offset
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    delay_s: float = 0.0
+
+
+ACK = Decision(Action.ACK)
+
+
+def backoff_delay(attempt: int, delays_s: Sequence[float], retry_after_s: float | None) -> float:
+    """The delay before attempt ``attempt + 1``: the tier for this attempt, raised by Retry-After.
+
+    Past the last tier the last delay repeats. Pure, so tests need no clock.
+    """
+    if not delays_s:
+        base = 1.0
+    else:
+        base = delays_s[min(attempt, len(delays_s)) - 1]
+    if retry_after_s is not None and retry_after_s > base:
+        return retry_after_s
+    return base
+
+
+class Settler(Protocol):
+    async def settle(self, work: Work, result: DeliveryResult) -> Decision: ...
+
+
+class RetryInPlace:
+    """Keeps every failed message and delivers it again after a backoff, forever.
+
+    Used where no retry topic may take the message: with this settler nothing
+    is ever committed past a message that did not finish. Dead outcomes are
+    retried too (and logged at error), since without a dead-letter store
+    dropping them would lose them.
+    """
+
+    def __init__(self, integration: str, delays_s: Sequence[float]) -> None:
+        self._integration = integration
+        self._delays_s = tuple(delays_s)
+
+    async def settle(self, work: Work, result: DeliveryResult) -> Decision:
+        if result.outcome.done:
+            return ACK
+        message = work.message
+        if result.outcome is Outcome.DEAD:
+            log.error(
+                "integration %s: handler rejected %s/%s@%s (%s); no dead-letter store is "
+                "configured, so it is kept and retried",
+                self._integration,
+                message.topic,
+                message.partition,
+                message.offset,
+                result.error,
+            )
+        delay_s = backoff_delay(work.attempt, self._delays_s, result.retry_after_s)
+        return Decision(Action.RETRY_IN_PLACE, delay_s)

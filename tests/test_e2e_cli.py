@@ -1,0 +1,217 @@
+"""End to end through the real CLI in subprocesses, against a real handler on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import orjson
+import pytest
+
+from nemesis.testing import HandlerServer, LedgerEntry
+from tests.conftest import Workspace, integration_yaml, kill_hard, stop_gracefully
+
+pytestmark = pytest.mark.slow
+
+
+def write_orders(path: Path, count: int, start: int = 0) -> set[str]:
+    ids = set()
+    with path.open("wb") as out:
+        for n in range(start, start + count):
+            order_id = f"order-{n}"
+            ids.add(order_id)
+            out.write(orjson.dumps({"id": order_id, "city": "msk", "amount": n % 500}) + b"\n")
+    return ids
+
+
+def order_id(entry: LedgerEntry) -> str:
+    return str(json.loads(entry.body)["id"])
+
+
+def publish(workspace: Workspace, topic: str, count: int, partitions: int = 4) -> set[str]:
+    created = workspace.cli("topics", "create", topic, "--partitions", str(partitions))
+    assert created.returncode == 0, created.stderr
+    ids = write_orders(workspace.root / "orders.jsonl", count)
+    published = workspace.cli(
+        "publish", topic, "--file", "orders.jsonl", "--lines", "--key-field", "id", timeout=120
+    )
+    assert published.returncode == 0, published.stderr
+    assert f"written {count} message(s)" in published.stdout
+    return ids
+
+
+def describe(workspace: Workspace, topic: str) -> dict[str, object]:
+    described = workspace.cli("topics", "describe", topic, "--json")
+    assert described.returncode == 0, described.stderr
+    document: dict[str, object] = json.loads(described.stdout)
+    return document
+
+
+async def test_run_delivers_every_published_message(workspace: Workspace) -> None:
+    ids = publish(workspace, "orders", 10_000)
+    async with HandlerServer() as handler:
+        workspace.write_integration("loyalty", integration_yaml("loyalty", handler.url, workers=32))
+        proxy = await workspace.start("run")
+        await handler.ledger.wait_for(10_000, timeout_s=120)
+        assert await stop_gracefully(proxy) == 0, workspace.logs()
+        delivered = {order_id(e) for e in handler.ledger if e.done}
+    assert delivered == ids
+    partitions = describe(workspace, "orders")["partitions"]
+    assert isinstance(partitions, list)
+    assert sum(p["end_offset"] for p in partitions) == 10_000
+    for p in partitions:
+        assert p["committed"]["loyalty"] == p["end_offset"], p
+
+
+async def test_commit_never_passes_an_unfinished_message(workspace: Workspace) -> None:
+    """Handler answers in random order; at every look, all offsets below the commit arrived."""
+    publish(workspace, "orders", 3000)
+    async with HandlerServer(seed=3) as handler:
+        handler.delay(0.0, 0.03)
+        workspace.write_integration("loyalty", integration_yaml("loyalty", handler.url, workers=32))
+        proxy = await workspace.start("run")
+        broker = await workspace.open_broker()
+        looks = 0
+        widest_gap = 0
+        try:
+            while len(handler.ledger.done_ids()) < 3000:
+                await asyncio.sleep(0.05)
+                description = await broker.admin.describe_topic("orders")
+                arrived = {(e.partition, e.offset) for e in handler.ledger if e.done}
+                for partition in description.partitions:
+                    committed = partition.committed.get("loyalty", 0)
+                    missing = [
+                        o for o in range(committed) if (partition.partition, o) not in arrived
+                    ]
+                    assert not missing, (
+                        f"partition {partition.partition} committed {committed} before {missing[:5]}"
+                    )
+                    here = [o for p, o in arrived if p == partition.partition and o is not None]
+                    if here:
+                        widest_gap = max(widest_gap, max(here) + 1 - committed)
+                looks += 1
+        finally:
+            await broker.close()
+        assert await stop_gracefully(proxy) == 0, workspace.logs()
+    assert looks > 5
+    # Commits really ran behind deliveries in flight (else this test proves nothing).
+    assert widest_gap > 1
+
+
+async def test_kill_9_loses_nothing_and_bounds_duplicates(workspace: Workspace) -> None:
+    count, kills, buffer, partitions = 20_000, 4, 500, 4
+    ids = publish(workspace, "orders", count, partitions)
+    rng = random.Random(11)
+    async with HandlerServer(seed=5) as handler:
+        handler.delay(0.0, 0.004)
+        workspace.write_integration(
+            "loyalty", integration_yaml("loyalty", handler.url, workers=32, buffer=buffer)
+        )
+        for _ in range(kills):
+            proxy = await workspace.start("run")
+            # Kill at a random moment once it is delivering (not while it is still starting).
+            before = len(handler.ledger)
+            await handler.ledger.wait_until(lambda ledger: len(ledger) > before, timeout_s=60)
+            await asyncio.sleep(rng.uniform(0.1, 1.0))
+            kill_hard(proxy)
+            await proxy.wait()
+        proxy = await workspace.start("run")
+        await handler.ledger.wait_for(count, timeout_s=180)
+        assert await stop_gracefully(proxy) == 0, workspace.logs()
+    delivered = Counter(order_id(e) for e in handler.ledger if e.done)
+    assert set(delivered) == ids, f"lost {len(ids - set(delivered))}"
+    duplicates = sum(n - 1 for n in delivered.values())
+    # A kill can only redeliver what was read and not committed: at most `buffer` per partition.
+    assert duplicates <= kills * partitions * buffer, duplicates
+    print(f"kill -9 x{kills}: {duplicates} duplicate deliveries of {count}")
+
+
+async def test_second_process_takes_over_a_killed_ones_partitions(tmp_path: Path) -> None:
+    count = 4000
+    a, b = Workspace(tmp_path / "a", lease_s=1.5), Workspace(tmp_path / "b", lease_s=1.5)
+    for space in (a, b):
+        space.root.mkdir()
+        space.write_config()
+    # Both proxies use one log file and one consumer name.
+    b.root.joinpath("nemesis.yaml").write_text(a.root.joinpath("nemesis.yaml").read_text())
+    ids = publish(a, "orders", count)
+    try:
+        async with HandlerServer(seed=9) as handler:
+            handler.delay(0.01)
+            for name, space in (("a", a), ("b", b)):
+                space.write_integration(
+                    "shared",
+                    integration_yaml(
+                        "shared", handler.url, workers=2, buffer=20, headers={"x-proxy": name}
+                    ),
+                )
+            proxy_a = await a.start("run")
+            proxy_b = await b.start("run")
+
+            def by(name: str) -> set[int]:
+                return {
+                    e.partition
+                    for e in handler.ledger
+                    if e.headers.get("x-proxy") == name and e.partition is not None
+                }
+
+            await handler.ledger.wait_until(
+                lambda _: len(by("a")) >= 1 and len(by("b")) >= 1, timeout_s=30
+            )
+            owned_by_a = by("a")
+            assert owned_by_a.isdisjoint(by("b")) or len(owned_by_a | by("b")) == 4
+            kill_hard(proxy_a)
+            await proxy_a.wait()
+            killed_at = asyncio.get_running_loop().time()
+            await handler.ledger.wait_until(lambda _: by("b") >= owned_by_a, timeout_s=15)
+            takeover_s = asyncio.get_running_loop().time() - killed_at
+            await handler.ledger.wait_for(count, timeout_s=120)
+            assert await stop_gracefully(proxy_b) == 0, b.logs()
+        delivered = {order_id(e) for e in handler.ledger if e.done}
+        assert delivered == ids
+        # Lease 1.5 s: the survivor must hold the dead one's partitions soon after it expires.
+        assert takeover_s < 1.5 + 3.0, takeover_s
+    finally:
+        for space in (a, b):
+            for process in space.processes:
+                if process.returncode is None:
+                    kill_hard(process)
+                    await process.wait()
+            for log_file in space.log_files:
+                log_file.close()
+
+
+def test_validate_reports_every_broken_file_without_traceback(workspace: Workspace) -> None:
+    integrations = workspace.root / "integrations"
+    (integrations / "unknown-key.yaml").write_text(
+        integration_yaml("unknown-key", "http://127.0.0.1:1/").replace("timeout_s", "timout_s")
+    )
+    (integrations / "wrong-type.yaml").write_text(
+        integration_yaml("wrong-type", "http://127.0.0.1:1/").replace(
+            "workers: 32", "workers: many"
+        )
+    )
+    (integrations / "missing.yaml").write_text(
+        "name: missing\nowners: [a]\nsource: {topic: t, consumer: c}\n"
+    )
+    (integrations / "broken.yaml").write_text("name: broken\nowners: [a\n")
+    (integrations / "dup.yaml").write_text(integration_yaml("unknown-key", "http://127.0.0.1:1/"))
+    result = workspace.cli("validate", "integrations")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stdout + result.stderr
+    out = result.stdout
+    assert "integrations/unknown-key.yaml:4: target.timout_s" in out
+    assert "integrations/wrong-type.yaml:5: delivery.workers" in out
+    assert "integrations/missing.yaml:1: target" in out
+    assert "integrations/broken.yaml:3: invalid YAML: while parsing a flow sequence (line 2)" in out
+    assert "integrations/dup.yaml:1: name" in out
+
+
+def test_validate_accepts_the_shipped_examples() -> None:
+    from tests.conftest import REPO
+
+    result = Workspace(REPO).cli("validate", "integrations", "nemesis.example.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
