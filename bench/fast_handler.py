@@ -32,8 +32,7 @@ class HandlerProtocol(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data

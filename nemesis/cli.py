@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reads topics and pushes every message to the handler of the team that "
         "registered an integration.",
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
     run = commands.add_parser("run", help="run the proxy for every integration")
@@ -68,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     validate = commands.add_parser(
         "validate", help="validate integration and process YAML (exit 1 on any error)"
     )
-    validate.add_argument("paths", nargs="*", type=Path, help="files or directories (default: integrations/)")
+    validate.add_argument(
+        "paths", nargs="*", type=Path, help="files or directories (default: integrations/)"
+    )
     validate.add_argument("--format", choices=["text", "github"], default="text")
     validate.set_defaults(handler=cmd_validate)
 
@@ -110,8 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     describe.add_argument("--json", action="store_true")
     describe.set_defaults(handler=cmd_topics_describe)
 
-    demo = commands.add_parser("demo", help="the whole thing on the embedded backend, in one minute")
-    demo.add_argument("--dir", type=Path, default=Path("demo-data"), help="where the demo keeps its data")
+    demo = commands.add_parser(
+        "demo", help="the whole thing on the embedded backend, in one minute"
+    )
+    demo.add_argument(
+        "--dir", type=Path, default=Path("demo-data"), help="where the demo keeps its data"
+    )
     demo.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     demo.add_argument("--rate", type=float, default=50.0, help="sample orders per second")
     demo.set_defaults(handler=cmd_demo)
@@ -245,7 +253,10 @@ def _payloads(args: argparse.Namespace, stdin: Any) -> Iterator[bytes]:
 
 
 async def _publish(
-    config: NemesisConfig, args: argparse.Namespace, metadata: dict[str, str], payloads: Iterator[bytes]
+    config: NemesisConfig,
+    args: argparse.Namespace,
+    metadata: dict[str, str],
+    payloads: Iterator[bytes],
 ) -> int:
     broker = await open_broker(config)
     written = duplicates = 0
@@ -268,7 +279,10 @@ async def _publish(
         await writer.close()
     finally:
         await broker.close()
-    print(f"written {written} message(s) to {args.topic}" + (f", {duplicates} duplicate(s) skipped" if duplicates else ""))
+    print(
+        f"written {written} message(s) to {args.topic}"
+        + (f", {duplicates} duplicate(s) skipped" if duplicates else "")
+    )
     return EXIT_OK
 
 
@@ -301,7 +315,9 @@ def cmd_topics_create(args: argparse.Namespace) -> int:
                 args.name,
                 partitions=args.partitions or config.backend.default_partitions,
                 consumers=[ConsumerSpec(c) for c in args.consumer],
-                retention_s=parse_duration(args.retention) if args.retention else config.backend.retention,
+                retention_s=parse_duration(args.retention)
+                if args.retention
+                else config.backend.retention,
                 exist_ok=args.exist_ok,
             )
         finally:
@@ -363,10 +379,14 @@ def _print_description(description: Any, as_json: bool, out: TextIO) -> None:
         return
     out.write(f"topic {description.name}  retention {description.retention_s}s\n")
     consumers = list(description.consumers)
-    header = f"{'partition':>9} {'start':>10} {'end':>10}" + "".join(f" {c + ' lag':>16}" for c in consumers)
+    header = f"{'partition':>9} {'start':>10} {'end':>10}" + "".join(
+        f" {c + ' lag':>16}" for c in consumers
+    )
     out.write(header + "\n")
     for p in description.partitions:
-        lags = "".join(f" {p.end_offset - p.committed.get(c, p.start_offset):>16}" for c in consumers)
+        lags = "".join(
+            f" {p.end_offset - p.committed.get(c, p.start_offset):>16}" for c in consumers
+        )
         out.write(f"{p.partition:>9} {p.start_offset:>10} {p.end_offset:>10}{lags}\n")
 
 

@@ -57,11 +57,13 @@ retry:
 
 async def run_demo(directory: Path, *, duration_s: float | None, rate: float) -> int:
     """Runs until Ctrl-C (or ``duration_s``); returns the exit code."""
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before anything runs
     async with HandlerServer(seed=7) as handler:
         # Every 20th order fails its first attempt with a 503: the retry path at work.
         handler.when(
-            lambda entry: entry.offset is not None and entry.offset % 20 == 0 and entry.receipt == 1,
+            lambda entry: (
+                entry.offset is not None and entry.offset % 20 == 0 and entry.receipt == 1
+            ),
             status=503,
         )
         config_path = directory / "nemesis.yaml"
@@ -115,8 +117,8 @@ def _print_banner(directory: Path, handler_url: str) -> None:
         "\n".join(
             [
                 "Nemesis demo (embedded backend)",
-                f"  data and YAML:   {directory}/ (integrations/demo-orders.yaml is the integration)",
-                f"  sample handler:  {handler_url}events/order (fails every 20th order once: watch retries)",
+                f"  data and YAML:   {directory}/ (the integration: integrations/demo-orders.yaml)",
+                f"  sample handler:  {handler_url}events/order (every 20th order fails once)",
                 f"  producer:        sample orders into topic '{TOPIC}' (4 partitions)",
                 "  stop with Ctrl-C",
                 "",
@@ -159,7 +161,10 @@ async def _report(broker: Broker, handler: HandlerServer) -> None:
         await asyncio.sleep(5)
         description = await broker.admin.describe_topic(TOPIC)
         produced = sum(p.end_offset - p.start_offset for p in description.partitions)
-        lag = sum(p.end_offset - p.committed.get("demo-orders", p.start_offset) for p in description.partitions)
+        lag = sum(
+            p.end_offset - p.committed.get("demo-orders", p.start_offset)
+            for p in description.partitions
+        )
         retried = sum(1 for entry in handler.ledger if not entry.done)
         print(
             f"produced {produced:>6}  delivered {len(handler.ledger.done_ids()):>6}  "

@@ -67,7 +67,7 @@ class Workspace:
 
     async def start(self, *args: str) -> asyncio.subprocess.Process:
         """Starts a long-running CLI command (``run``) in a subprocess."""
-        log_file = (self.root / f"stderr-{len(self.processes)}.log").open("wb")  # noqa: ASYNC230
+        log_file = (self.root / f"stderr-{len(self.processes)}.log").open("wb")
         self.log_files.append(log_file)
         process = await asyncio.create_subprocess_exec(
             sys.executable,

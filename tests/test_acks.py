@@ -36,7 +36,7 @@ def test_committed_offset_never_passes_an_unfinished_message(
 ) -> None:
     session = FakeSession()
     acks = PartitionAcks(session)
-    # Offsets with gaps (compaction, retention, filtered transactions): still contiguous in read order.
+    # Offsets may have gaps (retention, YDB transactions); read order is still offset order.
     gaps = data.draw(st.lists(st.integers(1, 3), min_size=count, max_size=count))
     offsets = []
     offset = data.draw(st.integers(0, 1000))

@@ -86,9 +86,7 @@ async def test_commit_never_passes_an_unfinished_message(workspace: Workspace) -
                     missing = [
                         o for o in range(committed) if (partition.partition, o) not in arrived
                     ]
-                    assert not missing, (
-                        f"partition {partition.partition} committed {committed} before {missing[:5]}"
-                    )
+                    assert not missing, f"{partition.partition}: {committed} before {missing[:5]}"
                     here = [o for p, o in arrived if p == partition.partition and o is not None]
                     if here:
                         widest_gap = max(widest_gap, max(here) + 1 - committed)
@@ -114,7 +112,9 @@ async def test_kill_9_loses_nothing_and_bounds_duplicates(workspace: Workspace) 
             proxy = await workspace.start("run")
             # Kill at a random moment once it is delivering (not while it is still starting).
             before = len(handler.ledger)
-            await handler.ledger.wait_until(lambda ledger: len(ledger) > before, timeout_s=60)
+            await handler.ledger.wait_until(
+                lambda ledger, before=before: len(ledger) > before, timeout_s=60
+            )
             await asyncio.sleep(rng.uniform(0.1, 1.0))
             kill_hard(proxy)
             await proxy.wait()

@@ -472,6 +472,15 @@ async def test_zero_retention_keeps_messages_forever(tmp_path: Path) -> None:
         await broker.close()
 
 
+async def test_checkpoints_copy_the_wal_into_the_database(broker: EmbeddedBroker) -> None:
+    await broker.admin.create_topic("t", partitions=1)
+    writer = await broker.writer("t")
+    for _ in range(20):
+        await writer.write([OutgoingMessage(value=b"x" * 1000)] * 10)
+    # Appends leave checkpoints to housekeeping, so the WAL holds every page.
+    assert await broker.checkpoint() > 20
+
+
 # --- readers sharing a consumer ---------------------------------------------------------------
 
 

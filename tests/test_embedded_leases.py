@@ -55,6 +55,25 @@ async def main(path, member_id, lease_s):
 asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
 """
 
+# A writer process: appends batches of ten forever, reporting each acknowledged one.
+WRITER_SCRIPT = """
+import asyncio, sys
+from nemesis.broker.embedded import open_embedded
+from nemesis.broker.port import OutgoingMessage
+
+async def main(path):
+    broker = await open_embedded(path)
+    writer = await broker.writer("t", producer_id="w")
+    seqno = 0
+    while True:
+        batch = [OutgoingMessage(value=b"%d" % (seqno + i), seqno=seqno + i) for i in range(10)]
+        await writer.write(batch)
+        seqno += 10
+        print(seqno, flush=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
 
 @dataclass
 class ReaderProcess:
@@ -218,3 +237,40 @@ async def test_a_reader_process_that_stops_hands_over_before_its_lease_expires(
     await until(lambda: staying.got == sent, 10, "the remaining reader reading everything")
     staying.process.send_signal(signal.SIGTERM)
     assert await staying.process.wait() == 0
+
+
+async def test_acknowledged_writes_survive_kill_9(broker: EmbeddedBroker, tmp_path: Path) -> None:
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER_SCRIPT)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), str(tmp_path / "n.db"), stdout=asyncio.subprocess.PIPE
+    )
+    acknowledged = 0
+    try:
+        assert process.stdout is not None
+        while acknowledged < 500:
+            line = await asyncio.wait_for(process.stdout.readline(), 20)
+            assert line, "the writer process ended early"
+            acknowledged = int(line)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+        assert process.stdout is not None
+        await process.stdout.read()
+
+    described = await broker.admin.describe_topic("t")
+    assert sum(p.end_offset for p in described.partitions) >= acknowledged
+    await broker.admin.add_consumer("t", ConsumerSpec("check"))
+    reader = await broker.reader("t", "check")
+    seen: set[int] = set()
+    while len(seen) < acknowledged:
+        batch = await reader.receive(1000, 1.0)
+        assert batch, f"only {len(seen)} of {acknowledged} acknowledged messages survived"
+        seen.update(int(m.value) for m in batch)
+    assert set(range(acknowledged)) <= seen
+    # The seqno survived too: a retry of an acknowledged batch is a duplicate.
+    writer = await broker.writer("t", producer_id="w")
+    results = await writer.write([OutgoingMessage(value=b"again", seqno=acknowledged - 1)])
+    assert results[0].status.value == "duplicate"

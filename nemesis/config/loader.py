@@ -84,6 +84,8 @@ class ValidationContext:
     require_env: bool
     process_configs: Mapping[Path, NemesisConfig]  # the valid ones, directories resolved
     integrations: IntegrationSet
+    # The file each loaded integration came from, by name (problems in it need its lines).
+    integration_files: Mapping[str, Path] = field(default_factory=dict)
 
 
 class Checker(Protocol):
@@ -215,9 +217,9 @@ def validate_paths(
         if parsed.value is not None:
             process_configs[path] = _resolve_dirs(parsed.value, path.parent)
 
-    integrations = _load_integration_set(_unique(integration_files), env, require_env)
+    integrations, sources = _load_integration_files(_unique(integration_files), env, require_env)
     problems.extend(integrations.problems)
-    context = ValidationContext(env, require_env, process_configs, integrations)
+    context = ValidationContext(env, require_env, process_configs, integrations, sources)
     # Checkers run even without claimed paths: they may cross-check integrations.
     for checker, checker_paths in zip(checkers, claimed, strict=True):
         problems.extend(checker.check(checker_paths, context))
@@ -262,6 +264,13 @@ def _load_integration(
 def _load_integration_set(
     files: Sequence[Path], env: Mapping[str, str] | None, require_env: bool
 ) -> IntegrationSet:
+    return _load_integration_files(files, env, require_env)[0]
+
+
+def _load_integration_files(
+    files: Sequence[Path], env: Mapping[str, str] | None, require_env: bool
+) -> tuple[IntegrationSet, dict[str, Path]]:
+    """The integration set, and the file each loaded integration came from."""
     loaded = [_load_integration(path, env, require_env) for path in files]
     problems = [problem for item in loaded for problem in item.problems]
     by_name: dict[str, list[_IntegrationFile]] = {}
@@ -269,6 +278,7 @@ def _load_integration_set(
         if item.name is not None:
             by_name.setdefault(item.name, []).append(item)
     integrations: dict[str, IntegrationConfig] = {}
+    paths: dict[str, Path] = {}
     for name, group in by_name.items():
         # A valid file keeps its name over a broken one, so a bad new file
         # cannot take a running integration down.
@@ -285,7 +295,8 @@ def _load_integration_set(
         )
         if owner.config is not None:
             integrations[name] = owner.config
-    return IntegrationSet(integrations, sort_problems(problems))
+            paths[name] = owner.path
+    return IntegrationSet(integrations, sort_problems(problems)), paths
 
 
 def _integration_files(directory: Path) -> tuple[list[Path], list[ConfigProblem]]:

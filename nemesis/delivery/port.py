@@ -26,10 +26,11 @@ class Outcome(enum.Enum):
     @property
     def done(self) -> bool:
         """Whether the message is finished and its offset may be committed."""
-        return self in (Outcome.DELIVERED, Outcome.DROPPED)
+        # Identity tests: enum hashing and equality run Python code (hot path).
+        return self is Outcome.DELIVERED or self is Outcome.DROPPED
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Event:
     """One message on its way to a handler, with what the handler contract adds."""
 

@@ -32,10 +32,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from prometheus_client import Counter
+
 from nemesis.broker.port import Broker, Message, PartitionSession, TopicReader
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig
-from nemesis.delivery.port import DeliveryResult, Transport
+from nemesis.delivery.port import DeliveryResult, Outcome, Transport
 from nemesis.errors import BrokerError
 from nemesis.metrics import Metrics, status_class
 from nemesis.runtime.acks import AckTracker, PartitionStats
@@ -115,6 +117,7 @@ class IntegrationRunner:
         if not config.paused:
             self._resumed.set()
         self._progress = asyncio.Event()  # set whenever a message finishes or a session is dropped
+        self._commit_lock = asyncio.Lock()
         self._paused_sessions: dict[tuple[str, int, int], PartitionSession] = {}
         self._in_flight = 0
         self._messages_read = 0
@@ -132,6 +135,8 @@ class IntegrationRunner:
         self._m_committed = m.committed_messages.labels(name, topic)
         self._m_commit_failures = m.commit_failures.labels(name, topic)
         self._m_stale = m.stale_dropped.labels(name)
+        # Bound children by (outcome, status): labels() per delivery costs more than the count.
+        self._m_deliveries: dict[tuple[Outcome, int | None], Counter] = {}
 
     # --- control ------------------------------------------------------------
 
@@ -246,7 +251,7 @@ class IntegrationRunner:
         self._m_read.inc(admitted)
 
     def _flow_control(self, reader: TopicReader) -> None:
-        """Pauses partitions with too much uncommitted behind a slow message; resumes drained ones."""
+        """Pauses partitions with too much uncommitted behind a slow message; resumes drained."""
         cap = self.config.delivery.buffer
         for acks in self._tracker.partitions():
             session = acks.session
@@ -311,6 +316,11 @@ class IntegrationRunner:
         finally:
             self._in_flight -= len(live)
         self._observe(result, len(live))
+        if result.outcome.done:
+            # Delivered or dropped: finished by the contract, nothing to decide.
+            for work in live:
+                self._finish(work)
+            return
         for work in live:
             decision = await self._settler.settle(work, result)
             if decision.action is Action.ACK:
@@ -326,9 +336,13 @@ class IntegrationRunner:
     def _observe(self, result: DeliveryResult, count: int) -> None:
         self._m_duration.observe(result.duration_s)
         self._m_batch.observe(count)
-        self._metrics.deliveries.labels(
-            self.name, result.outcome.value, status_class(result.status)
-        ).inc(count)
+        key = (result.outcome, result.status)
+        counter = self._m_deliveries.get(key)
+        if counter is None:
+            counter = self._m_deliveries[key] = self._metrics.deliveries.labels(
+                self.name, result.outcome.value, status_class(result.status)
+            )
+        counter.inc(count)
 
     def _finish(self, work: Work) -> None:
         self._tracker.ack(work.message)
@@ -340,10 +354,16 @@ class IntegrationRunner:
     async def _commit_loop(self, reader: TopicReader) -> None:
         while True:
             await self._clock.sleep(self._options.commit_interval_s)
-            await self._commit(reader)
+            # Shielded: the runs are taken from the tracker before they are sent, so a
+            # cancelled commit would lose them; the final commit waits for this one.
+            await asyncio.shield(self._commit(reader))
             self._flow_control(reader)
 
     async def _commit(self, reader: TopicReader) -> None:
+        async with self._commit_lock:
+            await self._commit_runs(reader)
+
+    async def _commit_runs(self, reader: TopicReader) -> None:
         unfinished_before = self._tracker.unfinished
         runs = self._tracker.take_committable()
         dropped = unfinished_before - self._tracker.unfinished

@@ -1,8 +1,9 @@
 """What happens to a message after its delivery: the one place that decides.
 
-Workers never decide on their own whether to acknowledge, retry or dead-letter:
-they hand the delivery result to a ``Settler`` and do what it says
-(faststream's acknowledgement middleware, dramatiq's Retries).
+A delivered or dropped message is finished by the contract and acknowledged
+at once. For every other outcome workers never decide on their own whether to
+retry or dead-letter: they hand the delivery result to a ``Settler`` and do
+what it says (faststream's acknowledgement middleware, dramatiq's Retries).
 """
 
 from __future__ import annotations
@@ -38,10 +39,7 @@ def backoff_delay(attempt: int, delays_s: Sequence[float], retry_after_s: float 
 
     Past the last tier the last delay repeats. Pure, so tests need no clock.
     """
-    if not delays_s:
-        base = 1.0
-    else:
-        base = delays_s[min(attempt, len(delays_s)) - 1]
+    base = delays_s[min(attempt, len(delays_s)) - 1] if delays_s else 1.0
     if retry_after_s is not None and retry_after_s > base:
         return retry_after_s
     return base

@@ -128,13 +128,10 @@ class EmbeddedWriter:
         if not messages:
             return []
         broker = self._broker
+        batch, target, clock = tuple(messages), self._target, broker.clock
         appended = await broker.db.writer.run(
-            partial(
-                log.append,
-                target=self._target,
-                messages=tuple(messages),
-                now=broker.clock.time(),
-            ),
+            # The time is read when the transaction runs, not when it was queued.
+            lambda conn: log.append(conn, target, batch, clock.time()),
             timeout_s=timeout_s,
         )
         if appended.rows:
@@ -197,7 +194,12 @@ class EmbeddedBroker:
             on_rebalance=self._poke_siblings,
             on_close=self._forget_reader,
         )
-        await reader.start(timeout_s=max(self.config.lease_s, 5.0))
+        try:
+            await reader.start(timeout_s=max(self.config.lease_s, 5.0))
+        except BrokerError:
+            # The first heartbeat may have taken leases before it failed.
+            await reader.close()
+            raise
         self._readers.setdefault(found.id, set()).add(reader)
         # Siblings in this process hand over their excess now rather than at
         # their next heartbeat; other processes notice within lease_s / 3.

@@ -243,7 +243,12 @@ def append(
     topic = target.topic
     partitions = [_choose_partition(target, m) for m in messages]
     with write_transaction(conn):
-        if conn.execute("SELECT 1 FROM topics WHERE id = ?", (topic.id,)).fetchone() is None:
+        ends: dict[int, int] = dict(
+            conn.execute(
+                "SELECT partition_id, end_offset FROM partitions WHERE topic_id = ?", (topic.id,)
+            ).fetchall()
+        )
+        if not ends:  # a dropped topic's partitions go with it
             raise TopicNotFound(f"topic {topic.name!r} does not exist")
         last_seqno: int | None = None
         if any(m.seqno is not None for m in messages):
@@ -253,11 +258,6 @@ def append(
             ).fetchone()
             last_seqno = None if row is None else row[0]
         seqno_before = last_seqno
-        ends: dict[int, int] = dict(
-            conn.execute(
-                "SELECT partition_id, end_offset FROM partitions WHERE topic_id = ?", (topic.id,)
-            ).fetchall()
-        )
         rows: list[tuple[Any, ...]] = []
         results: list[WriteResult] = []
         for message, partition in zip(messages, partitions, strict=True):

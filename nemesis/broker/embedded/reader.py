@@ -276,7 +276,7 @@ class EmbeddedReader:
         return self._advance(requests)
 
     def _advance(self, requests: list[log.ReadRequest]) -> list[Message]:
-        batch: list[Message] = []
+        pages: list[list[Message]] = []
         for request in requests:
             session = request.session
             # Ended or paused while the read ran: drop the page, keep the position.
@@ -284,13 +284,17 @@ class EmbeddedReader:
                 not request.messages
                 or not session.alive
                 or not isinstance(session, EmbeddedSession)
+                or session.paused
             ):
                 continue
-            if session.paused:
-                continue
             session.position = request.messages[-1].offset + 1
-            batch.extend(request.messages)
-        return batch
+            pages.append(request.messages)
+        if len(pages) <= 1:
+            return pages[0] if pages else []
+        # Interleaved, so that a consumer taking the batch from the front (a
+        # FIFO of workers) starts on every partition at once instead of
+        # working through one partition's page before the next.
+        return [m for row in itertools.zip_longest(*pages) for m in row if m is not None]
 
     async def _wait(self, seconds: float) -> None:
         loop = asyncio.get_running_loop()
@@ -412,8 +416,7 @@ class EmbeddedReader:
                 committed=s.committed,
                 lease_expires_at=s.expires_at,
             )
-            for s in self.sessions()
-            if isinstance(s, EmbeddedSession)
+            for _, s in sorted(self._sessions.items())
         )
         return ReaderStatistics(
             topic=self._topic.name,

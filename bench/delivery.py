@@ -1,0 +1,387 @@
+"""Delivery benchmark: the proxy against a bare HTTP client, measured in the same run.
+
+Prints, on this machine:
+  (a) messages/s through `nemesis run` (a subprocess) to a fast local handler,
+  (b) the same handler driven by a bare loop of the same client (aiohttp) at the
+      same concurrency, and the ratio a/b (target >= 0.8),
+  (c) (a) with batches of 100 per request (target >= 50,000 msg/s),
+  (d) embedded log append and read rates,
+  (e) p50/p99 latency added by the proxy at 1,000 msg/s (target p99 <= 1.2 ms),
+  (f) peak RSS of the proxy process.
+
+The handler (bench/fast_handler.py) and the proxy run pinned to different
+cores when the machine has two. Usage: `make bench` or
+`python bench/delivery.py [--messages N] [--workers W]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from nemesis.broker.embedded import open_embedded
+from nemesis.broker.port import ConsumerSpec, OutgoingMessage
+from nemesis.config.models import EmbeddedBackendConfig
+
+HERE = Path(__file__).resolve().parent
+PAYLOAD = orjson.dumps(
+    {
+        "id": "order-000000",
+        "city": "msk",
+        "amount": 123.45,
+        "items": [{"sku": "sku-1", "qty": 2}, {"sku": "sku-2", "qty": 1}],
+        "customer": {"id": "c-1", "tier": "gold", "email": "someone@example.com"},
+        "note": "x" * 120,
+    }
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def pin(core: int) -> list[str]:
+    """taskset prefix pinning a child to one core, when there are several."""
+    if (os.cpu_count() or 1) < 2:
+        return []
+    return ["taskset", "-c", str(core)]
+
+
+class Handler:
+    """bench/fast_handler.py in its own process, on core 1."""
+
+    def __init__(self, latency: bool = False) -> None:
+        self.port = free_port()
+        args = [sys.executable, str(HERE / "fast_handler.py"), "--port", str(self.port)]
+        if latency:
+            args.append("--latency")
+        self.process = subprocess.Popen([*pin(1), *args])
+        self.url = f"http://127.0.0.1:{self.port}/"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("benchmark handler did not start")
+
+    async def stats(self, session: aiohttp.ClientSession) -> dict[str, Any]:
+        async with session.get(self.url + "stats") as response:
+            result: dict[str, Any] = await response.json()
+            return result
+
+    async def reset(self, session: aiohttp.ClientSession) -> None:
+        async with session.post(self.url + "reset") as response:
+            await response.read()
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait()
+
+
+class Workspace:
+    """A folder with nemesis.yaml + one integration, and the log file."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.db = root / "bench.db"
+        (root / "integrations").mkdir(parents=True, exist_ok=True)
+        (root / "nemesis.yaml").write_text(
+            f"backend: {{kind: embedded, path: {self.db}}}\ndata_dir: .\nintegrations_dir: integrations\n"
+        )
+
+    def integration(self, topic: str, url: str, workers: int, batch: int, max_wait_ms: int) -> None:
+        for old in (self.root / "integrations").glob("*.yaml"):
+            old.unlink()
+        (self.root / "integrations" / f"{topic}.yaml").write_text(
+            f"name: {topic}\nowners: [bench]\n"
+            f"source: {{topic: {topic}, consumer: {topic}}}\n"
+            f"target: {{url: '{url}', timeout_s: 10}}\n"
+            f"delivery: {{workers: {workers}, buffer: {max(2000, workers * batch * 2)}, "
+            f"batch: {{size: {batch}, max_wait_ms: {max_wait_ms}}}}}\n"
+        )
+
+    def start_proxy(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [*pin(0), sys.executable, "-m", "nemesis", "--log-level", "warning", "run"],
+            cwd=self.root,
+        )
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def fill(db: Path, topic: str, count: int, partitions: int = 4) -> None:
+    broker = await open_embedded(EmbeddedBackendConfig(path=str(db)))
+    try:
+        await broker.admin.create_topic(
+            topic, partitions=partitions, consumers=[ConsumerSpec(topic)], exist_ok=True
+        )
+        writer = await broker.writer(topic)
+        for start in range(0, count, 1000):
+            await writer.write(
+                [OutgoingMessage(value=PAYLOAD, partition=n % partitions) for n in range(start, min(count, start + 1000))]
+            )
+        await writer.close()
+    finally:
+        await broker.close()
+
+
+async def through_proxy(
+    space: Workspace, handler: Handler, topic: str, count: int, workers: int, batch: int
+) -> tuple[float, float]:
+    """(messages/s, peak RSS MB) of `nemesis run` delivering `count` pre-published messages."""
+    await fill(space.db, topic, count)
+    space.integration(topic, handler.url, workers, batch, max_wait_ms=5 if batch > 1 else 0)
+    async with aiohttp.ClientSession() as session:
+        await handler.reset(session)
+        proxy = space.start_proxy()
+        try:
+            first_at = first_count = None
+            while True:
+                events = (await handler.stats(session))["events"]
+                now = time.perf_counter()
+                if first_at is None and events > 0:
+                    first_at, first_count = now, events
+                if events >= count:
+                    break
+                await asyncio.sleep(0.02)
+            rss = peak_rss_mb(proxy.pid)
+        finally:
+            proxy.send_signal(signal.SIGTERM)
+            proxy.wait(30)
+    assert first_at is not None and first_count is not None
+    return (count - first_count) / (now - first_at), rss
+
+
+async def bare_client(handler: Handler, count: int, concurrency: int) -> float:
+    """Requests/s of a plain aiohttp loop: same payload, headers and concurrency."""
+    headers = {
+        "content-type": "application/json",
+        "ce-specversion": "1.0",
+        "ce-id": "bench:0:0",
+        "ce-source": "nemesis/bench",
+        "ce-type": "nemesis.message",
+        "ce-time": "2026-11-30T00:00:00Z",
+        "ce-topic": "bench",
+        "ce-partition": "0",
+        "ce-offset": "0",
+        "ce-attempt": "1",
+    }
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        remaining = count
+
+        async def worker() -> None:
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                async with session.post(handler.url, data=PAYLOAD, headers=headers) as response:
+                    await response.read()
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return count / (time.perf_counter() - started)
+
+
+def run_pinned(coroutine_name: str, *args: str) -> Any:
+    """Runs one of this file's measurements in a child pinned to core 0 (as the proxy is)."""
+    output = subprocess.run(
+        [*pin(0), sys.executable, __file__, "--child", coroutine_name, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(output.stdout.strip().splitlines()[-1])
+
+
+async def log_rates(root: Path, count: int) -> dict[str, float]:
+    """Append rate (batches of 100 and 1000) and read rate of the embedded log."""
+    results: dict[str, float] = {}
+    broker = await open_embedded(EmbeddedBackendConfig(path=str(root / "log.db")))
+    try:
+        for batch in (100, 1000):
+            topic = f"append-{batch}"
+            await broker.admin.create_topic(topic, partitions=4, consumers=[ConsumerSpec("r")])
+            writer = await broker.writer(topic)
+            started = time.perf_counter()
+            for start in range(0, count, batch):
+                await writer.write(
+                    [OutgoingMessage(value=PAYLOAD, partition=n % 4) for n in range(start, start + batch)]
+                )
+            results[f"append_batch_{batch}"] = count / (time.perf_counter() - started)
+            await writer.close()
+        reader = await broker.reader("append-1000", "r")
+        got = 0
+        started = time.perf_counter()
+        while got < count:
+            got += len(await reader.receive(1000, 1.0))
+        results["read"] = count / (time.perf_counter() - started)
+        await reader.close()
+    finally:
+        await broker.close()
+    return results
+
+
+async def latency(space: Workspace, rate: float, seconds: float, workers: int) -> dict[str, float]:
+    """Added latency at `rate` msg/s: producer -> log -> proxy -> handler, minus direct client -> handler."""
+    handler = Handler(latency=True)
+    try:
+        topic = "latency"
+        await fill(space.db, topic, 0)
+        space.integration(topic, handler.url, workers, 1, 0)
+        async with aiohttp.ClientSession() as session:
+            # Direct: a client at the same rate stamps `ts` and posts straight to the handler.
+            await handler.reset(session)
+            interval = 1 / rate
+            started = time.perf_counter()
+            for n in range(int(rate * seconds)):
+                await _wait_until(started + n * interval)
+                async with session.post(
+                    handler.url, data=orjson.dumps({"ts": time.time(), "n": n})
+                ) as response:
+                    await response.read()
+            direct = (await handler.stats(session))["latencies_ms"]
+            # Through the proxy: a producer stamps `ts` and appends to the log at the same rate.
+            await handler.reset(session)
+            proxy = space.start_proxy()
+            broker = await open_embedded(EmbeddedBackendConfig(path=str(space.db)))
+            try:
+                writer = await broker.writer(topic)
+                await asyncio.sleep(1.5)  # the proxy has started and holds its partitions
+                total = int(rate * seconds)
+                started = time.perf_counter()
+                for n in range(total):
+                    await _wait_until(started + n * interval)
+                    await writer.write(
+                        [OutgoingMessage(value=orjson.dumps({"ts": time.time(), "n": n}), partition=n % 4)]
+                    )
+                while (await handler.stats(session))["events"] < total:
+                    await asyncio.sleep(0.05)
+                proxied = (await handler.stats(session))["latencies_ms"]
+                await writer.close()
+            finally:
+                await broker.close()
+                proxy.send_signal(signal.SIGTERM)
+                proxy.wait(30)
+    finally:
+        handler.close()
+    return {
+        "direct_p50": percentile(direct, 50),
+        "direct_p99": percentile(direct, 99),
+        "proxy_p50": percentile(proxied, 50),
+        "proxy_p99": percentile(proxied, 99),
+    }
+
+
+async def _wait_until(deadline: float) -> None:
+    delay = deadline - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+def percentile(values: Sequence[float], pct: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))]
+
+
+async def main(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="nemesis-bench-") as tmp:
+        space = Workspace(Path(tmp))
+        handler = Handler()
+        try:
+            proxy_rates, rss = [], []
+            bare_rates = []
+            for _ in range(args.repeat):
+                rate, peak = await through_proxy(
+                    space, handler, f"single{_}", args.messages, args.workers, 1
+                )
+                proxy_rates.append(rate)
+                rss.append(peak)
+                bare_rates.append(
+                    run_pinned("bare", str(handler.port), str(args.messages), str(args.workers))
+                )
+            batched, batched_rss = await through_proxy(
+                space, handler, "batched", args.messages * 5, 8, 100
+            )
+        finally:
+            handler.close()
+        log = await log_rates(Path(tmp), args.log_messages)
+        lat = await latency(space, 1000.0, args.latency_seconds, 16)
+    a, b = statistics.median(proxy_rates), statistics.median(bare_rates)
+    print(f"\nNemesis delivery benchmark ({os.cpu_count()} cores, proxy and handler pinned apart)")
+    print(f"  (a) nemesis run, 1 msg/request, {args.workers} workers: {a:>10,.0f} msg/s  {fmt(proxy_rates)}")
+    print(f"  (b) bare aiohttp loop, same concurrency:  {b:>10,.0f} req/s  {fmt(bare_rates)}")
+    print(f"      ratio a/b:                            {a / b:>10.2f}   (target >= 0.8)")
+    print(f"  (c) nemesis run, batches of 100:          {batched:>10,.0f} msg/s  (target >= 50,000)")
+    print(f"  (d) embedded log append, batch 100:       {log['append_batch_100']:>10,.0f} msg/s")
+    print(f"      embedded log append, batch 1000:      {log['append_batch_1000']:>10,.0f} msg/s")
+    print(f"      embedded log read:                    {log['read']:>10,.0f} msg/s")
+    added_p50 = lat["proxy_p50"] - lat["direct_p50"]
+    added_p99 = lat["proxy_p99"] - lat["direct_p99"]
+    print(
+        f"  (e) latency at 1,000 msg/s, direct:       p50 {lat['direct_p50']:.2f} ms  p99 {lat['direct_p99']:.2f} ms"
+    )
+    print(
+        f"      producer -> log -> proxy -> handler:  p50 {lat['proxy_p50']:.2f} ms  p99 {lat['proxy_p99']:.2f} ms"
+    )
+    print(f"      added by the proxy (incl. the log):   p50 {added_p50:.2f} ms  p99 {added_p99:.2f} ms  (target p99 <= 1.2 ms)")
+    print(f"  (f) peak RSS of the proxy: {max(rss):.0f} MB (single), {batched_rss:.0f} MB (batched)")
+
+
+def fmt(values: Sequence[float]) -> str:
+    return "runs: " + ", ".join(f"{v:,.0f}" for v in values)
+
+
+def child(name: str, args: Sequence[str]) -> None:
+    if name == "bare":
+        port, count, concurrency = (int(a) for a in args)
+        handler = Handler.__new__(Handler)
+        handler.url = f"http://127.0.0.1:{port}/"
+        print(json.dumps(_run(bare_client(handler, count, concurrency))))
+
+
+def _run(coroutine: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3:])
+        sys.exit(0)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument("--workers", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--log-messages", type=int, default=100_000)
+    parser.add_argument("--latency-seconds", type=float, default=10.0)
+    _run(main(parser.parse_args()))

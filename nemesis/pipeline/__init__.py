@@ -1,0 +1,87 @@
+"""Pipelines: the stages a message goes through between the topic and the handler.
+
+::
+
+    pipelines/<name>.yaml ──compile once──> Pipeline ──process(message)──> PipelineResult
+          (or inline stages)        stage registry                  PASS (bytes) | FILTERED | DEAD
+
+* ``stage``: the envelope a stage works on, ``Stage``, ``StageFailure``, reasons.
+* ``registry``: stage types by name (config model + factory); ``default_registry()``.
+* ``stages/``: the built-in stages: decode, filter, expr, transform, route_by_type, cdc.
+* ``patterns``: filter patterns compiled to one generated function.
+* ``compiler``: YAML to ``Pipeline``, with problems by file, line and field.
+* ``compiled``: ``Pipeline``, ``PipelineResult``, per-stage statistics.
+* ``checker``: ``PipelineChecker`` for ``nemesis validate``.
+* ``testing``: ``pipelines/<name>.test.yaml`` runner; ``dryrun``: a pipeline over a sample.
+"""
+
+from nemesis.pipeline.checker import PipelineChecker
+from nemesis.pipeline.compiled import (
+    Pipeline,
+    PipelineResult,
+    PipelineStats,
+    StageStats,
+    Verdict,
+)
+from nemesis.pipeline.compiler import (
+    AUTO_DECODE,
+    build_integration_pipeline,
+    compile_file,
+    compile_stages,
+    find_pipeline,
+    load_pipeline,
+    pipeline_files,
+)
+from nemesis.pipeline.dryrun import DryRunReport, dry_run, dry_run_file, read_sample
+from nemesis.pipeline.patterns import CompiledPattern, PatternError, compile_pattern
+from nemesis.pipeline.registry import StageRegistry, StageType, default_registry
+from nemesis.pipeline.stage import (
+    DECODE_ERROR,
+    PIPELINE_ERROR,
+    TYPE_ERROR,
+    BuildContext,
+    Envelope,
+    Stage,
+    StageConfig,
+    StageConfigError,
+    StageFailure,
+)
+from nemesis.pipeline.testing import PipelineTestReport, check_test_file, run_pipeline_tests
+
+__all__ = [
+    "AUTO_DECODE",
+    "DECODE_ERROR",
+    "PIPELINE_ERROR",
+    "TYPE_ERROR",
+    "BuildContext",
+    "CompiledPattern",
+    "DryRunReport",
+    "Envelope",
+    "PatternError",
+    "Pipeline",
+    "PipelineChecker",
+    "PipelineResult",
+    "PipelineStats",
+    "PipelineTestReport",
+    "Stage",
+    "StageConfig",
+    "StageConfigError",
+    "StageFailure",
+    "StageRegistry",
+    "StageStats",
+    "StageType",
+    "Verdict",
+    "build_integration_pipeline",
+    "check_test_file",
+    "compile_file",
+    "compile_pattern",
+    "compile_stages",
+    "default_registry",
+    "dry_run",
+    "dry_run_file",
+    "find_pipeline",
+    "load_pipeline",
+    "pipeline_files",
+    "read_sample",
+    "run_pipeline_tests",
+]

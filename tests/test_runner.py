@@ -1,0 +1,234 @@
+"""The runner in-process: ordering, batching, flow control, shutdown and revocation.
+
+Real parts throughout: the embedded log in a SQLite file under tmp_path, the
+aiohttp transport, and a real handler server on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from nemesis.broker.embedded import EmbeddedBroker, open_embedded
+from nemesis.broker.port import ConsumerSpec, OutgoingMessage
+from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
+from nemesis.delivery.http import http_transport
+from nemesis.runtime.runner import IntegrationRunner, RunnerOptions
+from nemesis.testing import HandlerServer, LedgerEntry
+
+FAST = RunnerOptions(receive_timeout_s=0.05, commit_interval_s=0.02, shutdown_grace_s=5)
+
+
+@pytest.fixture
+async def broker(tmp_path: Path) -> AsyncIterator[EmbeddedBroker]:
+    opened = await open_embedded(EmbeddedBackendConfig(path=str(tmp_path / "log.db"), lease_s=1.0))
+    yield opened
+    await opened.close()
+
+
+@pytest.fixture
+async def handler() -> AsyncIterator[HandlerServer]:
+    async with HandlerServer(seed=1) as server:
+        yield server
+
+
+def config(url: str, **overrides: Any) -> IntegrationConfig:
+    document: dict[str, Any] = {
+        "name": "it",
+        "owners": ["team"],
+        "source": {"topic": "orders", "consumer": "it"},
+        "target": {"url": url, "timeout_s": 5},
+        "delivery": {"workers": 16, "buffer": 200},
+        "retry": {"tiers": ["50ms", "100ms"]},
+    }
+    for key, value in overrides.items():
+        document[key] = {**document.get(key, {}), **value} if isinstance(value, Mapping) else value
+    return IntegrationConfig.model_validate(document)
+
+
+async def publish(
+    broker: EmbeddedBroker, count: int, *, keys: int | None = None, partitions: int = 4
+) -> None:
+    await broker.admin.create_topic(
+        "orders", partitions=partitions, consumers=[ConsumerSpec("it")], exist_ok=True
+    )
+    writer = await broker.writer("orders")
+    batch = [
+        OutgoingMessage(
+            value=orjson.dumps({"n": n}),
+            key=f"k{n % keys}" if keys else None,
+            partition=None if keys else n % partitions,
+        )
+        for n in range(count)
+    ]
+    await writer.write(batch)
+    await writer.close()
+
+
+def runner_for(broker: EmbeddedBroker, cfg: IntegrationConfig) -> IntegrationRunner:
+    transport = http_transport(
+        cfg.target, integration=cfg.name, max_connections=cfg.delivery.workers
+    )
+    return IntegrationRunner(cfg, broker, transport, options=FAST)
+
+
+async def committed(broker: EmbeddedBroker, consumer: str = "it") -> dict[int, int]:
+    description = await broker.admin.describe_topic("orders")
+    return {p.partition: p.committed.get(consumer, 0) for p in description.partitions}
+
+
+def n_of(entry: LedgerEntry) -> int:
+    return int(json.loads(entry.body)["n"])
+
+
+async def test_key_ordering_holds_a_key_behind_its_retried_message(
+    broker: EmbeddedBroker, handler: HandlerServer
+) -> None:
+    await publish(broker, 400, keys=8)
+    handler.delay(0.0, 0.01)
+    # The first message of key k0 fails twice; nothing later of k0 may arrive before it succeeds.
+    handler.when(lambda e: n_of(e) == 0 and e.receipt <= 2, status=503)
+    runner = runner_for(broker, config(handler.url, delivery={"ordering": "key", "workers": 16}))
+    task = asyncio.create_task(runner.run())
+    await handler.ledger.wait_for(400, timeout_s=30)
+    runner.stop()
+    await task
+    by_key: dict[str, list[LedgerEntry]] = defaultdict(list)
+    for entry in handler.ledger:
+        by_key[entry.key or ""].append(entry)
+    for key, entries in by_key.items():
+        ns = [n_of(e) for e in entries]
+        assert ns == sorted(ns), f"key {key} delivered out of order"
+    k0 = [n_of(e) for e in by_key["k0"]]
+    assert k0[:3] == [0, 0, 0], k0[:5]
+    # Other keys did not wait for k0.
+    first_k0_success = next(i for i, e in enumerate(handler.ledger) if n_of(e) == 0 and e.done)
+    assert first_k0_success > 8
+
+
+async def test_partition_ordering_runs_one_message_per_partition(
+    broker: EmbeddedBroker, handler: HandlerServer
+) -> None:
+    await publish(broker, 200)
+    handler.delay(0.002)
+    runner = runner_for(
+        broker, config(handler.url, delivery={"ordering": "partition", "workers": 16})
+    )
+    task = asyncio.create_task(runner.run())
+    await handler.ledger.wait_for(200, timeout_s=30)
+    runner.stop()
+    await task
+    for partition in range(4):
+        offsets = [e.offset for e in handler.ledger if e.partition == partition]
+        assert offsets == list(range(50))
+    # At most 4 requests (one per partition) were ever open at once.
+    assert handler.connections <= 4
+
+
+async def test_batches_by_size_or_wait(broker: EmbeddedBroker, handler: HandlerServer) -> None:
+    await publish(broker, 1000)
+    runner = runner_for(
+        broker,
+        config(handler.url, delivery={"workers": 4, "batch": {"size": 50, "max_wait_ms": 20}}),
+    )
+    task = asyncio.create_task(runner.run())
+    await handler.ledger.wait_for(1000, timeout_s=30)
+    runner.stop()
+    await task
+    sizes = [e.batch_size for e in handler.ledger]
+    assert all(e.mode == "batch" for e in handler.ledger)
+    assert max(sizes) == 50
+    assert handler.requests < 1000 / 10
+    assert await committed(broker) == {p: 250 for p in range(4)}
+
+
+async def test_poison_message_stalls_neither_other_partitions_nor_memory(
+    broker: EmbeddedBroker, handler: HandlerServer
+) -> None:
+    buffer = 50
+    await publish(broker, 2000)
+    poison_id = "orders:0:10"
+    rule = handler.fail_ids({poison_id}, status=503)
+    runner = runner_for(broker, config(handler.url, delivery={"buffer": buffer, "workers": 8}))
+    task = asyncio.create_task(runner.run())
+    # Partitions 1-3 are delivered in full while partition 0 is stuck at offset 10.
+    await handler.ledger.wait_until(
+        lambda ledger: sum(1 for e in ledger if e.done and e.partition != 0) >= 1500, timeout_s=30
+    )
+    for _ in range(20):  # keeps retrying the poison message meanwhile, with bounded memory
+        stats = runner.statistics()
+        assert stats.unfinished <= buffer
+        assert stats.outstanding <= buffer + FAST.max_receive
+        await asyncio.sleep(0.05)
+    assert stats.paused_partitions == 1
+    assert (await committed(broker))[0] == 10
+    assert len(handler.ledger.by_id(poison_id)) > 3
+    # The handler is fixed: the partition resumes and everything is delivered and committed.
+    handler.remove(rule)
+    await handler.ledger.wait_for(2000, timeout_s=30)
+    await asyncio.sleep(0.1)
+    runner.stop()
+    await task
+    assert await committed(broker) == {p: 500 for p in range(4)}
+
+
+async def test_graceful_stop_commits_what_finished_and_nothing_more(
+    broker: EmbeddedBroker, handler: HandlerServer
+) -> None:
+    await publish(broker, 2000)
+    handler.delay(0.005, 0.02)
+    runner = runner_for(broker, config(handler.url))
+    task = asyncio.create_task(runner.run())
+    await handler.ledger.wait_for(300, timeout_s=30)
+    runner.stop()
+    await task
+    done_offsets = {(e.partition, e.offset) for e in handler.ledger if e.done}
+    for partition, offset in (await committed(broker)).items():
+        assert all((partition, o) in done_offsets for o in range(offset))
+    # A second run delivers the rest; only what was in flight at the stop comes twice.
+    second = runner_for(broker, config(handler.url))
+    task = asyncio.create_task(second.run())
+    await handler.ledger.wait_for(2000, timeout_s=30)
+    second.stop()
+    await task
+    assert len(handler.ledger.duplicates()) == 0  # drained: nothing was left in flight
+    assert await committed(broker) == {p: 500 for p in range(4)}
+
+
+async def test_revoked_partitions_are_not_committed_by_the_old_owner(
+    broker: EmbeddedBroker, handler: HandlerServer, tmp_path: Path
+) -> None:
+    await publish(broker, 40)  # 10 per partition: all of them in flight at once
+    handler.hang()
+    first = runner_for(broker, config(handler.url, delivery={"workers": 40, "buffer": 100}))
+    first_task = asyncio.create_task(first.run())
+    await handler.ledger.wait_until(lambda ledger: len(ledger) == 40, timeout_s=10)
+    # A second process joins the consumer: two partitions move to it.
+    other = await open_embedded(EmbeddedBackendConfig(path=str(tmp_path / "log.db"), lease_s=1.0))
+    try:
+        second = runner_for(other, config(handler.url))
+        second_task = asyncio.create_task(second.run())
+        # The old owner lets go of two partitions at its next heartbeat; the new one takes them.
+        await handler.ledger.wait_until(lambda ledger: len(ledger) > 40, timeout_s=10)
+        handler.reset()  # answers everything held, 200 from now on
+        await handler.ledger.wait_until(lambda ledger: len(ledger) >= 60, timeout_s=10)
+        await asyncio.sleep(0.3)
+        second.stop()
+        first.stop()
+        await asyncio.gather(first_task, second_task)
+    finally:
+        await other.close()
+    # The moved partitions were delivered again by the new owner: the old owner's
+    # acknowledgements of its dead sessions were never committed.
+    redelivered = {(e.partition, e.offset) for e in handler.ledger if e.receipt > 1}
+    moved = {p for p, _ in redelivered}
+    assert len(moved) == 2
+    assert redelivered == {(p, o) for p in moved for o in range(10)}
+    assert await committed(broker) == {p: 10 for p in range(4)}
