@@ -32,14 +32,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client import Counter
-
 from nemesis.broker.port import Broker, Message, PartitionSession, TopicReader
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig
 from nemesis.delivery.port import DeliveryResult, Outcome, Transport
 from nemesis.errors import BrokerError
-from nemesis.metrics import Metrics, status_class
+from nemesis.metrics import LoopCounter, Metrics, status_class
 from nemesis.runtime.acks import AckTracker, PartitionStats
 from nemesis.runtime.events import EventFactory
 from nemesis.runtime.scheduler import Scheduler, Work
@@ -135,8 +133,8 @@ class IntegrationRunner:
         self._m_committed = m.committed_messages.labels(name, topic)
         self._m_commit_failures = m.commit_failures.labels(name, topic)
         self._m_stale = m.stale_dropped.labels(name)
-        # Bound children by (outcome, status): labels() per delivery costs more than the count.
-        self._m_deliveries: dict[tuple[Outcome, int | None], Counter] = {}
+        # Children by (outcome, status): a labels() lookup per delivery costs more than the count.
+        self._m_deliveries: dict[tuple[Outcome, int | None], LoopCounter] = {}
 
     # --- control ------------------------------------------------------------
 
