@@ -10,6 +10,8 @@ from email.utils import parsedate_to_datetime
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from nemesis import __version__
@@ -20,6 +22,7 @@ from nemesis.delivery.cloudevents import (
     batch_body,
     decode_header_value,
     encode_header_value,
+    structured_event,
 )
 from nemesis.delivery.http import (
     ERROR_TEXT_CHARS,
@@ -583,3 +586,28 @@ def test_target_headers_are_checked(headers: dict[str, str]) -> None:
 def test_http_transport_needs_an_http_url() -> None:
     with pytest.raises(ConfigError, match="http"):
         http_transport(TargetConfig(url="grpc://127.0.0.1:9"), integration="x", max_connections=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=5),
+    key=st.none() | st.text(max_size=10),
+    type_=st.text(min_size=1, max_size=12),
+    payload=st.sampled_from([b'{"a": 1}', b"[1, 2]", b"not json", b"\xff\x00", b" 3 ", b""]),
+    content_type=st.sampled_from(["application/json", "text/plain", "application/x+json"]),
+)
+def test_batch_body_bytes_match_the_structured_events(
+    ids: list[str], key: str | None, type_: str, payload: bytes, content_type: str
+) -> None:
+    events = [
+        Event(
+            Message("orders", 3, 10 + n, payload, key=key, created_at=1764482352.25),
+            id=event_id,
+            type=type_,
+            attempt=n + 1,
+            content_type=content_type,
+        )
+        for n, event_id in enumerate(ids)
+    ]
+    expected = [structured_event(event, "nemesis/x") for event in events]
+    assert orjson.loads(batch_body(events, "nemesis/x")) == orjson.loads(orjson.dumps(expected))
