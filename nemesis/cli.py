@@ -24,6 +24,7 @@ from nemesis.config.loader import (
 )
 from nemesis.config.models import NemesisConfig, parse_duration
 from nemesis.errors import ConfigError, NemesisError
+from nemesis.pipeline import PipelineChecker, dry_run_file, run_pipeline_tests
 
 log = logging.getLogger("nemesis")
 
@@ -114,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     describe.add_argument("--json", action="store_true")
     describe.set_defaults(handler=cmd_topics_describe)
 
+    tests = commands.add_parser(
+        "test-pipelines", help="run pipeline YAML tests; with --sample, per-stage shares"
+    )
+    _config_option(tests)
+    tests.add_argument("paths", nargs="*", type=Path, help="pipeline or test files, or folders")
+    tests.add_argument("--sample", type=Path, help="JSON lines of real messages for a dry run")
+    tests.add_argument("--pipeline", type=Path, help="with --sample: the pipeline file to run")
+    tests.set_defaults(handler=cmd_test_pipelines)
+
     demo = commands.add_parser(
         "demo", help="the whole thing on the embedded backend, in one minute"
     )
@@ -184,8 +194,15 @@ async def _run(config: NemesisConfig) -> int:
     if not integrations:
         log.error("no valid integration in %s; nothing to run", config.integrations_dir)
         return EXIT_INVALID
+    directory = Path(config.integrations_dir)
+    files = {name: _integration_file(directory, name) for name in integrations}
     broker = await open_broker(config)
-    proxy = Proxy(broker, integrations)
+    proxy = Proxy(
+        broker,
+        integrations,
+        pipelines_dir=config.pipelines_dir,
+        integration_files={name: path for name, path in files.items() if path is not None},
+    )
     with _stop_on_signals(proxy.stop):
         log.info("running %d integrations: %s", len(integrations), ", ".join(sorted(integrations)))
         try:
@@ -193,6 +210,13 @@ async def _run(config: NemesisConfig) -> int:
         finally:
             await broker.close()
     return EXIT_OK
+
+
+def _integration_file(directory: Path, name: str) -> Path | None:
+    for suffix in (".yaml", ".yml"):
+        if (path := directory / f"{name}{suffix}").exists():
+            return path
+    return None
 
 
 @contextlib.contextmanager
@@ -212,8 +236,13 @@ def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    paths: list[Path] = args.paths or [Path("integrations")]
-    problems = validate_paths(paths)
+    paths: list[Path] = args.paths or [
+        p for p in (Path("integrations"), Path("pipelines")) if p.exists()
+    ]
+    pipelines_dirs = [p for p in paths if p.is_dir() and p.name == "pipelines"] or [
+        Path("pipelines")
+    ]
+    problems = validate_paths(paths, checkers=[PipelineChecker(pipelines_dirs=pipelines_dirs)])
     if problems:
         print(format_problems(problems, style=args.format))
         print(f"{len(problems)} problem(s) found", file=sys.stderr)
@@ -388,6 +417,26 @@ def _print_description(description: Any, as_json: bool, out: TextIO) -> None:
             f" {p.end_offset - p.committed.get(c, p.start_offset):>16}" for c in consumers
         )
         out.write(f"{p.partition:>9} {p.start_offset:>10} {p.end_offset:>10}{lags}\n")
+
+
+# --- pipelines --------------------------------------------------------------------
+
+
+def cmd_test_pipelines(args: argparse.Namespace) -> int:
+    if args.sample is not None:
+        pipeline = args.pipeline or (args.paths[0] if len(args.paths) == 1 else None)
+        if pipeline is None or pipeline.is_dir():
+            raise NemesisError("--sample needs one pipeline file (--pipeline FILE or one PATH)")
+        try:
+            report = dry_run_file(pipeline, args.sample)
+        except OSError as exc:
+            raise NemesisError(f"{args.sample}: {exc.strerror or exc}") from exc
+        print(report.format())
+        return EXIT_OK
+    paths = args.paths or [Path(_process_config(args).pipelines_dir)]
+    results = run_pipeline_tests(paths)
+    print(results.format())
+    return EXIT_INVALID if results.failed else EXIT_OK
 
 
 # --- demo -------------------------------------------------------------------------

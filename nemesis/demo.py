@@ -43,6 +43,15 @@ INTEGRATION_YAML = """\
 name: demo-orders
 owners: [team-demo]
 source: {{topic: {topic}, consumer: demo-orders}}
+pipeline:                  # runs inside Nemesis: filtered orders never cost an HTTP request
+  - filter:
+      name: msk-spb-over-100
+      match:
+        city: [msk, spb]
+        amount: {{gt: 100}}
+  - transform:
+      name: trim
+      keep: [id, city, amount]
 target:
   url: {url}events/order
   timeout_s: 2
@@ -84,7 +93,12 @@ async def run_demo(directory: Path, *, duration_s: float | None, rate: float) ->
             await broker.admin.create_topic(
                 TOPIC, partitions=4, consumers=[ConsumerSpec("demo-orders")], exist_ok=True
             )
-            proxy = Proxy(broker, integrations, runner_options=RunnerOptions(shutdown_grace_s=3))
+            proxy = Proxy(
+                broker,
+                integrations,
+                pipelines_dir=config.pipelines_dir,
+                runner_options=RunnerOptions(shutdown_grace_s=3),
+            )
             _print_banner(directory, handler.url)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -94,7 +108,7 @@ async def run_demo(directory: Path, *, duration_s: float | None, rate: float) ->
                 async with asyncio.TaskGroup() as tasks:
                     proxy_task = tasks.create_task(proxy.run())
                     producer = tasks.create_task(_produce(broker, rate))
-                    reporter = tasks.create_task(_report(broker, handler))
+                    reporter = tasks.create_task(_report(broker, handler, proxy))
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(duration_s):
                             await stop.wait()
@@ -120,6 +134,7 @@ def _print_banner(directory: Path, handler_url: str) -> None:
                 f"  data and YAML:   {directory}/ (the integration: integrations/demo-orders.yaml)",
                 f"  sample handler:  {handler_url}events/order (every 20th order fails once)",
                 f"  producer:        sample orders into topic '{TOPIC}' (4 partitions)",
+                "  pipeline:        only msk/spb orders over 100 reach the handler (~20%)",
                 "  stop with Ctrl-C",
                 "",
             ]
@@ -156,7 +171,7 @@ async def _produce(broker: Broker, rate: float) -> None:
         await writer.close()
 
 
-async def _report(broker: Broker, handler: HandlerServer) -> None:
+async def _report(broker: Broker, handler: HandlerServer, proxy: Proxy) -> None:
     while True:
         await asyncio.sleep(5)
         description = await broker.admin.describe_topic(TOPIC)
@@ -166,8 +181,13 @@ async def _report(broker: Broker, handler: HandlerServer) -> None:
             for p in description.partitions
         )
         retried = sum(1 for entry in handler.ledger if not entry.done)
+        filtered = proxy.metrics.registry.get_sample_value(
+            "nemesis_stage_messages_total",
+            {"integration": "demo-orders", "stage": "msk-spb-over-100", "outcome": "filtered"},
+        )
         print(
-            f"produced {produced:>6}  delivered {len(handler.ledger.done_ids()):>6}  "
+            f"produced {produced:>6}  filtered {int(filtered or 0):>6}  "
+            f"delivered {len(handler.ledger.done_ids()):>6}  "
             f"failed attempts (retried) {retried:>4}  commit lag {lag:>4}",
             flush=True,
         )

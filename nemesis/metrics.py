@@ -14,7 +14,7 @@ import bisect
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -35,6 +35,9 @@ LATENCY_BUCKETS_S = (
     10.0,
     30.0,
 )
+
+# Rate-limiter waits: from a token's fraction of a millisecond to a replay queued for a minute.
+RATE_LIMIT_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0)
 
 # Pipeline stages take microseconds, not the milliseconds of a delivery.
 STAGE_BUCKETS_S = (
@@ -62,13 +65,14 @@ class StageMeter:
     ``observe`` (a lock each), more than a compiled filter takes. The
     ``nemesis_stage_*`` families are built from meters at scrape time.
     ``buckets[i]`` counts durations up to ``STAGE_BUCKETS_S[i]`` (the last
-    one: above every bound); they are not cumulative.
+    one: above every bound); they are not cumulative. Every message leaving
+    the stage is timed once, so the buckets also count the messages: passed
+    is what was neither filtered nor failed (one increment less per message).
     """
 
-    __slots__ = ("buckets", "failed", "filtered", "passed", "seconds")
+    __slots__ = ("buckets", "failed", "filtered", "seconds")
 
     def __init__(self) -> None:
-        self.passed = 0
         self.filtered = 0
         self.failed = 0
         self.seconds = 0.0
@@ -76,7 +80,11 @@ class StageMeter:
 
     @property
     def processed(self) -> int:
-        return self.passed + self.filtered + self.failed
+        return sum(self.buckets)
+
+    @property
+    def passed(self) -> int:
+        return self.processed - self.filtered - self.failed
 
 
 def status_class(status: int | None) -> str:
@@ -226,6 +234,24 @@ class Metrics:
             "Messages dropped because their partition was revoked (its new owner reads them).",
             ["integration"],
         )
+        self.breaker_state = Gauge(
+            "nemesis_breaker_state",
+            "Circuit breaker state of an integration's target: 0 closed, 1 open, 2 half-open.",
+            ["integration"],
+            registry=r,
+        )
+        self.breaker_transitions = self._loop_counter(
+            "nemesis_breaker_transitions",
+            "Circuit breaker state changes, by the state left and the state entered.",
+            ["integration", "from_state", "to_state"],
+        )
+        self.rate_limit_wait = self._loop_histogram(
+            "nemesis_rate_limit_wait_seconds",
+            "Time an acquisition waited for its flow's rate limit (only those that waited;"
+            " the sum is the time lost to the limit).",
+            ["integration", "flow"],
+            buckets=RATE_LIMIT_WAIT_BUCKETS_S,
+        )
         # (integration, stage) -> meter; kept across pipeline reloads so counters stay monotonic.
         self._stage_meters: dict[tuple[str, str], StageMeter] = {}
         r.register(_CallbackCollector(self._collect_stages))
@@ -257,14 +283,16 @@ class Metrics:
         )
         # A copy: a scrape from another thread must not see the dict change size.
         for (integration, stage), meter in list(self._stage_meters.items()):
-            messages.add_metric([integration, stage, "passed"], meter.passed)
-            messages.add_metric([integration, stage, "filtered"], meter.filtered)
-            messages.add_metric([integration, stage, "failed"], meter.failed)
+            filtered, failed = meter.filtered, meter.failed  # read once: passed derives from them
             cumulative, buckets = 0, []
             for bound, count in zip((*STAGE_BUCKETS_S, float("inf")), meter.buckets, strict=True):
                 cumulative += count
                 buckets.append((_bound_label(bound), cumulative))
             duration.add_metric([integration, stage], buckets, meter.seconds)
+            passed = max(cumulative - filtered - failed, 0)
+            messages.add_metric([integration, stage, "passed"], passed)
+            messages.add_metric([integration, stage, "filtered"], filtered)
+            messages.add_metric([integration, stage, "failed"], failed)
         yield messages
         yield duration
 

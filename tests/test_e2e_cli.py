@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from nemesis.testing import HandlerServer, LedgerEntry
+from nemesis.testing import HandlerServer, Ledger, LedgerEntry
 from tests.conftest import Workspace, integration_yaml, kill_hard, stop_gracefully
 
 pytestmark = pytest.mark.slow
@@ -112,9 +112,11 @@ async def test_kill_9_loses_nothing_and_bounds_duplicates(workspace: Workspace) 
             proxy = await workspace.start("run")
             # Kill at a random moment once it is delivering (not while it is still starting).
             before = len(handler.ledger)
-            await handler.ledger.wait_until(
-                lambda ledger, before=before: len(ledger) > before, timeout_s=60
-            )
+
+            def delivering(ledger: Ledger, before: int = before) -> bool:
+                return len(ledger) > before
+
+            await handler.ledger.wait_until(delivering, timeout_s=60)
             await asyncio.sleep(rng.uniform(0.1, 1.0))
             kill_hard(proxy)
             await proxy.wait()
@@ -215,3 +217,51 @@ def test_validate_accepts_the_shipped_examples() -> None:
 
     result = Workspace(REPO).cli("validate", "integrations", "nemesis.example.yaml")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_pipeline_commands(workspace: Workspace) -> None:
+    from tests.conftest import REPO
+
+    shipped = Workspace(REPO).cli("test-pipelines", "pipelines")
+    assert shipped.returncode == 0, shipped.stdout + shipped.stderr
+    assert "cases passed" in shipped.stdout
+    sample = workspace.root / "sample.jsonl"
+    sample.write_text(
+        "\n".join(
+            json.dumps({"order": {"city": city, "amount": amount}})
+            for city in ("msk", "spb", "kzn", "nsk")
+            for amount in (500, 1500)
+        )
+    )
+    dry = workspace.cli(
+        "test-pipelines",
+        "--sample",
+        str(sample),
+        "--pipeline",
+        str(REPO / "pipelines/city-filter.yaml"),
+    )
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "75" in dry.stdout  # three quarters of the sample filtered
+    pipelines = workspace.root / "pipelines"
+    pipelines.mkdir()
+    (pipelines / "bad.yaml").write_text(
+        "stages:\n  - filter:\n      match:\n        order.amount: {gtt: 5}\n  - nosuchstage: {}\n"
+    )
+    broken = workspace.cli("validate", "pipelines")
+    assert broken.returncode == 1
+    assert "Traceback" not in broken.stdout + broken.stderr
+    assert "pipelines/bad.yaml:4: stages[0].filter.match.order.amount.gtt" in broken.stdout
+    assert "pipelines/bad.yaml:5: stages[1]" in broken.stdout
+
+
+def test_demo_runs_and_delivers(workspace: Workspace) -> None:
+    result = workspace.cli("demo", "--duration", "7", "--rate", "200", "--dir", "demo", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("produced")]
+    assert lines, result.stdout
+    produced, filtered, delivered = (int(lines[-1].split()[i]) for i in (1, 3, 5))
+    assert produced > 500
+    assert 0 < delivered < produced
+    assert filtered > delivered  # most orders are filtered inside the proxy
+    assert (workspace.root / "demo" / "integrations" / "demo-orders.yaml").exists()

@@ -108,17 +108,20 @@ class _Compiler:
         built: list[tuple[str, str, Stage, DataPath]] = []
         labels: dict[str, DataPath] = {}
         for index, entry in enumerate(data):
+            where = (*path, index)
+            # Names are checked even for stages with other problems: all at once.
+            named = _written_label(index, entry)
+            if named is not None:
+                label, where = named[0], (*where, named[1])
+                if label in labels:
+                    self.report(
+                        (*where, "name"),
+                        f"stage name {label!r} is already used by {format_path(labels[label])}",
+                    )
+                labels.setdefault(label, where)
             item = self.stage(index, entry, (*path, index))
-            if item is None:
-                continue
-            label, where = item[0], item[3]
-            if label in labels:
-                self.report(
-                    (*where, "name"),
-                    f"stage name {label!r} is already used by {format_path(labels[label])}",
-                )
-            labels[label] = where
-            built.append(item)
+            if item is not None:
+                built.append(item)
         return self.decoded(built)
 
     def stage(
@@ -210,6 +213,15 @@ class _Compiler:
         return stages
 
 
+def _written_label(index: int, entry: object) -> tuple[str, Hashable] | None:
+    """The label a stage entry asks for, and its type key, read from the raw YAML."""
+    if not isinstance(entry, dict) or len(entry) != 1:
+        return None
+    [(kind, raw)] = entry.items()
+    name = raw.get("name") if isinstance(raw, dict) else None
+    return (name if isinstance(name, str) else f"{index}-{kind}"), kind
+
+
 def _at(data: object, path: DataPath) -> object:
     node = data
     for part in path:
@@ -225,6 +237,8 @@ def _at(data: object, path: DataPath) -> object:
 def _unknown_stage(kind: Hashable, known: list[str]) -> str:
     close = difflib.get_close_matches(str(kind), known, n=1)
     hint = f"did you mean {close[0]}?" if close else f"expected one of: {', '.join(known)}"
+    if not known:
+        hint = "no stage types are registered"
     return f"unknown stage type {str(kind)!r} ({hint})"
 
 

@@ -695,7 +695,7 @@ class _Generator:
             operator = "<=" if test.upper_inclusive else "<"
             comparison = f"{comparison} {operator} {self.const(test.upper)}"
         # A chained comparison reads the value once; bool is excluded by the type test.
-        return f"(type(@V@) in SN and {comparison})" if False else f"({comparison})"
+        return f"(type(@V@) in NUM and {comparison})"
 
     def equals(self, values: tuple[Scalar, ...], present: bool) -> str:
         strings = [v for v in values if isinstance(v, str)]

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from nemesis.broker.port import Broker, ConsumerSpec
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig, TargetConfig
 from nemesis.delivery.http import http_transport
 from nemesis.delivery.port import Transport
-from nemesis.errors import NemesisError, TopicNotFound
+from nemesis.errors import ConfigError, NemesisError, TopicNotFound
 from nemesis.metrics import Metrics
+from nemesis.pipeline import Pipeline, build_integration_pipeline
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,8 @@ class Proxy:
         broker: Broker,
         integrations: Mapping[str, IntegrationConfig],
         *,
+        pipelines_dir: Path | str = "pipelines",
+        integration_files: Mapping[str, Path] | None = None,
         metrics: Metrics | None = None,
         transports: Mapping[str, TransportFactory] = DEFAULT_TRANSPORTS,
         clock: Clock = SYSTEM_CLOCK,
@@ -59,6 +63,34 @@ class Proxy:
         self._supervisor = supervisor_options
         self._runners: dict[str, IntegrationRunner] = {}
         self._stopping = asyncio.Event()
+        self._pipelines: dict[str, Pipeline] = {}
+        for name, config in list(self._integrations.items()):
+            try:
+                self._pipelines[name] = build_integration_pipeline(
+                    config,
+                    pipelines_dir=pipelines_dir,
+                    disabled_types=self._disabled_types(name),
+                    metrics=self.metrics,
+                    integration_file=(integration_files or {}).get(name),
+                )
+            except ConfigError as exc:
+                for problem in exc.problems:
+                    # A configuration problem, not a crash: no traceback.
+                    log.error("%s (integration %s not started)", problem, name)  # noqa: TRY400
+                del self._integrations[name]
+
+    @property
+    def integrations(self) -> Mapping[str, IntegrationConfig]:
+        return self._integrations
+
+    def _disabled_types(self, name: str) -> Callable[[], Collection[str]]:
+        """A live view of an integration's flags.disabled_types (they change at run time)."""
+
+        def current() -> Collection[str]:
+            config = self._integrations.get(name)
+            return () if config is None else config.flags.disabled_types
+
+        return current
 
     @property
     def runners(self) -> Mapping[str, IntegrationRunner]:
@@ -127,6 +159,7 @@ class Proxy:
             config,
             self.broker,
             transport,
+            pipeline=self._pipelines[config.name],
             metrics=self.metrics,
             clock=self._clock,
             options=self._runner_options,

@@ -42,12 +42,18 @@ class EventFactory:
     def message_type(self, message: Message) -> str:
         return message.metadata.get(self._type_key) or DEFAULT_EVENT_TYPE
 
-    def __call__(self, message: Message, attempt: int, payload: bytes | None = None) -> Event:
+    def __call__(
+        self,
+        message: Message,
+        attempt: int,
+        payload: bytes | None = None,
+        content_type: str | None = None,
+    ) -> Event:
         return Event(
             message=message,
             id=event_id(message),
             type=self.message_type(message),
             attempt=attempt,
-            content_type=message.metadata.get("content-type") or self._content_type,
+            content_type=content_type or message.metadata.get("content-type") or self._content_type,
             payload=payload,
         )

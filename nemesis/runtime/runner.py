@@ -35,13 +35,14 @@ from dataclasses import dataclass, field
 from nemesis.broker.port import Broker, Message, PartitionSession, TopicReader
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig
-from nemesis.delivery.port import DeliveryResult, Outcome, Transport
+from nemesis.delivery.port import DeliveryResult, Event, Outcome, Transport
 from nemesis.errors import BrokerError
 from nemesis.metrics import LoopCounter, Metrics, status_class
+from nemesis.pipeline import Pipeline, Verdict
 from nemesis.runtime.acks import AckTracker, PartitionStats
 from nemesis.runtime.events import EventFactory
 from nemesis.runtime.scheduler import Scheduler, Work
-from nemesis.runtime.settle import Action, RetryInPlace, Settler
+from nemesis.runtime.settle import Action, Failure, RetryInPlace, Settler, failure_of
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class IntegrationRunner:
         transport: Transport,
         *,
         settler: Settler | None = None,
+        pipeline: Pipeline | None = None,
         metrics: Metrics | None = None,
         clock: Clock = SYSTEM_CLOCK,
         options: RunnerOptions = RunnerOptions(),
@@ -103,6 +105,7 @@ class IntegrationRunner:
         self._broker = broker
         self._transport = transport
         self._settler = settler or RetryInPlace(config.name, config.retry.tiers)
+        self._pipeline = pipeline or Pipeline.empty(config.name)
         self._metrics = metrics or Metrics()
         self._clock = clock
         self._options = options
@@ -304,7 +307,9 @@ class IntegrationRunner:
                 self._m_stale.inc()
         if not live:
             return
-        events = [self._events(work.message, work.attempt) for work in live]
+        live, events = await self._prepare(live)
+        if not live:
+            return
         self._in_flight += len(live)
         try:
             if len(events) == 1:
@@ -319,17 +324,47 @@ class IntegrationRunner:
             for work in live:
                 self._finish(work)
             return
+        failure = failure_of(result)
         for work in live:
-            decision = await self._settler.settle(work, result)
-            if decision.action is Action.ACK:
-                self._finish(work)
+            await self._settle(work, failure)
+
+    async def _prepare(self, batch: list[Work]) -> tuple[list[Work], list[Event]]:
+        """Runs the pipeline: filtered messages finish here, dead ones go to the settler."""
+        pipeline, make_event = self._pipeline, self._events
+        if pipeline.is_empty:
+            return batch, [make_event(work.message, work.attempt) for work in batch]
+        passed: list[Work] = []
+        events: list[Event] = []
+        for work in batch:
+            message = work.message
+            result = pipeline.process(message)
+            if result.verdict is Verdict.PASS:
+                payload = None if result.payload is message.value else result.payload
+                events.append(make_event(message, work.attempt, payload, result.content_type))
+                passed.append(work)
+            elif result.verdict is Verdict.FILTERED:
+                self._finish(work)  # acknowledged and committed like a delivered one
             else:
-                if work.first_failure_at is None:
-                    work.first_failure_at = self._clock.time()
-                work.attempt += 1
-                work.last_error = result.error
-                self._m_retries.inc()
-                self._scheduler.put_later(work, decision.delay_s)
+                failure = Failure(
+                    Outcome.DEAD,
+                    result.reason or "pipeline_error",
+                    error=result.error,
+                    stage=result.stage or "pipeline",
+                )
+                await self._settle(work, failure)
+        return passed, events
+
+    async def _settle(self, work: Work, failure: Failure) -> None:
+        decision = await self._settler.settle(work, failure)
+        if decision.action is Action.ACK:
+            self._finish(work)
+            return
+        if work.first_failure_at is None:
+            work.first_failure_at = self._clock.time()
+        work.attempt += 1
+        work.last_error = failure.error
+        self._m_retries.inc()
+        self._scheduler.put_later(work, decision.delay_s)
 
     def _observe(self, result: DeliveryResult, count: int) -> None:
         self._m_duration.observe(result.duration_s)

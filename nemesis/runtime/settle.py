@@ -45,8 +45,41 @@ def backoff_delay(attempt: int, delays_s: Sequence[float], retry_after_s: float 
     return base
 
 
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why a message did not finish: a handler's answer, or a pipeline stage's verdict."""
+
+    outcome: Outcome  # RETRY or DEAD
+    reason: str  # for the DLQ: http_4xx, verdict_dead, http_5xx, timeout, decode_error, ...
+    error: str | None = None  # short, never the payload
+    status: int | None = None
+    retry_after_s: float | None = None
+    stage: str = "delivery"
+
+
+def failure_of(result: DeliveryResult) -> Failure:
+    """The failure a handler's answer amounts to (only for outcomes that are not done)."""
+    status = result.status
+    if result.outcome is Outcome.DEAD:
+        # A 2xx that is dead can only be the verdict header; 4xx statuses are the contract table.
+        reason = "verdict_dead" if status is not None and status < 300 else "http_4xx"
+    elif status is None:
+        reason = "no_answer"  # timeout or connection error
+    elif status < 300:
+        reason = "verdict_retry"
+    else:
+        reason = f"http_{status // 100}xx"
+    return Failure(
+        result.outcome,
+        reason,
+        error=result.error,
+        status=status,
+        retry_after_s=result.retry_after_s,
+    )
+
+
 class Settler(Protocol):
-    async def settle(self, work: Work, result: DeliveryResult) -> Decision: ...
+    async def settle(self, work: Work, failure: Failure) -> Decision: ...
 
 
 class RetryInPlace:
@@ -62,11 +95,9 @@ class RetryInPlace:
         self._integration = integration
         self._delays_s = tuple(delays_s)
 
-    async def settle(self, work: Work, result: DeliveryResult) -> Decision:
-        if result.outcome.done:
-            return ACK
+    async def settle(self, work: Work, failure: Failure) -> Decision:
         message = work.message
-        if result.outcome is Outcome.DEAD:
+        if failure.outcome is Outcome.DEAD:
             log.error(
                 "integration %s: handler rejected %s/%s@%s (%s); no dead-letter store is "
                 "configured, so it is kept and retried",
@@ -74,7 +105,7 @@ class RetryInPlace:
                 message.topic,
                 message.partition,
                 message.offset,
-                result.error,
+                failure.error,
             )
-        delay_s = backoff_delay(work.attempt, self._delays_s, result.retry_after_s)
+        delay_s = backoff_delay(work.attempt, self._delays_s, failure.retry_after_s)
         return Decision(Action.RETRY_IN_PLACE, delay_s)
