@@ -16,6 +16,7 @@ import orjson
 
 from nemesis.broker.embedded import open_embedded
 from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage, WriteStatus
+from nemesis.cli_dlq import DlqContext, add_dlq_commands
 from nemesis.config.loader import (
     format_problems,
     load_integrations,
@@ -23,6 +24,7 @@ from nemesis.config.loader import (
     validate_paths,
 )
 from nemesis.config.models import NemesisConfig, parse_duration
+from nemesis.dlq import DeadLetterStore, open_sqlite_dlq
 from nemesis.errors import ConfigError, NemesisError
 from nemesis.pipeline import PipelineChecker, dry_run_file, run_pipeline_tests
 
@@ -124,6 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     tests.add_argument("--pipeline", type=Path, help="with --sample: the pipeline file to run")
     tests.set_defaults(handler=cmd_test_pipelines)
 
+    add_dlq_commands(
+        commands,
+        _config_option,
+        DlqContext(
+            load_config=_process_config,
+            run_async=run_async,
+            open_dlq=open_dlq,
+            open_broker=open_broker,
+        ),
+    )
+
     demo = commands.add_parser(
         "demo", help="the whole thing on the embedded backend, in one minute"
     )
@@ -177,6 +190,13 @@ async def open_broker(config: NemesisConfig) -> Broker:
     return await open_embedded(config.backend, data_dir=Path(config.data_dir))
 
 
+async def open_dlq(config: NemesisConfig) -> DeadLetterStore:
+    """The configured dead-letter store."""
+    return await open_sqlite_dlq(
+        Path(config.data_dir, config.dlq.path), retention_s=config.dlq.retention
+    )
+
+
 # --- run --------------------------------------------------------------------------
 
 
@@ -197,9 +217,11 @@ async def _run(config: NemesisConfig) -> int:
     directory = Path(config.integrations_dir)
     files = {name: _integration_file(directory, name) for name in integrations}
     broker = await open_broker(config)
+    dlq = await open_dlq(config)
     proxy = Proxy(
         broker,
         integrations,
+        dlq=dlq,
         pipelines_dir=config.pipelines_dir,
         integration_files={name: path for name, path in files.items() if path is not None},
     )
@@ -208,6 +230,7 @@ async def _run(config: NemesisConfig) -> int:
         try:
             await proxy.run()
         finally:
+            await dlq.close()
             await broker.close()
     return EXIT_OK
 

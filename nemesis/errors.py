@@ -9,7 +9,11 @@
     │   ├── TopicNotFound      the topic does not exist
     │   ├── TopicExists        create of an existing topic
     │   └── SessionLost        the partition session ended     (stale work, not retriable)
-    └── DeliveryError          a transport could not deliver   retriable
+    ├── DeliveryError          a transport could not deliver   retriable
+    └── DlqError               the dead-letter store failed    retriable
+        ├── DlqTimeout         a store call ran out of time    retriable
+        └── InvalidQuery       a filter or page the store refuses (the caller's 4xx)
+            └── InvalidCursor  a page cursor the store did not issue
 
 Whether an error may be retried is data on its class (``retriable``). Library
 exceptions (sqlite3, aiohttp, ydb) are translated at the backend boundary.
@@ -73,3 +77,23 @@ class SessionLost(BrokerError):
 
 class DeliveryError(NemesisError):
     retriable = True
+
+
+class DlqError(NemesisError):
+    """The dead-letter store could not do what was asked."""
+
+    retriable = True
+
+
+class DlqTimeout(DlqError):
+    retriable = True
+
+
+class InvalidQuery(DlqError):
+    """A filter, page or bulk request outside the store's limits: the caller's mistake."""
+
+    retriable = False
+
+
+class InvalidCursor(InvalidQuery):
+    """A page cursor that is malformed or was issued for another kind of list."""

@@ -234,6 +234,21 @@ class Metrics:
             "Messages dropped because their partition was revoked (its new owner reads them).",
             ["integration"],
         )
+        self.retry_publishes = self._loop_counter(
+            "nemesis_retry_publishes",
+            "Messages written to a retry tier topic, by tier (1-based).",
+            ["integration", "tier"],
+        )
+        self.dlq_writes = self._loop_counter(
+            "nemesis_dlq_writes",
+            "Messages written to the dead-letter store, by reason.",
+            ["integration", "reason"],
+        )
+        self.halted_keys = self._loop_counter(
+            "nemesis_halted_keys",
+            "Keys or partitions of ordered integrations halted after their retries ran out.",
+            ["integration"],
+        )
         self.breaker_state = Gauge(
             "nemesis_breaker_state",
             "Circuit breaker state of an integration's target: 0 closed, 1 open, 2 half-open.",

@@ -169,6 +169,14 @@ class EmbeddedBackendConfig(Model):
     default_partitions: Annotated[int, Field(ge=1, le=1024)] = 4
 
 
+class SqliteDlqConfig(Model):
+    kind: Literal["sqlite"] = "sqlite"
+    # Relative paths are taken from data_dir.
+    path: str = "dlq.db"
+    # Rows older than this (by dead-letter time) are deleted; months, so teams can look back.
+    retention: DurationS = 180 * 86400.0
+
+
 class ListenConfig(Model):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)]
@@ -177,6 +185,7 @@ class ListenConfig(Model):
 
 class NemesisConfig(Model):
     backend: EmbeddedBackendConfig = EmbeddedBackendConfig()
+    dlq: SqliteDlqConfig = SqliteDlqConfig()
     data_dir: str = "data"
     integrations_dir: str = "integrations"
     pipelines_dir: str = "pipelines"

@@ -29,8 +29,9 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from nemesis.broker.port import Broker, Message, PartitionSession, TopicReader
 from nemesis.clock import SYSTEM_CLOCK, Clock
@@ -39,8 +40,17 @@ from nemesis.delivery.port import DeliveryResult, Event, Outcome, Transport
 from nemesis.errors import BrokerError
 from nemesis.metrics import LoopCounter, Metrics, status_class
 from nemesis.pipeline import Pipeline, Verdict
+from nemesis.resilience.breaker import BreakerState, CircuitBreaker, is_healthy
+from nemesis.resilience.limits import Flow, FlowLimits
 from nemesis.runtime.acks import AckTracker, PartitionStats
 from nemesis.runtime.events import EventFactory
+from nemesis.runtime.retries import (
+    FlowSpec,
+    attempts_so_far,
+    due_at,
+    first_failure_at,
+    origin,
+)
 from nemesis.runtime.scheduler import Scheduler, Work
 from nemesis.runtime.settle import Action, Failure, RetryInPlace, Settler, failure_of
 
@@ -94,16 +104,27 @@ class IntegrationRunner:
         broker: Broker,
         transport: Transport,
         *,
+        flow: FlowSpec | None = None,
         settler: Settler | None = None,
         pipeline: Pipeline | None = None,
+        breaker: CircuitBreaker | None = None,
+        limits: FlowLimits | None = None,
         metrics: Metrics | None = None,
         clock: Clock = SYSTEM_CLOCK,
         options: RunnerOptions = RunnerOptions(),
+        owns_transport: bool = True,
     ) -> None:
         self.config = config
         self.name = config.name
+        self.flow = flow or FlowSpec("main", config.source.topic, config.source.consumer)
+        self._breaker = breaker
+        self._limits = limits
+        self._limit_flow = Flow(self.flow.limiter)
+        # Messages of retry tiers and replays are shown to handlers at their source coordinates.
+        self._view: Callable[[Message], Message] = _same if self.flow.name == "main" else origin
         self._broker = broker
         self._transport = transport
+        self._owns_transport = owns_transport
         self._settler = settler or RetryInPlace(config.name, config.retry.tiers)
         self._pipeline = pipeline or Pipeline.empty(config.name)
         self._metrics = metrics or Metrics()
@@ -177,8 +198,7 @@ class IntegrationRunner:
 
     async def run(self) -> None:
         """Reads, delivers and commits until ``stop()``, then drains and returns."""
-        source = self.config.source
-        reader = await self._broker.reader(source.topic, source.consumer)
+        reader = await self._broker.reader(self.flow.topic, self.flow.consumer)
         try:
             async with asyncio.TaskGroup() as tasks:
                 intake = tasks.create_task(self._intake(reader), name=f"{self.name}:intake")
@@ -200,7 +220,8 @@ class IntegrationRunner:
             # Commit what finished, even when cancelled: it is only ever less redelivery.
             await asyncio.shield(self._commit(reader))
             await reader.close()
-            await self._transport.close()
+            if self._owns_transport:
+                await self._transport.close()
             self._state = RunnerState.STOPPED
 
     async def _drain(self, grace_s: float) -> None:
@@ -233,6 +254,10 @@ class IntegrationRunner:
                     await _first(self._progress, self._stopping)
                 continue
             self._flow_control(reader)
+            if self._breaker is not None and self._breaker.state is BreakerState.OPEN:
+                # The handler is down: leave new messages in the topic until it may be probed.
+                await _first_of(self._breaker.wait_until_not_open(), self._stopping)
+                continue
             messages = await reader.receive(
                 min(free, self._options.max_receive), self._options.receive_timeout_s
             )
@@ -241,12 +266,23 @@ class IntegrationRunner:
 
     def _admit(self, messages: Sequence[Message]) -> None:
         admitted = 0
+        main = self.flow.name == "main"
         for message in messages:
             if not message.alive:
                 continue
             self._tracker.add(message)
-            self._scheduler.put(Work(message))
+            work = Work(message)
             admitted += 1
+            if main:
+                self._scheduler.put(work)
+                continue
+            work.attempt = attempts_so_far(message) + 1
+            work.first_failure_at = first_failure_at(message)
+            wait_s = due_at(message) - self._clock.time() if self.flow.delayed else 0.0
+            if wait_s > 0:
+                self._scheduler.put_later(work, wait_s)
+            else:
+                self._scheduler.put(work)
         self._messages_read += admitted
         self._last_read_at = self._clock.monotonic()
         self._m_read.inc(admitted)
@@ -310,14 +346,12 @@ class IntegrationRunner:
         live, events = await self._prepare(live)
         if not live:
             return
-        self._in_flight += len(live)
-        try:
-            if len(events) == 1:
-                result = await self._transport.deliver(events[0])
-            else:
-                result = await self._transport.deliver_batch(events)
-        finally:
-            self._in_flight -= len(live)
+        if self._breaker is None:
+            result = await self._deliver(live, events)
+        else:
+            async with self._breaker.permit() as permit:
+                result = await self._deliver(live, events)
+                permit.record(is_healthy(result.outcome))
         self._observe(result, len(live))
         if result.outcome.done:
             # Delivered or dropped: finished by the contract, nothing to decide.
@@ -328,11 +362,22 @@ class IntegrationRunner:
         for work in live:
             await self._settle(work, failure)
 
+    async def _deliver(self, live: list[Work], events: list[Event]) -> DeliveryResult:
+        if self._limits is not None:
+            await self._limits.acquire(self._limit_flow, len(live))
+        self._in_flight += len(live)
+        try:
+            if len(events) == 1:
+                return await self._transport.deliver(events[0])
+            return await self._transport.deliver_batch(events)
+        finally:
+            self._in_flight -= len(live)
+
     async def _prepare(self, batch: list[Work]) -> tuple[list[Work], list[Event]]:
         """Runs the pipeline: filtered messages finish here, dead ones go to the settler."""
-        pipeline, make_event = self._pipeline, self._events
+        pipeline, make_event, view = self._pipeline, self._events, self._view
         if pipeline.is_empty:
-            return batch, [make_event(work.message, work.attempt) for work in batch]
+            return batch, [make_event(view(work.message), work.attempt) for work in batch]
         passed: list[Work] = []
         events: list[Event] = []
         for work in batch:
@@ -340,7 +385,7 @@ class IntegrationRunner:
             result = pipeline.process(message)
             if result.verdict is Verdict.PASS:
                 payload = None if result.payload is message.value else result.payload
-                events.append(make_event(message, work.attempt, payload, result.content_type))
+                events.append(make_event(view(message), work.attempt, payload, result.content_type))
                 passed.append(work)
             elif result.verdict is Verdict.FILTERED:
                 self._finish(work)  # acknowledged and committed like a delivered one
@@ -424,9 +469,20 @@ class IntegrationRunner:
             self._last_commit_at = self._clock.monotonic()
 
 
-async def _first(*events: asyncio.Event) -> None:
+def _same(message: Message) -> Message:
+    return message
+
+
+async def _first_of(waiting: Coroutine[Any, Any, None], event: asyncio.Event) -> None:
+    """Waits until the coroutine finishes or the event is set, whichever comes first."""
+    await _first(event, waiting=waiting)
+
+
+async def _first(*events: asyncio.Event, waiting: Coroutine[Any, Any, None] | None = None) -> None:
     """Waits until any of the events is set."""
-    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(event.wait()) for event in events]
+    if waiting is not None:
+        waiters.append(asyncio.ensure_future(waiting))
     try:
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     finally:

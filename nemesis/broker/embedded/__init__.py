@@ -3,10 +3,14 @@
 Several processes on one machine may share the file: writers serialize on
 SQLite's write lock, and readers of one consumer split the partitions
 through leases with expiry and heartbeats (``leases``), rebalancing when a
-reader joins, leaves or dies. ``open_embedded`` is the factory.
+reader joins, leaves or dies. A writer wakes the readers of its own process
+directly (``tail``) and rings those of other processes through a datagram
+socket (``bells``); polling the file is the fallback. ``open_embedded`` is
+the factory.
 """
 
 from nemesis.broker.embedded.broker import (
+    BellStatistics,
     EmbeddedAdmin,
     EmbeddedBroker,
     EmbeddedWriter,
@@ -19,9 +23,11 @@ from nemesis.broker.embedded.reader import (
     EmbeddedSession,
     PartitionStatistics,
     ReaderStatistics,
+    Wakeups,
 )
 
 __all__ = [
+    "BellStatistics",
     "EmbeddedAdmin",
     "EmbeddedBroker",
     "EmbeddedReader",
@@ -29,6 +35,7 @@ __all__ = [
     "EmbeddedWriter",
     "PartitionStatistics",
     "ReaderStatistics",
+    "Wakeups",
     "fair_share",
     "open_embedded",
     "partition_for_key",

@@ -9,14 +9,17 @@ import logging
 import os
 import secrets
 import socket
+import sqlite3
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from nemesis.broker.embedded import log
+from nemesis.broker.embedded.bells import Bell, Ringer, RingerStatistics, Rings
 from nemesis.broker.embedded.db import Database, checkpoint
-from nemesis.broker.embedded.reader import EmbeddedReader
+from nemesis.broker.embedded.reader import EmbeddedReader, Wakeups
 from nemesis.broker.embedded.tail import TailCache
 from nemesis.broker.port import (
     ConsumerSpec,
@@ -92,9 +95,14 @@ class EmbeddedAdmin:
     async def drop_topic(self, name: str) -> None:
         """Deletes a topic; its readers fail with TopicNotFound at their next heartbeat."""
         broker = self._broker
-        topic_id = await broker.db.writer.run(
-            partial(log.drop_topic, name=name), timeout_s=ADMIN_TIMEOUT_S
-        )
+        ringer = broker.ringer
+
+        def drop(conn: sqlite3.Connection) -> int:
+            topic_id = log.drop_topic(conn, name)
+            ringer.forget(topic_id)  # on the write thread, where the ringer lives
+            return topic_id
+
+        topic_id = await broker.db.writer.run(drop, timeout_s=ADMIN_TIMEOUT_S)
         broker.forget_topic(topic_id)
         await broker.purge_dropped()
 
@@ -128,12 +136,18 @@ class EmbeddedWriter:
         if not messages:
             return []
         broker = self._broker
-        batch, target, clock = tuple(messages), self._target, broker.clock
-        appended = await broker.db.writer.run(
+        batch, target, clock, ringer = tuple(messages), self._target, broker.clock, broker.ringer
+
+        def append(conn: sqlite3.Connection) -> log.Appended:
             # The time is read when the transaction runs, not when it was queued.
-            lambda conn: log.append(conn, target, batch, clock.time()),
-            timeout_s=timeout_s,
-        )
+            appended = log.append(conn, target, batch, clock.time())
+            if appended.rows:
+                # Rung from the write thread right after the commit, so readers
+                # elsewhere start reading while this result travels to the loop.
+                ringer.ring(conn, target.topic.id, {row[1] for row in appended.rows})
+            return appended
+
+        appended = await broker.db.writer.run(append, timeout_s=timeout_s)
         if appended.rows:
             broker.appended(self._target.topic, appended.rows)
         return appended.results
@@ -142,6 +156,16 @@ class EmbeddedWriter:
         """Nothing is buffered: every write has committed by the time it returned."""
         self._closed = True
         self._broker.forget_writer(self)
+
+
+@dataclass(frozen=True, slots=True)
+class BellStatistics:
+    """A broker's side of the cross-process wake-ups (see ``bells``)."""
+
+    address: bytes | None  # None: no reader yet, bells disabled, or none could be bound
+    rings_received: int
+    wakes: int  # rings arrive in bursts; each burst wakes the readers once
+    rung: RingerStatistics
 
 
 class EmbeddedBroker:
@@ -155,11 +179,17 @@ class EmbeddedBroker:
         clock: Clock,
         member_id: str,
         housekeeping_interval_s: float,
+        wakeups: Wakeups | None = None,
     ) -> None:
         self.db = db
         self.config = config
         self.clock = clock
         self.member_id = member_id
+        self.wakeups = wakeups or Wakeups()
+        # Touched only on the write thread (and by close, once it stopped).
+        self.ringer = Ringer(clock)
+        self._bell: Bell | None = None
+        self._bell_failed = False
         self._admin = EmbeddedAdmin(self)
         self._housekeeping_interval_s = housekeeping_interval_s
         self._readers: dict[int, set[EmbeddedReader]] = {}
@@ -183,6 +213,7 @@ class EmbeddedBroker:
         found = await self.db.reader.run(
             partial(log.find_consumer, topic=topic, consumer=consumer), timeout_s=ADMIN_TIMEOUT_S
         )
+        bell = self._open_bell()
         reader = EmbeddedReader(
             db=self.db,
             tail=self._tail,
@@ -193,6 +224,8 @@ class EmbeddedBroker:
             clock=self.clock,
             on_rebalance=self._poke_siblings,
             on_close=self._forget_reader,
+            wakeups=self.wakeups,
+            bell=None if bell is None else bell.address,
         )
         try:
             await reader.start(timeout_s=max(self.config.lease_s, 5.0))
@@ -224,6 +257,38 @@ class EmbeddedBroker:
         self._tail.add(topic.id, topic.partitions, rows)
         for reader in readers:
             reader.wake()
+
+    def _open_bell(self) -> Bell | None:
+        """This broker's bell, bound when its first reader starts; None if it cannot be."""
+        if self._bell is None and self.wakeups.bells and not self._bell_failed:
+            try:
+                self._bell = Bell.open(self.path, self._on_rings)
+            except OSError as exc:
+                # Readers poll instead; worth one warning, not one per reader.
+                self._bell_failed = True
+                logger.warning(
+                    "no bell for readers of %s (they poll for other processes' appends): %s",
+                    self.path,
+                    exc,
+                )
+            else:
+                self.ringer.own_address = self._bell.address
+        return self._bell
+
+    def _on_rings(self, rings: Rings) -> None:
+        for topic_id, partitions in rings.items():
+            for reader in self._readers.get(topic_id, ()):
+                reader.ring(partitions)
+
+    def bell_statistics(self) -> BellStatistics:
+        """What this broker's bell received and its writers rang."""
+        bell = self._bell
+        return BellStatistics(
+            address=None if bell is None else bell.address,
+            rings_received=0 if bell is None else bell.rings_received,
+            wakes=0 if bell is None else bell.wakes,
+            rung=self.ringer.statistics(),
+        )
 
     def forget_topic(self, topic_id: int) -> None:
         """Drops what this broker keeps in memory about a dropped topic."""
@@ -325,7 +390,14 @@ class EmbeddedBroker:
             await reader.close(timeout_s)
         for writer in list(self._writers):
             await writer.close(timeout_s)
-        await self.db.close(timeout_s)
+        try:
+            await self.db.close(timeout_s)
+        finally:
+            # After the readers left (their bell rows are gone) and the write
+            # thread stopped (nothing rings any more).
+            if self._bell is not None:
+                self._bell.close()
+            self.ringer.close()
 
 
 def default_member_id() -> str:
@@ -340,12 +412,15 @@ async def open_embedded(
     clock: Clock = SYSTEM_CLOCK,
     member_id: str | None = None,
     housekeeping_interval_s: float = 5.0,
+    wakeups: Wakeups | None = None,
 ) -> EmbeddedBroker:
     """Opens (creating if needed) the broker's SQLite file and starts its housekeeping.
 
     ``config`` is the backend section of ``nemesis.yaml`` or just a path; a
     relative path is taken from ``data_dir``. ``member_id`` names this
-    process in the lease tables (default host:pid:random).
+    process in the lease tables (default host:pid:random). ``wakeups`` sets
+    how readers learn of other processes' appends (default: bells, and
+    polling as the fallback).
     """
     if not isinstance(config, EmbeddedBackendConfig):
         config = EmbeddedBackendConfig(path=os.fspath(config))
@@ -358,6 +433,7 @@ async def open_embedded(
         clock=clock,
         member_id=member_id or default_member_id(),
         housekeeping_interval_s=housekeeping_interval_s,
+        wakeups=wakeups,
     )
     broker.start_housekeeping()
     return broker

@@ -101,6 +101,17 @@ SCHEMA = (
         expires_at REAL NOT NULL,
         PRIMARY KEY (topic_id, consumer, member_id)
     ) WITHOUT ROWID""",
+    # A reader's bell (see ``bells``): where writers of its topic send a
+    # datagram after each append. Renewed and expired with its member row.
+    # Added after version 1 without a bump: processes that do not know the
+    # table neither ring nor register, and their readers poll as before.
+    """CREATE TABLE IF NOT EXISTS bells (
+        topic_id INTEGER NOT NULL,
+        member_id TEXT NOT NULL,
+        address BLOB NOT NULL,
+        expires_at REAL NOT NULL,
+        PRIMARY KEY (topic_id, member_id)
+    ) WITHOUT ROWID""",
     # Dropped topics whose messages are still being deleted in small batches; a
     # process killed halfway leaves the id here and the next housekeeping resumes.
     "CREATE TABLE IF NOT EXISTS dropped_topics (topic_id INTEGER PRIMARY KEY)",

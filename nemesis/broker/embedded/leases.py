@@ -3,7 +3,8 @@
 The protocol, run by every reader in its heartbeat (one write transaction):
 
 1. Renew its member row (``expires_at = now + lease_s``) and forget members
-   whose row expired: they died without saying goodbye.
+   whose row expired: they died without saying goodbye. Its bell row, if it
+   has a bell (see ``bells``), is renewed and expired the same way.
 2. Compute the fair share from the live members alone, the same way in every
    process: members sorted by id, partition ``p`` goes to ``members[p % n]``.
 3. Release held partitions outside its share; renew those inside it. A
@@ -25,6 +26,7 @@ import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from nemesis.broker.embedded import bells
 from nemesis.broker.embedded.db import write_transaction
 from nemesis.errors import TopicNotFound
 
@@ -68,13 +70,15 @@ def heartbeat(
     held: Mapping[int, int],
     now: float,
     lease_s: float,
+    bell: bytes | None = None,
     leaving: bool = False,
 ) -> HeartbeatResult:
     """Runs one round of the lease protocol for ``member_id`` (see the module docstring).
 
     ``held`` maps the partitions the member believes it holds to their
-    generations. ``leaving`` releases everything the member holds and removes
-    the member, so the others rebalance at their next heartbeat.
+    generations. ``bell`` is the address writers ring for this member.
+    ``leaving`` releases everything the member holds and removes the member
+    (and its bell), so the others rebalance at their next heartbeat.
     """
     expires_at = now + lease_s
     with write_transaction(conn):
@@ -92,6 +96,7 @@ def heartbeat(
                 " WHERE topic_id = ? AND consumer = ? AND owner = ?",
                 (topic_id, consumer, member_id),
             )
+            bells.remove(conn, topic_id=topic_id, member_id=member_id)
             return HeartbeatResult(now, (), (), tuple(held), (), True, 0)
         conn.execute(
             "INSERT INTO members (topic_id, consumer, member_id, expires_at) VALUES (?, ?, ?, ?)"
@@ -103,6 +108,15 @@ def heartbeat(
             "DELETE FROM members WHERE topic_id = ? AND consumer = ? AND expires_at < ?",
             (topic_id, consumer, now),
         )
+        if bell is not None:
+            bells.renew(
+                conn,
+                topic_id=topic_id,
+                member_id=member_id,
+                address=bell,
+                expires_at=expires_at,
+                now=now,
+            )
         members = [
             r[0]
             for r in conn.execute(

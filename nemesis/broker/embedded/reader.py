@@ -20,16 +20,33 @@ from nemesis.errors import BrokerError, TopicNotFound
 
 logger = logging.getLogger(__name__)
 
-# Polling the file is how a reader sees writers in other processes: soon after
-# data, often (the next message is likely close behind); when idle, rarely.
-POLL_MIN_S = 0.002
-POLL_MAX_S = 0.05
 # While the tail cache keeps serving in-process appends, the file is still
-# read this often, for what other processes append.
+# read this often: an append from another process whose ring was lost (see
+# ``bells``) shows up only there.
 TAIL_WINDOW_S = 0.01
 # A read that has started may finish after the caller's wait budget ran out;
 # one that takes longer than this means the read thread is stuck.
 READ_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Wakeups:
+    """How readers learn of appends from other processes: bells first, polling as the fallback.
+
+    A reader polls the file soon after data (the next message is likely
+    close behind), doubling the interval while nothing comes, up to a cap.
+    With a bell, rings carry the fast path and a poll only catches a lost
+    ring or a writer that has not seen the bell yet, so the cap is higher.
+    """
+
+    bells: bool = True
+    poll_min_s: float = 0.002
+    poll_max_s: float = 0.05
+    belled_poll_max_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not 0 < self.poll_min_s <= min(self.poll_max_s, self.belled_poll_max_s):
+            raise ValueError("poll intervals must be positive, the minimum below the maximums")
 
 
 class EmbeddedSession:
@@ -119,6 +136,8 @@ class ReaderStatistics:
     partitions: tuple[PartitionStatistics, ...]
     paused: int
     closed: bool
+    rings: int  # rings from other processes' writers that woke this reader
+    belled: bool  # other processes' writers can ring it (it polls less often)
 
 
 class EmbeddedReader:
@@ -141,6 +160,8 @@ class EmbeddedReader:
         clock: Clock,
         on_rebalance: Callable[[EmbeddedReader], None],
         on_close: Callable[[EmbeddedReader], None],
+        wakeups: Wakeups,
+        bell: bytes | None = None,
         commit_timeout_s: float = 10.0,
     ) -> None:
         self._db = db
@@ -159,8 +180,18 @@ class EmbeddedReader:
         self._members = 0
         self._settled = False
         self._turn = 0  # rotates which partition is read first
-        self._poll_s = POLL_MIN_S
+        self._bell = bell  # the address writers in other processes ring, if any
+        self._poll_min_s = wakeups.poll_min_s
+        self._poll_max_s = wakeups.belled_poll_max_s if bell else wakeups.poll_max_s
+        self._poll_s = self._poll_min_s
         self._dirty = False  # set by wake(): something may be readable now
+        # Set by ring(): another process appended, so the file has rows the
+        # tail cache cannot have.
+        self._rung = False
+        self._rings = 0
+        # The last read reached the end of every partition it read, at this loop time.
+        self._drained = False
+        self._read_at = 0.0
         self._waiter: asyncio.Future[None] | None = None
         self._receive_lock = asyncio.Lock()
         self._heartbeat_lock = asyncio.Lock()
@@ -199,8 +230,9 @@ class EmbeddedReader:
 
         Messages come in offset order within each partition, and partitions
         share the batch evenly. A write through the same broker wakes a
-        waiting receive at once; writes from other processes are seen by
-        polling, every few ms after data and every ``POLL_MAX_S`` when idle.
+        waiting receive at once, and so does the ring of a writer in another
+        process (see ``bells``); polling the file, every few ms after data
+        and less often when idle, catches what no ring announced.
         """
         if max_messages < 1:
             raise ValueError("max_messages must be at least 1")
@@ -210,25 +242,39 @@ class EmbeddedReader:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         async with self._receive_lock:
+            # With a bell, a reader that read every partition to its end has
+            # nothing new until a wake or a ring says so, or until its next
+            # poll is due (for a lost ring). Without one, every receive reads.
+            read_now = (
+                self._dirty
+                or not (self._bell and self._drained)
+                or loop.time() - self._read_at >= self._poll_s
+            )
             while not self._closed:
-                self._dirty = False
-                batch = await self._read(max_messages, max(deadline - loop.time(), READ_TIMEOUT_S))
-                if batch:
-                    self._poll_s = POLL_MIN_S
-                    return batch
-                self._raise_if_failed()
+                if read_now:
+                    self._dirty = False
+                    self._read_at = loop.time()
+                    batch = await self._read(
+                        max_messages, max(deadline - loop.time(), READ_TIMEOUT_S)
+                    )
+                    if batch:
+                        self._poll_s = self._poll_min_s
+                        return batch
+                    self._raise_if_failed()
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
+                read_now = True
                 if not self._dirty:
                     await self._wait(min(remaining, self._poll_s))
-                    self._poll_s = min(self._poll_s * 2, POLL_MAX_S)
+                    self._poll_s = min(self._poll_s * 2, self._poll_max_s)
         return ()
 
     async def _read(self, max_messages: int, timeout_s: float) -> list[Message]:
         self._expire_sessions()
         sessions = [s for s in self._sessions.values() if not s.paused]
         if not sessions:
+            self._drained = True  # a new session or a resume wakes the reader
             return []
         sessions.sort(key=lambda s: s.partition)
         self._turn = (self._turn + 1) % len(sessions)
@@ -236,6 +282,9 @@ class EmbeddedReader:
         from_tail = self._read_tail(sessions, max_messages)
         if from_tail is not None:
             return from_tail
+        # Cleared before the read: a ring that comes while it runs may announce
+        # rows it does not see, and must cause another read.
+        self._rung = False
         requests = [log.ReadRequest(s, s.position) for s in sessions]
         await self._db.reader.run(
             partial(log.read, topic=self._topic, requests=requests, max_messages=max_messages),
@@ -245,6 +294,7 @@ class EmbeddedReader:
         for request in requests:
             if isinstance(request.session, EmbeddedSession):
                 request.session.caught_up = request.exhausted
+        self._drained = all(r.exhausted for r in requests)
         return self._advance(requests)
 
     def _read_tail(
@@ -255,8 +305,10 @@ class EmbeddedReader:
         The file is read instead when a partition may have a backlog there
         (it was not caught up at the last file read), and at least every
         TAIL_WINDOW_S while the cache keeps answering, since writers in
-        other processes only show up in the file.
+        other processes only show up in the file; and at once after a ring.
         """
+        if self._rung:
+            return None
         now = asyncio.get_running_loop().time()
         if self._tail_since is not None and now - self._tail_since > TAIL_WINDOW_S:
             return None
@@ -273,6 +325,8 @@ class EmbeddedReader:
             self._tail_since = now
         requests = [log.ReadRequest(s, s.position) for s in covered]
         log.fill(self._topic.name, requests, max_messages, partial(tail.get, topic_id))
+        # The sessions left out are caught up with the file.
+        self._drained = all(r.exhausted for r in requests)
         return self._advance(requests)
 
     def _advance(self, requests: list[log.ReadRequest]) -> list[Message]:
@@ -315,6 +369,14 @@ class EmbeddedReader:
         waiter = self._waiter
         if waiter is not None:
             _resolve(waiter)
+
+    def ring(self, partitions: frozenset[int] | None) -> None:
+        """Another process appended to ``partitions`` (None: any) and rang this reader's bell."""
+        if partitions is not None and self._sessions.keys().isdisjoint(partitions):
+            return
+        self._rung = True
+        self._rings += 1
+        self.wake()
 
     def _expire_sessions(self) -> None:
         # A lease that ran out without a renewal (a heartbeat that failed or
@@ -426,6 +488,8 @@ class EmbeddedReader:
             partitions=held,
             paused=sum(p.paused for p in held),
             closed=self._closed,
+            rings=self._rings,
+            belled=self._bell is not None,
         )
 
     # --- leases ---------------------------------------------------------------------------
@@ -445,6 +509,7 @@ class EmbeddedReader:
                     member_id=self._member_id,
                     held=held,
                     lease_s=self._lease_s,
+                    bell=self._bell,
                 ),
                 timeout_s=self._lease_s if timeout_s is None else timeout_s,
             )
@@ -587,6 +652,7 @@ def _heartbeat_job(
     member_id: str,
     held: dict[int, int],
     lease_s: float,
+    bell: bytes | None = None,
     leaving: bool = False,
 ) -> leases.HeartbeatResult:
     # The time is read on the write thread, when the transaction starts, not
@@ -599,6 +665,7 @@ def _heartbeat_job(
         held=held,
         now=clock.time(),
         lease_s=lease_s,
+        bell=bell,
         leaving=leaving,
     )
 

@@ -4,7 +4,8 @@ A reader that has caught up waits for the next append. When that append
 comes through a writer of the same broker, the rows are already in memory:
 handing them over directly saves the round trip to the read thread, which
 is most of the in-process write-to-receive latency. Writes from other
-processes still reach readers through the file (``reader`` polls it).
+processes reach readers through the file: their ring (``bells``) tells the
+reader to read it, and polling catches a ring that was lost.
 
 The cache only ever holds a *contiguous* run of offsets per partition, the
 latest ones this broker wrote: an append that does not continue the run

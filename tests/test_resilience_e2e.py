@@ -1,0 +1,260 @@
+"""Retry tiers, the DLQ, the breaker, rate limits and requeue, end to end in one process.
+
+Real parts: the embedded log and the sqlite DLQ in files under tmp_path, the
+aiohttp transport, a real handler server on 127.0.0.1. Retry tiers are
+fractions of a second so the tests run in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from nemesis.broker.embedded import EmbeddedBroker, open_embedded
+from nemesis.broker.port import ConsumerSpec, OutgoingMessage
+from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
+from nemesis.dlq import DeadLetterFilter, Reason, SqliteDeadLetterStore, Status, open_sqlite_dlq
+from nemesis.metrics import Metrics
+from nemesis.resilience.breaker import BreakerState, CircuitBreaker
+from nemesis.runtime.app import Proxy
+from nemesis.runtime.replay import requeue
+from nemesis.runtime.retries import replay_topic, tier_topic
+from nemesis.runtime.runner import RunnerOptions
+from nemesis.testing import HandlerServer, LedgerEntry
+
+FAST = RunnerOptions(receive_timeout_s=0.05, commit_interval_s=0.02, shutdown_grace_s=2)
+
+
+@pytest.fixture
+async def broker(tmp_path: Path) -> AsyncIterator[EmbeddedBroker]:
+    opened = await open_embedded(EmbeddedBackendConfig(path=str(tmp_path / "log.db")))
+    yield opened
+    await opened.close()
+
+
+@pytest.fixture
+async def dlq(tmp_path: Path) -> AsyncIterator[SqliteDeadLetterStore]:
+    store = await open_sqlite_dlq(tmp_path / "dlq.db")
+    yield store
+    await store.close()
+
+
+def integration(name: str, url: str, **sections: Any) -> IntegrationConfig:
+    document: dict[str, Any] = {
+        "name": name,
+        "owners": [f"team-{name}"],
+        "source": {"topic": "orders", "consumer": name},
+        "target": {"url": url, "timeout_s": 2},
+        "delivery": {"workers": 16, "buffer": 500},
+        "retry": {"tiers": ["200ms", "400ms", "800ms"]},
+    }
+    document.update(sections)
+    return IntegrationConfig.model_validate(document)
+
+
+async def publish(broker: EmbeddedBroker, count: int, consumers: tuple[str, ...] = ("it",)) -> None:
+    await broker.admin.create_topic(
+        "orders", partitions=4, consumers=[ConsumerSpec(c) for c in consumers], exist_ok=True
+    )
+    writer = await broker.writer("orders")
+    for start in range(0, count, 1000):
+        await writer.write(
+            [
+                OutgoingMessage(value=orjson.dumps({"n": n}), metadata={"type": "order.created"})
+                for n in range(start, min(count, start + 1000))
+            ]
+        )
+    await writer.close()
+
+
+def n_of(entry: LedgerEntry) -> int:
+    return int(json.loads(entry.body)["n"])
+
+
+async def end_offsets(broker: EmbeddedBroker, topic: str) -> int:
+    description = await broker.admin.describe_topic(topic)
+    return sum(p.end_offset - p.start_offset for p in description.partitions)
+
+
+async def wait_for_state(
+    breaker: CircuitBreaker, states: set[BreakerState], timeout_s: float = 10
+) -> None:
+    async with asyncio.timeout(timeout_s):
+        while breaker.state not in states:
+            await asyncio.sleep(0.02)
+
+
+async def test_failing_twice_goes_through_two_tiers_and_is_delivered(
+    broker: EmbeddedBroker, dlq: SqliteDeadLetterStore
+) -> None:
+    count = 200
+    await publish(broker, count)
+    async with HandlerServer() as handler:
+        handler.fail_first(2, status=503)
+        # Two failures in three attempts would open the breaker: that has its own test.
+        config = integration("it", handler.url, breaker={"min_requests": 100_000})
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        await handler.ledger.wait_for(count, timeout_s=30)
+        proxy.stop()
+        await task
+    # Each message: attempt 1 from the source, 2 from tier 1, 3 from tier 2.
+    assert await end_offsets(broker, tier_topic("it", 1)) == count
+    assert await end_offsets(broker, tier_topic("it", 2)) == count
+    assert await end_offsets(broker, tier_topic("it", 3)) == 0
+    assert await dlq.count(DeadLetterFilter()) == 0
+    for event_id in handler.ledger.ids():
+        arrivals = handler.ledger.by_id(event_id)
+        assert [e.attempt for e in arrivals] == [1, 2, 3]
+        # The handler sees the source coordinates and one ce-id on every attempt.
+        assert {(e.topic, e.partition, e.offset) for e in arrivals} == {
+            ("orders", arrivals[0].partition, arrivals[0].offset)
+        }
+        first, second, third = (e.received_wall for e in arrivals)
+        assert second - first >= 0.2 - 0.01  # tier 1: 200 ms
+        assert third - second >= 0.4 - 0.01  # tier 2: 400 ms
+
+
+async def test_rejected_message_is_dead_lettered_at_once_and_nothing_stalls(
+    broker: EmbeddedBroker, dlq: SqliteDeadLetterStore
+) -> None:
+    count = 10_000
+    await publish(broker, count)
+    poison = "orders:2:777"
+    async with HandlerServer() as handler:
+        handler.fail_ids({poison}, status=422, body='{"error": "missing field city"}')
+        config = integration("it", handler.url, delivery={"workers": 32, "buffer": 1000})
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        await handler.ledger.wait_for(count - 1, timeout_s=120)
+        for _ in range(100):
+            described = await broker.admin.describe_topic("orders")
+            if all(p.committed.get("it") == p.end_offset for p in described.partitions):
+                break
+            await asyncio.sleep(0.05)
+        proxy.stop()
+        await task
+    assert len(handler.ledger.by_id(poison)) == 1  # dead at once: no retry
+    rows = (await dlq.query(DeadLetterFilter())).rows
+    assert len(rows) == 1
+    row = await dlq.get(rows[0].id)
+    assert row is not None
+    assert row.reason is Reason.HTTP_4XX
+    assert row.http_status == 422
+    assert "missing field city" in row.error
+    assert (row.source_topic, row.source_partition, row.source_offset) == ("orders", 2, 777)
+    assert row.metadata == {"type": "order.created"}
+    assert json.loads(row.payload) == {"n": n_of(handler.ledger.by_id(poison)[0])}
+    assert all(p.committed["it"] == p.end_offset for p in described.partitions)
+
+
+async def test_outage_opens_the_breaker_and_dead_letters_nothing(
+    broker: EmbeddedBroker, dlq: SqliteDeadLetterStore
+) -> None:
+    count = 600
+    await publish(broker, count)
+    metrics = Metrics()
+    async with HandlerServer() as handler:
+        handler.behave(status=500)
+        config = integration(
+            "it",
+            handler.url,
+            retry={"tiers": ["100ms", "200ms"]},
+            breaker={"window_s": 5, "min_requests": 20, "cooldown_s": 0.5},
+            delivery={"workers": 8, "buffer": 200},
+        )
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, metrics=metrics, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        breaker = proxy.groups["it"].breaker
+        await wait_for_state(breaker, {BreakerState.OPEN, BreakerState.HALF_OPEN})
+        requests_when_opened = handler.requests
+        await handler.refuse_connections()  # the outage goes on, now as connection errors
+        await asyncio.sleep(2.0)
+        # While open, only probes reach the handler (none can while it refuses connections).
+        assert handler.requests == requests_when_opened
+        handler.behave(status=200)
+        await handler.accept_connections()
+        await handler.ledger.wait_for(count, timeout_s=60)
+        await wait_for_state(breaker, {BreakerState.CLOSED})
+        proxy.stop()
+        await task
+    assert await dlq.count(DeadLetterFilter()) == 0
+    transitions = breaker.statistics().transitions
+    assert transitions.get((BreakerState.CLOSED, BreakerState.OPEN), 0) >= 1
+    assert transitions.get((BreakerState.HALF_OPEN, BreakerState.CLOSED), 0) == 1
+
+
+async def test_retry_flow_stays_within_its_rate_limit(
+    broker: EmbeddedBroker, dlq: SqliteDeadLetterStore
+) -> None:
+    count, retry_rate = 300, 50.0
+    await publish(broker, count)
+    async with HandlerServer() as handler:
+        handler.fail_first(1, status=503)  # every message goes to tier 1 once
+        config = integration(
+            "it",
+            handler.url,
+            retry={"tiers": ["300ms"]},
+            rate_limits={"retry": retry_rate},
+            breaker={"min_requests": 100_000},  # keep the breaker out of this test
+        )
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        await handler.ledger.wait_for(count, timeout_s=60)
+        proxy.stop()
+        await task
+    retried = sorted(e.received_monotonic for e in handler.ledger if e.attempt == 2)
+    assert len(retried) == count
+    # Over the whole retry flow, and over any 2-second window, within the limit + 5%.
+    span = retried[-1] - retried[0]
+    assert (len(retried) - 1) / span <= retry_rate * 1.05
+    for i, start in enumerate(retried):
+        in_window = sum(1 for t in retried[i:] if t - start < 2.0)
+        assert in_window <= retry_rate * 2.0 * 1.05 + 1
+
+
+async def test_requeue_goes_to_the_owning_integration_only(
+    broker: EmbeddedBroker, dlq: SqliteDeadLetterStore
+) -> None:
+    count, replay_rate = 60, 20.0
+    await publish(broker, count, consumers=("owner", "bystander"))
+    async with HandlerServer() as owner, HandlerServer() as bystander:
+        owner.when(lambda e: e.attempt is not None and n_of(e) % 3 == 0, status=422)
+        configs = {
+            "owner": integration("owner", owner.url, rate_limits={"replay": replay_rate}),
+            "bystander": integration("bystander", bystander.url),
+        }
+        proxy = Proxy(broker, configs, dlq=dlq, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        await bystander.ledger.wait_for(count, timeout_s=30)
+        await owner.ledger.wait_for(count - count // 3, timeout_s=30)
+        for _ in range(100):
+            if await dlq.count(DeadLetterFilter()) == count // 3:
+                break
+            await asyncio.sleep(0.05)
+        dead = await dlq.select_ids(DeadLetterFilter(status=Status.DEAD), 1000)
+        assert len(dead) == count // 3
+        owner.reset()  # the fix is deployed
+        bystander_before = len(bystander.ledger)
+        result = await requeue(dlq, broker, dead, by="alice", description="test")
+        assert result.count == count // 3
+        await owner.ledger.wait_for(count, timeout_s=30)
+        await asyncio.sleep(0.3)
+        proxy.stop()
+        await task
+    assert len(bystander.ledger) == bystander_before  # the other integration got nothing
+    replayed = sorted(e.received_monotonic for e in owner.ledger if e.done and n_of(e) % 3 == 0)
+    assert len(replayed) == count // 3
+    assert (len(replayed) - 1) / (replayed[-1] - replayed[0]) <= replay_rate * 1.05
+    assert await end_offsets(broker, replay_topic("owner")) == count // 3
+    rows = [await dlq.get(i) for i in dead]
+    assert all(r is not None and r.status is Status.REQUEUED for r in rows)
+    assert all(r is not None and r.last_action_by == "alice" and r.requeue_count == 1 for r in rows)
+    actions = await dlq.actions()
+    assert [(a.who, a.count) for a in actions.rows] == [("alice", count // 3)]
