@@ -21,6 +21,7 @@ import orjson
 from nemesis.broker.embedded import open_embedded
 from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage
 from nemesis.config.loader import load_integrations, load_process_config
+from nemesis.dlq import DeadLetterFilter, DeadLetterStore, open_sqlite_dlq
 from nemesis.runtime.app import Proxy
 from nemesis.runtime.runner import RunnerOptions
 from nemesis.testing import HandlerServer
@@ -75,6 +76,12 @@ async def run_demo(directory: Path, *, duration_s: float | None, rate: float) ->
             ),
             status=503,
         )
+        # Orders above 480 break the handler's contract: they go to the DLQ at once.
+        handler.when(
+            lambda entry: _amount(entry.body) > 480,
+            status=422,
+            body='{"error": "amount above the loyalty limit"}',
+        )
         config_path = directory / "nemesis.yaml"
         config_path.write_text(PROCESS_YAML.format(config=config_path))
         integrations_dir = directory / "integrations"
@@ -89,6 +96,7 @@ async def run_demo(directory: Path, *, duration_s: float | None, rate: float) ->
                 log.error("%s", problem)
             return 1
         broker = await open_embedded(config.backend, data_dir=Path(config.data_dir))
+        dlq = await open_sqlite_dlq(Path(config.data_dir, config.dlq.path))
         try:
             await broker.admin.create_topic(
                 TOPIC, partitions=4, consumers=[ConsumerSpec("demo-orders")], exist_ok=True
@@ -96,6 +104,7 @@ async def run_demo(directory: Path, *, duration_s: float | None, rate: float) ->
             proxy = Proxy(
                 broker,
                 integrations,
+                dlq=dlq,
                 pipelines_dir=config.pipelines_dir,
                 runner_options=RunnerOptions(shutdown_grace_s=3),
             )
@@ -108,7 +117,7 @@ async def run_demo(directory: Path, *, duration_s: float | None, rate: float) ->
                 async with asyncio.TaskGroup() as tasks:
                     proxy_task = tasks.create_task(proxy.run())
                     producer = tasks.create_task(_produce(broker, rate))
-                    reporter = tasks.create_task(_report(broker, handler, proxy))
+                    reporter = tasks.create_task(_report(broker, handler, proxy, dlq))
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(duration_s):
                             await stop.wait()
@@ -120,8 +129,14 @@ async def run_demo(directory: Path, *, duration_s: float | None, rate: float) ->
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
             delivered = len(handler.ledger.done_ids())
-            print(f"\nstopped: {delivered} orders delivered to the sample handler", flush=True)
+            dead = await dlq.count(DeadLetterFilter())
+            print(
+                f"\nstopped: {delivered} orders delivered to the sample handler, {dead} in the DLQ"
+                f"\n  look at them: nemesis dlq list -c {config_path}",
+                flush=True,
+            )
         finally:
+            await dlq.close()
             await broker.close()
     return 0
 
@@ -132,7 +147,9 @@ def _print_banner(directory: Path, handler_url: str) -> None:
             [
                 "Nemesis demo (embedded backend)",
                 f"  data and YAML:   {directory}/ (the integration: integrations/demo-orders.yaml)",
-                f"  sample handler:  {handler_url}events/order (every 20th order fails once)",
+                f"  sample handler:  {handler_url}events/order",
+                "                   every 20th order fails once (503: retried through a tier),",
+                "                   orders above 480 are rejected (422: dead-lettered)",
                 f"  producer:        sample orders into topic '{TOPIC}' (4 partitions)",
                 "  pipeline:        only msk/spb orders over 100 reach the handler (~20%)",
                 "  stop with Ctrl-C",
@@ -171,7 +188,17 @@ async def _produce(broker: Broker, rate: float) -> None:
         await writer.close()
 
 
-async def _report(broker: Broker, handler: HandlerServer, proxy: Proxy) -> None:
+def _amount(body: bytes) -> float:
+    try:
+        amount = orjson.loads(body).get("amount", 0)
+    except (orjson.JSONDecodeError, AttributeError):
+        return 0.0
+    return float(amount) if isinstance(amount, int | float) else 0.0
+
+
+async def _report(
+    broker: Broker, handler: HandlerServer, proxy: Proxy, dlq: DeadLetterStore
+) -> None:
     while True:
         await asyncio.sleep(5)
         description = await broker.admin.describe_topic(TOPIC)
@@ -185,9 +212,10 @@ async def _report(broker: Broker, handler: HandlerServer, proxy: Proxy) -> None:
             "nemesis_stage_messages_total",
             {"integration": "demo-orders", "stage": "msk-spb-over-100", "outcome": "filtered"},
         )
+        dead = await dlq.count(DeadLetterFilter())
         print(
             f"produced {produced:>6}  filtered {int(filtered or 0):>6}  "
             f"delivered {len(handler.ledger.done_ids()):>6}  "
-            f"failed attempts (retried) {retried:>4}  commit lag {lag:>4}",
+            f"failed attempts {retried:>4}  dead-lettered {dead:>3}  commit lag {lag:>4}",
             flush=True,
         )

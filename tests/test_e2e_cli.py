@@ -260,8 +260,37 @@ def test_demo_runs_and_delivers(workspace: Workspace) -> None:
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("produced")]
     assert lines, result.stdout
-    produced, filtered, delivered = (int(lines[-1].split()[i]) for i in (1, 3, 5))
+    fields = lines[-1].split()
+    produced, filtered, delivered, dead = (int(fields[i]) for i in (1, 3, 5, 9))
     assert produced > 500
     assert 0 < delivered < produced
     assert filtered > delivered  # most orders are filtered inside the proxy
+    assert dead > 0  # orders above 480 are rejected by the sample handler
     assert (workspace.root / "demo" / "integrations" / "demo-orders.yaml").exists()
+
+    # The DLQ from a terminal, on what the demo left behind.
+    config = str(workspace.root / "demo" / "nemesis.yaml")
+    listed = workspace.cli("dlq", "list", "-c", config, "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert len(rows) >= dead
+    assert {r["reason"] for r in rows} == {"http_4xx"}
+    assert all(r["http_status"] == 422 and json.loads(r["payload"])["amount"] > 480 for r in rows)
+    shown = workspace.cli("dlq", "show", rows[0]["id"], "-c", config)
+    assert shown.returncode == 0, shown.stderr
+    assert "amount above the loyalty limit" in shown.stdout
+    unconfirmed = workspace.cli("dlq", "discard", rows[0]["id"], "-c", config)
+    assert unconfirmed.returncode == 1
+    assert "--yes" in unconfirmed.stderr
+    discarded = workspace.cli("dlq", "discard", rows[0]["id"], "--yes", "--by", "bob", "-c", config)
+    assert discarded.returncode == 0, discarded.stderr
+    assert "discarded 1 dead letter(s)" in discarded.stdout
+    requeued = workspace.cli("dlq", "requeue", "--all-matching", "--yes", "-c", config)
+    assert requeued.returncode == 0, requeued.stderr
+    assert f"requeued {len(rows) - 1} dead letter(s)" in requeued.stdout
+    after = workspace.cli("dlq", "list", "-c", config, "--json")
+    statuses = sorted(json.loads(line)["status"] for line in after.stdout.splitlines())
+    assert statuses == ["discarded"] + ["requeued"] * (len(rows) - 1)
+    bad = workspace.cli("dlq", "list", "-c", config, "--text", "x" * 5000)
+    assert bad.returncode == 1
+    assert "Traceback" not in bad.stderr

@@ -1,0 +1,992 @@
+"""The DLQ store: pure signature rules, then contract cases on real store files.
+
+Contract cases take the ``store`` fixture, parametrized over ``STORES``; a
+YDB store joins by adding its factory there (skipped without
+``NEMESIS_YDB_ENDPOINT``). Cases that need one store's internals (the
+SQLite scan bound, batch sizes, the file) come last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import sqlite3
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import nemesis.dlq.sqlite as dlq_sqlite
+from nemesis.clock import Clock
+from nemesis.dlq import (
+    Action,
+    DeadLetter,
+    DeadLetterFilter,
+    DeadLetterRow,
+    DeadLetterStore,
+    PageRequest,
+    Reason,
+    Status,
+    dead_letter_id,
+    failure_signature,
+    normalise_error,
+    open_sqlite_dlq,
+)
+from nemesis.dlq.cursor import decode_cursor, encode_cursor
+from nemesis.dlq.port import MAX_ERROR_CHARS, MAX_TEXT_CHARS
+from nemesis.dlq.signature import MAX_PATTERN_CHARS, escape_like
+from nemesis.errors import DlqError, InvalidCursor, InvalidQuery, NemesisError
+
+START = 1_800_000_000.0
+DAY = 86400.0
+
+
+class FakeClock:
+    """Wall time that tests move by hand."""
+
+    def __init__(self, start: float = START) -> None:
+        self.now = start
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now - START
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(0)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+StoreFactory = Callable[[Path, Clock], Awaitable[DeadLetterStore]]
+
+
+async def _sqlite(directory: Path, clock: Clock) -> DeadLetterStore:
+    return await open_sqlite_dlq(directory / "dlq.db", clock=clock)
+
+
+STORES: dict[str, StoreFactory] = {"sqlite": _sqlite}
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(params=sorted(STORES))
+async def store(
+    request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock
+) -> AsyncIterator[DeadLetterStore]:
+    opened = await STORES[request.param](tmp_path, clock)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+def letter(
+    offset: int,
+    *,
+    integration: str = "orders-to-loyalty",
+    error: str | None = None,
+    reason: Reason = Reason.HTTP_4XX,
+    http_status: int | None = 422,
+    payload: bytes | None = None,
+    at: float | None = None,
+    event_id: str | None = None,
+    **fields: Any,
+) -> DeadLetter:
+    """A failure of message ``orders:0:<offset>``."""
+    return DeadLetter(
+        integration=integration,
+        event_id=event_id or f"orders:0:{offset}",
+        payload=payload if payload is not None else f'{{"order": {offset}}}'.encode(),
+        reason=reason,
+        error=error if error is not None else f"422 missing field `city` in order {offset}",
+        source_topic="orders",
+        source_partition=0,
+        source_offset=offset,
+        http_status=http_status,
+        dead_lettered_at=at,
+        **fields,
+    )
+
+
+async def all_pages(
+    store: DeadLetterStore, where: DeadLetterFilter, limit: int
+) -> list[DeadLetterRow]:
+    """Every row the filter matches, by following cursors to the end."""
+    rows: list[DeadLetterRow] = []
+    cursor: str | None = None
+    for _ in range(10_000):
+        page = await store.query(where, PageRequest(limit=limit, cursor=cursor))
+        rows.extend(page.rows)
+        cursor = page.next_cursor
+        if cursor is None:
+            return rows
+    raise AssertionError("paging did not end")
+
+
+def model_matches(row: DeadLetterRow, where: DeadLetterFilter) -> bool:
+    """The filter's meaning, written plainly against a full row."""
+    if where.integrations is not None and row.integration not in where.integrations:
+        return False
+    if where.reason is not None and row.reason != where.reason:
+        return False
+    if where.status is not None and row.status != where.status:
+        return False
+    if where.http_status is not None and row.http_status != where.http_status:
+        return False
+    if where.signature is not None and row.signature != where.signature:
+        return False
+    if where.since is not None and row.dead_lettered_at < where.since:
+        return False
+    if where.until is not None and row.dead_lettered_at >= where.until:
+        return False
+    if where.text:
+        needle = where.text.lower()
+        return needle in row.error.lower() or needle in row.payload.decode().lower()
+    return True
+
+
+# --- pure rules -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "pattern"),
+    [
+        ("422 missing field `city` in order 12345", "<n> missing field `city` in order <n>"),
+        (
+            "order 3f2b8c1e-5d4a-4b6c-9e8f-0a1b2c3d4e5f not found",
+            "order <uuid> not found",
+        ),
+        ("customer 5f3a9b2c1d7e blocked", "customer <hex> blocked"),
+        ("bad pointer 0x7ffe3a2c", "bad pointer <hex>"),
+        ("amount 12.50 and 1,000 items", "amount <n> and <n> items"),
+        ("  many\n\tspaces   here ", "many spaces here"),
+        ("utf8 decode failed at byte 17", "utf<n> decode failed at byte <n>"),
+        ("words like deadbeef and accede stay", "words like deadbeef and accede stay"),
+    ],
+)
+def test_normalise_error_replaces_the_variable_parts(error: str, pattern: str) -> None:
+    assert normalise_error(error) == pattern
+
+
+def test_normalise_error_is_bounded() -> None:
+    assert len(normalise_error("x" * 10_000)) == MAX_PATTERN_CHARS
+
+
+def test_similar_failures_share_a_signature_and_others_do_not() -> None:
+    base = failure_signature("a", Reason.HTTP_4XX, 422, "missing field `city` in order 1")
+    assert base == failure_signature("a", Reason.HTTP_4XX, 422, "missing field `city` in order 2")
+    assert len(base) == 16
+    others = {
+        failure_signature("b", Reason.HTTP_4XX, 422, "missing field `city` in order 1"),
+        failure_signature("a", Reason.VERDICT_DEAD, 422, "missing field `city` in order 1"),
+        failure_signature("a", Reason.HTTP_4XX, 400, "missing field `city` in order 1"),
+        failure_signature("a", Reason.HTTP_4XX, None, "missing field `city` in order 1"),
+        failure_signature("a", Reason.HTTP_4XX, 422, "missing field `street` in order 1"),
+    }
+    assert base not in others
+    assert len(others) == 5
+
+
+def test_a_row_id_is_the_integration_and_the_event_id() -> None:
+    first = dead_letter_id("a", "orders:0:7")
+    assert first == dead_letter_id("a", "orders:0:7")
+    assert first != dead_letter_id("b", "orders:0:7")
+    assert first != dead_letter_id("a", "orders:0:8")
+    assert len(first) == 32
+    assert int(first, 16) >= 0
+    assert letter(7, integration="a").id == first
+
+
+@pytest.mark.parametrize(
+    ("text", "escaped"),
+    [("50%", "50\\%"), ("a_b", "a\\_b"), ("back\\slash", "back\\\\slash"), ("it's", "it's")],
+)
+def test_escape_like(text: str, escaped: str) -> None:
+    assert escape_like(text) == escaped
+
+
+def test_cursors_round_trip_and_keep_their_kind() -> None:
+    cursor = encode_cursor("dlq", (1_800_000_000_000_000, 42))
+    assert decode_cursor(cursor, "dlq", (int, int)) == (1_800_000_000_000_000, 42)
+    with pytest.raises(InvalidCursor):
+        decode_cursor(cursor, "dlq-audit", (int,))
+    with pytest.raises(InvalidCursor):
+        decode_cursor(cursor, "dlq", (int, str))
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=300))
+def test_any_text_as_a_cursor_decodes_or_fails_cleanly(text: str) -> None:
+    try:
+        key = decode_cursor(text, "dlq", (int, int))
+    except InvalidCursor:
+        return
+    assert all(type(part) is int for part in key)
+
+
+# --- contract: writing ------------------------------------------------------------
+
+
+async def test_the_same_source_message_dead_lettered_twice_is_one_row(
+    store: DeadLetterStore, clock: FakeClock
+) -> None:
+    first_at = clock.time()
+    result = await store.put([letter(1, attempts=3, first_failure_at=first_at - 60)])
+    assert (result.inserted, result.updated) == (1, 0)
+    clock.advance(30)
+    result = await store.put(
+        [letter(1, attempts=5, error="409 conflict on order 1", http_status=409)]
+    )
+    assert (result.inserted, result.updated) == (0, 1)
+
+    assert await store.count(DeadLetterFilter()) == 1
+    row = await store.get(letter(1).id)
+    assert row is not None
+    assert row.first_failure_at == pytest.approx(first_at - 60)
+    assert row.dead_lettered_at == pytest.approx(clock.time())
+    assert (row.attempts, row.http_status, row.error) == (5, 409, "409 conflict on order 1")
+    assert row.signature == failure_signature(
+        row.integration, Reason.HTTP_4XX, 409, "409 conflict on order 1"
+    )
+    assert row.status is Status.DEAD
+    assert row.requeue_count == 0
+    [past] = row.history
+    assert (past.attempts, past.http_status) == (3, 422)
+    assert past.error == "422 missing field `city` in order 1"
+    assert past.dead_lettered_at == pytest.approx(first_at)
+
+
+async def test_a_requeued_message_that_fails_again_is_the_same_row_dead_again(
+    store: DeadLetterStore, clock: FakeClock
+) -> None:
+    await store.put([letter(1)])
+    assert await store.mark_requeued([letter(1).id], by="alice") == 1
+    clock.advance(60)
+    # The replay carries the event id, so the new failure finds the row.
+    await store.put([letter(1, error="422 missing field `city` again")])
+
+    row = await store.get(letter(1).id)
+    assert row is not None
+    assert row.status is Status.DEAD
+    assert row.requeue_count == 1
+    assert (row.last_action, row.last_action_by) == (Action.REQUEUE, "alice")
+    assert len(row.history) == 1
+    assert await store.count(DeadLetterFilter()) == 1
+
+
+async def test_a_discarded_message_that_comes_back_stays_discarded(
+    store: DeadLetterStore,
+) -> None:
+    await store.put([letter(1)])
+    await store.mark_discarded([letter(1).id], by="bob")
+    await store.put([letter(1)])  # a redelivery of a failure already dropped
+    row = await store.get(letter(1).id)
+    assert row is not None
+    assert row.status is Status.DISCARDED
+
+
+async def test_one_message_twice_in_one_batch_and_in_two_integrations(
+    store: DeadLetterStore,
+) -> None:
+    result = await store.put(
+        [letter(1, attempts=1), letter(1, attempts=2), letter(1, integration="other")]
+    )
+    assert (result.inserted, result.updated) == (2, 1)
+    row = await store.get(letter(1).id)
+    assert row is not None
+    assert row.attempts == 2
+    assert len(row.history) == 1
+    assert await store.count(DeadLetterFilter(integrations=frozenset({"other"}))) == 1
+
+
+async def test_get_returns_what_was_written(store: DeadLetterStore, clock: FakeClock) -> None:
+    payload = b"\x00\xff binary \x80 payload"
+    written = letter(
+        9,
+        payload=payload,
+        key="customer-7",
+        metadata={"type": "order.created", "nemesis-event-id": "orders:0:9"},
+        stage="enrich",
+        reason=Reason.PIPELINE_ERROR,
+        http_status=None,
+        error="KeyError: 'region'",
+    )
+    await store.put([written])
+    row = await store.get(written.id)
+    assert row is not None
+    assert (row.id, row.integration, row.event_id) == (
+        written.id,
+        written.integration,
+        "orders:0:9",
+    )
+    assert (row.payload, row.payload_size, row.payload_truncated) == (payload, len(payload), False)
+    assert dict(row.metadata) == {"type": "order.created", "nemesis-event-id": "orders:0:9"}
+    assert (row.key, row.stage, row.reason, row.http_status) == (
+        "customer-7",
+        "enrich",
+        Reason.PIPELINE_ERROR,
+        None,
+    )
+    assert (row.source_topic, row.source_partition, row.source_offset) == ("orders", 0, 9)
+    assert row.first_failure_at == row.dead_lettered_at == pytest.approx(clock.time())
+    assert (row.last_action, row.last_action_by, row.last_action_at) == (None, None, None)
+    assert await store.get("0" * 32) is None
+    many = await store.get_many([written.id, "0" * 32, written.id])
+    assert [r.id for r in many] == [written.id]
+
+
+async def test_lists_carry_a_payload_preview_and_long_errors_are_cut(
+    store: DeadLetterStore,
+) -> None:
+    await store.put([letter(1, payload=b"x" * 5000, error="e" * (MAX_ERROR_CHARS + 100))])
+    [row] = (await store.query(DeadLetterFilter(), preview_bytes=100)).rows
+    assert (row.payload, row.payload_size, row.payload_truncated) == (b"x" * 100, 5000, True)
+    assert len(row.error) == MAX_ERROR_CHARS
+    assert row.error.endswith("…")
+    full = await store.get(row.id)
+    assert full is not None
+    assert full.payload == b"x" * 5000
+
+
+# --- contract: filters and paging ------------------------------------------------
+
+
+async def _filter_dataset(store: DeadLetterStore, clock: FakeClock) -> list[DeadLetterRow]:
+    """60 rows over three integrations, every reason, three statuses, ten points in time."""
+    letters = []
+    reasons = list(Reason)
+    for n in range(60):
+        integration = ("alpha", "beta", "gamma")[n % 3]
+        reason = reasons[n % len(reasons)]
+        http_status = (422, 400, None)[n % 3 if reason is Reason.HTTP_4XX else 2]
+        error = (
+            f"{http_status} missing field `city` in order {n}"
+            if n % 2
+            else f"timeout after {n} ms calling shop"
+        )
+        payload = json.dumps({"order": n, "city": "Kazan" if n % 5 == 0 else "msk"}).encode()
+        letters.append(
+            letter(
+                n,
+                integration=integration,
+                reason=reason,
+                http_status=http_status,
+                error=error,
+                payload=payload,
+                at=START + (n % 10) * 60,
+            )
+        )
+    await store.put(letters)
+    ids = [item.id for item in letters]
+    await store.mark_requeued(ids[::7], by="alice")
+    await store.mark_discarded(ids[1::11], by="bob")
+    return list(await store.get_many(ids))
+
+
+async def test_every_filter_matches_its_plain_meaning(
+    store: DeadLetterStore, clock: FakeClock
+) -> None:
+    rows = await _filter_dataset(store, clock)
+    signature = next(r.signature for r in rows if r.integration == "beta" and "city" in r.error)
+    many = frozenset({"alpha", "beta", *(f"other-{i}" for i in range(40))})
+    filters = [
+        DeadLetterFilter(),
+        DeadLetterFilter(integrations=frozenset({"alpha"})),
+        DeadLetterFilter(integrations=frozenset({"alpha", "gamma"})),
+        DeadLetterFilter(integrations=frozenset({"nobody"})),
+        DeadLetterFilter(integrations=frozenset()),
+        DeadLetterFilter(integrations=many),  # more branches than one query takes
+        DeadLetterFilter(integrations=many, status=Status.DEAD),
+        *(DeadLetterFilter(reason=reason) for reason in Reason),
+        *(DeadLetterFilter(status=status) for status in Status),
+        DeadLetterFilter(http_status=422),
+        DeadLetterFilter(http_status=404),
+        DeadLetterFilter(signature=signature),
+        DeadLetterFilter(signature=signature, status=Status.DEAD),
+        DeadLetterFilter(since=START + 120),
+        DeadLetterFilter(until=START + 120),
+        DeadLetterFilter(since=START + 120, until=START + 300),
+        DeadLetterFilter(since=START + 120, until=START + 120),
+        DeadLetterFilter(text="kazan"),
+        DeadLetterFilter(text="KAZAN"),
+        DeadLetterFilter(text="missing field `city`"),
+        DeadLetterFilter(text="order 1"),
+        DeadLetterFilter(text="nothing like this"),
+        DeadLetterFilter(text=""),
+        DeadLetterFilter(
+            integrations=frozenset({"alpha", "beta"}),
+            reason=Reason.HTTP_4XX,
+            status=Status.DEAD,
+        ),
+        DeadLetterFilter(integrations=frozenset({"beta"}), reason=Reason.DECODE_ERROR),
+        DeadLetterFilter(reason=Reason.HTTP_4XX, status=Status.DEAD, http_status=400),
+        DeadLetterFilter(integrations=frozenset({"alpha", "gamma"}), text="msk", since=START + 60),
+    ]
+    for where in filters:
+        expected = {r.id for r in rows if model_matches(r, where)}
+        listed = await all_pages(store, where, limit=7)
+        assert [r.id for r in listed if r.id in expected] == [r.id for r in listed], where
+        assert {r.id for r in listed} == expected, where
+        assert len(listed) == len(expected), where
+        times = [r.dead_lettered_at for r in listed]
+        assert times == sorted(times, reverse=True), where
+        assert await store.count(where) == len(expected), where
+        assert set(await store.select_ids(where, 1000)) == expected, where
+
+
+async def test_text_search_takes_wildcards_and_quotes_literally(store: DeadLetterStore) -> None:
+    payloads = {
+        1: b"a discount of 50% applies",
+        2: b"field a_b is unknown",
+        3: b'it\'s "quoted" here',
+        4: b"a back\\slash here",
+        5: b"plain text 50 and ab",
+    }
+    await store.put([letter(n, payload=p, error="boom") for n, p in payloads.items()])
+
+    async def found(text: str) -> set[int]:
+        page = await store.query(DeadLetterFilter(text=text))
+        return {row.source_offset for row in page.rows}
+
+    assert await found("%") == {1}
+    assert await found("50%") == {1}
+    assert await found("_") == {2}
+    assert await found("a_b") == {2}
+    assert await found("'") == {3}
+    assert await found('"quoted"') == {3}
+    assert await found("\\") == {4}
+    assert await found("' OR 1=1 --") == set()
+    assert await found("50") == {1, 5}
+
+
+def test_filters_and_pages_outside_the_limits_are_refused() -> None:
+    with pytest.raises(InvalidQuery, match="longer than"):
+        DeadLetterFilter(text="x" * (MAX_TEXT_CHARS + 1))
+    DeadLetterFilter(text="x" * MAX_TEXT_CHARS)
+    for bad in (
+        {"http_status": 99},
+        {"http_status": 600},
+        {"signature": "not-a-signature"},
+        {"signature": "ABCDEF0123456789"},
+        {"since": 10.0, "until": 5.0},
+        {"since": float("nan")},
+        {"until": float("inf")},
+        {"integrations": frozenset(str(i) for i in range(1001))},
+    ):
+        with pytest.raises(InvalidQuery):
+            DeadLetterFilter(**bad)
+    for limit in (0, -1, 501):
+        with pytest.raises(InvalidQuery):
+            PageRequest(limit=limit)
+    assert issubclass(InvalidCursor, InvalidQuery)
+    assert issubclass(InvalidQuery, NemesisError)
+    assert not InvalidQuery.retriable
+
+
+async def test_store_calls_outside_the_limits_are_refused(store: DeadLetterStore) -> None:
+    for call in (
+        store.select_ids(DeadLetterFilter(), 0),
+        store.select_ids(DeadLetterFilter(), 100_001),
+        store.count(DeadLetterFilter(), limit=-1),
+        store.groups(DeadLetterFilter(), limit=0),
+        store.stats(DeadLetterFilter(), bucket_s=0),
+        store.stats(DeadLetterFilter(), buckets=0),
+        store.query(DeadLetterFilter(), preview_bytes=-1),
+    ):
+        with pytest.raises(InvalidQuery):
+            await call
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+@pytest.mark.parametrize(
+    "cursor",
+    [
+        "",
+        "garbage",
+        "!!!!",
+        "x" * 10_000,
+        _b64(b"not json"),
+        _b64(b"\xff\xfe"),
+        _b64(b'{"kind": "dlq"}'),
+        _b64(b'["dlq", 1]'),
+        _b64(b'["dlq", 1, 2, 3]'),
+        _b64(b'["dlq", "1", 2]'),
+        _b64(b'["dlq", true, 2]'),
+        _b64(b'["dlq", 1.5, 2]'),
+        _b64(b'["dlq", 100000000000000000000000, 2]'),
+        _b64(b'["dlq-audit", 5]'),
+        _b64(b'["other", 1, 2]'),
+    ],
+)
+async def test_a_forged_cursor_is_a_clean_error(store: DeadLetterStore, cursor: str) -> None:
+    await store.put([letter(1)])
+    await store.record_action(
+        who="a", action=Action.REQUEUE, integrations=["x"], count=1, description="d"
+    )
+    with pytest.raises(InvalidCursor):
+        await store.query(DeadLetterFilter(), PageRequest(cursor=cursor))
+    # Each list takes only its own cursors.
+    if decoded_kind(cursor) != "dlq-audit":
+        with pytest.raises(InvalidCursor):
+            await store.actions(PageRequest(cursor=cursor))
+    letters_cursor = encode_cursor("dlq", (1, 1))
+    with pytest.raises(InvalidCursor):
+        await store.actions(PageRequest(cursor=letters_cursor))
+
+
+def decoded_kind(cursor: str) -> object:
+    try:
+        return json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))[0]
+    except (ValueError, IndexError, KeyError, TypeError):
+        return None
+
+
+async def test_a_well_formed_cursor_only_positions_the_page(store: DeadLetterStore) -> None:
+    await store.put([letter(1), letter(2, integration="secret")])
+    # A hand-made position in the far future: the filter still decides what is seen.
+    forged = encode_cursor("dlq", (2**62, 2**62))
+    page = await store.query(
+        DeadLetterFilter(integrations=frozenset({"orders-to-loyalty"})),
+        PageRequest(cursor=forged),
+    )
+    assert [row.source_offset for row in page.rows] == [1]
+
+
+async def test_paging_with_ties_in_time_visits_every_row_once(
+    store: DeadLetterStore, clock: FakeClock
+) -> None:
+    letters = [letter(n, integration=("a", "b")[n % 2], at=START + (n % 4)) for n in range(121)]
+    await store.put(letters)
+    for where in (
+        DeadLetterFilter(),
+        DeadLetterFilter(integrations=frozenset({"a", "b"})),
+        DeadLetterFilter(integrations=frozenset({"b"}), status=Status.DEAD),
+    ):
+        expected = {item.id for item in letters if model_matches_letter(item, where)}
+        for limit in (1, 7, 50, 500):
+            rows = await all_pages(store, where, limit)
+            ids = [row.id for row in rows]
+            assert len(ids) == len(set(ids)) == len(expected)
+            assert set(ids) == expected
+            assert [r.dead_lettered_at for r in rows] == sorted(
+                (r.dead_lettered_at for r in rows), reverse=True
+            )
+
+
+def model_matches_letter(item: DeadLetter, where: DeadLetterFilter) -> bool:
+    return where.integrations is None or item.integration in where.integrations
+
+
+async def test_rows_written_while_paging_do_not_shift_the_pages(
+    store: DeadLetterStore, clock: FakeClock
+) -> None:
+    await store.put([letter(n, at=START + n) for n in range(30)])
+    first = await store.query(DeadLetterFilter(), PageRequest(limit=10))
+    clock.advance(1000)
+    await store.put([letter(n) for n in range(100, 110)])  # newer than anything seen
+    rest = await all_pages_from(store, first.next_cursor, limit=10)
+    ids = [row.id for row in (*first.rows, *rest)]
+    assert len(ids) == len(set(ids)) == 30
+
+
+async def all_pages_from(
+    store: DeadLetterStore, cursor: str | None, limit: int
+) -> list[DeadLetterRow]:
+    rows: list[DeadLetterRow] = []
+    while cursor is not None:
+        page = await store.query(DeadLetterFilter(), PageRequest(limit=limit, cursor=cursor))
+        rows.extend(page.rows)
+        cursor = page.next_cursor
+    return rows
+
+
+_rows_strategy = st.lists(
+    st.tuples(st.integers(0, 5), st.sampled_from(["a", "b", "c"]), st.booleans()),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=_rows_strategy,
+    limit=st.integers(1, 20),
+    integrations=st.none() | st.frozensets(st.sampled_from(["a", "b", "c", "z"])),
+    status=st.none() | st.sampled_from([Status.DEAD, Status.REQUEUED]),
+)
+def test_keyset_paging_returns_each_matching_row_once_newest_first(
+    rows: list[tuple[int, str, bool]],
+    limit: int,
+    integrations: frozenset[str] | None,
+    status: Status | None,
+) -> None:
+    async def scenario(directory: Path, factory: StoreFactory) -> None:
+        store = await factory(directory, FakeClock())
+        try:
+            letters = [
+                letter(n, integration=name, at=START + tick)
+                for n, (tick, name, _requeued) in enumerate(rows)
+            ]
+            await store.put(letters)
+            requeued = [item.id for item, row in zip(letters, rows, strict=True) if row[2]]
+            await store.mark_requeued(requeued, by="prop")
+            where = DeadLetterFilter(integrations=integrations, status=status)
+            expected = {
+                item.id
+                for item, (_tick, name, was_requeued) in zip(letters, rows, strict=True)
+                if (integrations is None or name in integrations)
+                and (status is None or (status is Status.REQUEUED) == was_requeued)
+            }
+            seen = await all_pages(store, where, limit)
+            ids = [row.id for row in seen]
+            assert len(ids) == len(set(ids))
+            assert set(ids) == expected
+            times = [row.dead_lettered_at for row in seen]
+            assert times == sorted(times, reverse=True)
+        finally:
+            await store.close()
+
+    for factory in STORES.values():
+        with tempfile.TemporaryDirectory() as directory:
+            asyncio.run(scenario(Path(directory), factory))
+
+
+async def test_count_can_stop_early(store: DeadLetterStore) -> None:
+    await store.put([letter(n) for n in range(25)])
+    assert await store.count(DeadLetterFilter()) == 25
+    assert await store.count(DeadLetterFilter(), limit=10) == 10
+    assert await store.count(DeadLetterFilter(), limit=100) == 25
+    assert await store.count(DeadLetterFilter(), limit=0) == 0
+
+
+# --- contract: groups and the overview -------------------------------------------
+
+
+async def test_failures_group_by_their_normalised_signature(
+    store: DeadLetterStore, clock: FakeClock
+) -> None:
+    await store.put([letter(n, at=START + n) for n in range(30)])  # 422 missing field `city`
+    await store.put(
+        [
+            letter(
+                100 + n,
+                reason=Reason.RETRIES_EXHAUSTED,
+                http_status=503,
+                error=f"503 after {n} attempts to 10.0.0.{n}",
+                at=START + 1000 + n,
+            )
+            for n in range(5)
+        ]
+    )
+    await store.put([letter(n, integration="other", at=START) for n in range(3)])
+
+    groups = await store.groups(DeadLetterFilter())
+    assert [(g.integration, g.count) for g in groups] == [
+        ("orders-to-loyalty", 30),
+        ("orders-to-loyalty", 5),
+        ("other", 3),
+    ]
+    city = groups[0]
+    assert city.pattern == "<n> missing field `city` in order <n>"
+    assert city.sample_error == "422 missing field `city` in order 0"
+    assert (city.reason, city.http_status) == (Reason.HTTP_4XX, 422)
+    assert (city.first_at, city.last_at) == pytest.approx((START, START + 29))
+    assert groups[1].pattern == "<n> after <n> attempts to <n>"
+
+    # A group is a filter: its rows, its count, its bulk action.
+    in_group = DeadLetterFilter(signature=city.signature)
+    assert await store.count(in_group) == 30
+    assert len(await store.select_ids(in_group, 1000)) == 30
+    assert await store.mark_discarded(await store.select_ids(in_group, 10), by="carol") == 10
+
+    dead = await store.groups(DeadLetterFilter(status=Status.DEAD))
+    assert [g.count for g in dead] == [20, 5, 3]
+    assert (dead[0].first_at, dead[0].last_at) == pytest.approx((START, START + 19))
+    mine = await store.groups(DeadLetterFilter(integrations=frozenset({"other"})))
+    assert [(g.integration, g.count) for g in mine] == [("other", 3)]
+    assert await store.groups(DeadLetterFilter(integrations=frozenset())) == []
+    recent = await store.groups(DeadLetterFilter(since=START + 1000))
+    assert [g.count for g in recent] == [5]
+    retried = await store.groups(DeadLetterFilter(reason=Reason.RETRIES_EXHAUSTED))
+    assert [g.http_status for g in retried] == [503]
+    assert [g.count for g in await store.groups(DeadLetterFilter(text="10.0.0.3"))] == [1]
+    assert len(await store.groups(DeadLetterFilter(), limit=1)) == 1
+
+
+async def test_stats_give_counts_growth_and_a_time_series(
+    store: DeadLetterStore, clock: FakeClock
+) -> None:
+    now = START + 10 * 3600
+    clock.now = now
+    # quiet: 10 old failures; busy: 2 old and 6 within the last hour.
+    await store.put(
+        [letter(n, integration="quiet", at=START + n * 60) for n in range(10)]
+        + [letter(100 + n, integration="busy", at=START + 3600) for n in range(2)]
+        + [
+            letter(
+                200 + n,
+                integration="busy",
+                reason=Reason.DECODE_ERROR,
+                http_status=None,
+                error="bad JSON",
+                at=now - 60 * (n + 1),
+            )
+            for n in range(6)
+        ]
+    )
+    stats = await store.stats(DeadLetterFilter(), bucket_s=3600, buckets=12)
+    assert stats.now == now
+    assert (stats.total, stats.last_hour) == (18, 6)
+    assert [s.integration for s in stats.by_integration] == ["busy", "quiet"]
+    busy, quiet = stats.by_integration
+    assert (busy.total, busy.last_hour) == (8, 6)
+    assert dict(busy.by_reason) == {Reason.HTTP_4XX: 2, Reason.DECODE_ERROR: 6}
+    assert (quiet.total, quiet.last_hour) == (10, 0)
+    assert quiet.oldest_at == pytest.approx(START)
+    assert stats.oldest_at == pytest.approx(START)
+    assert stats.newest_at == pytest.approx(now - 60)
+    assert dict(stats.by_reason) == {Reason.HTTP_4XX: 12, Reason.DECODE_ERROR: 6}
+
+    assert stats.bucket_s == 3600
+    assert len(stats.buckets) == 12
+    starts = [b.start for b in stats.buckets]
+    assert starts == [starts[0] + i * 3600 for i in range(12)]
+    assert stats.buckets[-1].start <= now < stats.buckets[-1].start + 3600
+    assert sum(b.count for b in stats.buckets) == 18
+    assert stats.buckets[-1].count + stats.buckets[-2].count == 6
+
+    scoped = await store.stats(DeadLetterFilter(integrations=frozenset({"quiet"})))
+    assert (scoped.total, [s.integration for s in scoped.by_integration]) == (10, ["quiet"])
+    empty = await store.stats(DeadLetterFilter(integrations=frozenset()))
+    assert (empty.total, empty.oldest_at, empty.by_integration) == (0, None, [])
+    assert sum(b.count for b in empty.buckets) == 0
+    decode = await store.stats(DeadLetterFilter(reason=Reason.DECODE_ERROR))
+    assert (decode.total, decode.last_hour) == (6, 6)
+
+
+# --- contract: actions ---------------------------------------------------------------
+
+
+async def test_status_changes_touch_only_dead_rows_in_scope(
+    store: DeadLetterStore, clock: FakeClock
+) -> None:
+    await store.put([letter(n) for n in range(6)] + [letter(9, integration="theirs")])
+    ids = [letter(n).id for n in range(6)]
+    theirs = letter(9, integration="theirs").id
+
+    assert await store.mark_requeued(ids[:3], by="alice", at=START + 5) == 3
+    assert await store.mark_requeued(ids[:3], by="alice") == 0  # requeued already
+    assert await store.mark_discarded(ids[:4], by="bob") == 1  # only the one still dead
+    assert await store.mark_requeued(ids[3:4], by="bob") == 0  # discarded stays discarded
+    assert await store.mark_requeued(["0" * 32], by="bob") == 0
+    assert await store.mark_requeued([], by="bob") == 0
+    mine = frozenset({"orders-to-loyalty"})
+    assert await store.mark_discarded([theirs, ids[4]], by="eve", integrations=mine) == 1
+    assert await store.mark_discarded([theirs], by="eve", integrations=frozenset()) == 0
+
+    rows = {row.id: row for row in await store.get_many([*ids, theirs])}
+    assert rows[ids[0]].status is Status.REQUEUED
+    assert rows[ids[0]].requeue_count == 1
+    assert (rows[ids[0]].last_action, rows[ids[0]].last_action_by) == (Action.REQUEUE, "alice")
+    assert rows[ids[0]].last_action_at == pytest.approx(START + 5)
+    assert rows[ids[3]].status is Status.DISCARDED
+    assert rows[ids[3]].requeue_count == 0
+    assert rows[ids[3]].last_action_at == pytest.approx(clock.time())
+    assert rows[ids[4]].status is Status.DISCARDED
+    assert rows[ids[5]].status is Status.DEAD
+    assert rows[theirs].status is Status.DEAD
+    assert rows[theirs].last_action is None
+
+
+async def test_a_bulk_action_by_filter_runs_in_rounds_until_nothing_is_left(
+    store: DeadLetterStore,
+) -> None:
+    await store.put([letter(n, integration=("a", "b")[n % 2]) for n in range(50)])
+    where = DeadLetterFilter(integrations=frozenset({"a"}), status=Status.DEAD)
+    changed = 0
+    while ids := await store.select_ids(where, 7):
+        changed += await store.mark_requeued(ids, by="ops", integrations=frozenset({"a"}))
+    assert changed == 25
+    assert await store.count(DeadLetterFilter(status=Status.REQUEUED)) == 25
+    assert await store.count(DeadLetterFilter(integrations=frozenset({"b"}))) == 25
+
+
+async def test_the_audit_log_records_who_did_what_and_pages(
+    store: DeadLetterStore, clock: FakeClock
+) -> None:
+    for n in range(5):
+        clock.advance(10)
+        await store.record_action(
+            who=f"user-{n}",
+            action=Action.REQUEUE if n % 2 == 0 else Action.DISCARD,
+            integrations=["a"] if n < 3 else ["b", "a", "b"],
+            count=n * 10,
+            description=f"status=dead reason=http_4xx #{n}",
+        )
+    recorded = await store.record_action(
+        who="admin", action=Action.DISCARD, integrations=["c"], count=1, description="one id"
+    )
+    assert (recorded.who, recorded.integrations) == ("admin", ("c",))
+    assert recorded.at == pytest.approx(clock.time())
+
+    first = await store.actions(PageRequest(limit=4))
+    assert [a.who for a in first.rows] == ["admin", "user-4", "user-3", "user-2"]
+    assert first.rows[1].integrations == ("a", "b")
+    assert (first.rows[1].action, first.rows[1].count) == (Action.REQUEUE, 40)
+    assert first.rows[1].description == "status=dead reason=http_4xx #4"
+    assert first.next_cursor is not None
+    rest = await store.actions(PageRequest(limit=4, cursor=first.next_cursor))
+    assert [a.who for a in rest.rows] == ["user-1", "user-0"]
+    assert rest.next_cursor is None
+
+    scoped = await store.actions(integrations=frozenset({"b"}))
+    assert [a.who for a in scoped.rows] == ["user-4", "user-3"]
+    assert (await store.actions(integrations=frozenset())).rows == []
+
+
+# --- contract: retention ---------------------------------------------------------------
+
+
+async def test_retention_deletes_rows_older_than_180_days(
+    store: DeadLetterStore, clock: FakeClock
+) -> None:
+    await store.put([letter(n, at=START + n * DAY) for n in range(10)])
+    await store.put([letter(100, error="a failure of its own", at=START)])
+    clock.now = START + 183.5 * DAY  # rows from days 0..3 (and the lone one) are older than 180
+    assert await store.enforce_retention() == 5
+    assert await store.count(DeadLetterFilter()) == 6
+    assert await store.enforce_retention() == 0
+    groups = await store.groups(DeadLetterFilter())
+    assert [g.count for g in groups] == [6]
+    assert await store.enforce_retention(now=START + 1000 * DAY) == 6
+    assert await store.count(DeadLetterFilter()) == 0
+
+
+# --- sqlite only -------------------------------------------------------------------------
+
+
+async def test_sqlite_retention_runs_in_batches_and_none_keeps_everything(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dlq_sqlite, "DELETE_BATCH", 3)
+    async with await open_sqlite_dlq(tmp_path / "a.db", clock=clock, retention_s=DAY) as store:
+        await store.put([letter(n, at=START) for n in range(10)])
+        clock.advance(2 * DAY)
+        assert await store.enforce_retention() == 10
+    async with await open_sqlite_dlq(tmp_path / "b.db", clock=clock, retention_s=None) as store:
+        await store.put([letter(n, at=START - 1000 * DAY) for n in range(3)])
+        assert await store.enforce_retention() == 0
+        assert await store.count(DeadLetterFilter()) == 3
+    with pytest.raises(ValueError, match="retention_s"):
+        await open_sqlite_dlq(tmp_path / "c.db", retention_s=0)
+
+
+async def test_sqlite_text_search_stops_at_its_scan_bound_and_resumes(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dlq_sqlite, "TEXT_SCAN_ROWS", 10)
+    async with await open_sqlite_dlq(tmp_path / "dlq.db", clock=clock) as store:
+        needles = {3, 25, 26, 47}
+        await store.put(
+            [
+                letter(n, payload=b"needle" if n in needles else b"hay", at=START + n)
+                for n in range(50)
+            ]
+        )
+        where = DeadLetterFilter(text="needle")
+        first = await store.query(where, PageRequest(limit=50))
+        assert [row.source_offset for row in first.rows] == [47]  # rows 49..40 examined
+        assert first.next_cursor is not None
+        rows = [*first.rows, *await all_pages_after(store, where, first.next_cursor)]
+        assert [row.source_offset for row in rows] == [47, 26, 25, 3]
+        assert await store.count(where) == 4  # counting is not bounded
+        assert len(await store.select_ids(where, 100)) == 4
+
+        # The same across several index branches (one per status) merged into one order.
+        await store.mark_requeued([letter(n).id for n in range(0, 50, 3)], by="x")
+        await store.mark_discarded([letter(n).id for n in range(1, 50, 5)], by="x")
+        where = DeadLetterFilter(integrations=frozenset({"orders-to-loyalty"}), text="needle")
+        first = await store.query(where, PageRequest(limit=1))
+        rows = [*first.rows, *await all_pages_after(store, where, first.next_cursor)]
+        assert [row.source_offset for row in rows] == [47, 26, 25, 3]
+
+
+async def all_pages_after(
+    store: DeadLetterStore, where: DeadLetterFilter, cursor: str | None
+) -> list[DeadLetterRow]:
+    rows: list[DeadLetterRow] = []
+    while cursor is not None:
+        page = await store.query(where, PageRequest(limit=50, cursor=cursor))
+        rows.extend(page.rows)
+        cursor = page.next_cursor
+    return rows
+
+
+async def test_sqlite_select_ids_spans_several_rounds(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dlq_sqlite, "SELECT_ROUND", 4)
+    async with await open_sqlite_dlq(tmp_path / "dlq.db", clock=clock) as store:
+        await store.put([letter(n, at=START + n % 3) for n in range(30)])
+        ids = await store.select_ids(DeadLetterFilter(), 17)
+        assert len(ids) == len(set(ids)) == 17
+        everything = await store.select_ids(DeadLetterFilter(), 1000)
+        assert len(set(everything)) == 30
+        assert everything[:17] == list(ids)
+
+
+async def test_sqlite_file_persists_and_refuses_a_newer_schema(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    path = tmp_path / "dir" / "dlq.db"
+    async with await open_sqlite_dlq(path, clock=clock) as store:
+        await store.put([letter(1)])
+    async with await open_sqlite_dlq(path, clock=clock) as store:
+        assert await store.count(DeadLetterFilter()) == 1
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        conn.execute("UPDATE dlq_meta SET value = '99' WHERE key = 'schema_version'")
+    conn.close()
+    with pytest.raises(DlqError, match="newer"):
+        await open_sqlite_dlq(path, clock=clock)
+
+
+async def test_sqlite_store_errors_are_dlq_errors(tmp_path: Path, clock: FakeClock) -> None:
+    store = await open_sqlite_dlq(tmp_path / "dlq.db", clock=clock)
+    await store.close()
+    await store.close()  # twice is fine
+    with pytest.raises(DlqError):
+        await store.count(DeadLetterFilter())
+    with pytest.raises(DlqError):
+        await store.put([letter(1)])
+
+
+async def test_sqlite_two_stores_share_one_file(tmp_path: Path, clock: FakeClock) -> None:
+    path = tmp_path / "dlq.db"
+    async with (
+        await open_sqlite_dlq(path, clock=clock) as writer,
+        await open_sqlite_dlq(path, clock=clock) as reader,
+    ):
+        await asyncio.gather(
+            writer.put([letter(n) for n in range(20)]),
+            reader.put([letter(n, integration="second") for n in range(20)]),
+        )
+        assert await reader.count(DeadLetterFilter()) == 40
+        assert (
+            await writer.mark_requeued(await reader.select_ids(DeadLetterFilter(), 40), by="x")
+            == 40
+        )
