@@ -22,8 +22,8 @@ run: install
 test: install lint typecheck pytest
 
 lint: install
-	$(BIN)/ruff check nemesis tests bench
-	$(BIN)/ruff format --check nemesis tests bench
+	$(BIN)/ruff check nemesis dlq_viewer tests bench
+	$(BIN)/ruff format --check nemesis dlq_viewer tests bench
 
 typecheck: install
 	$(BIN)/mypy

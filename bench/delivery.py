@@ -106,10 +106,13 @@ class Workspace:
         self.db = root / "bench.db"
         (root / "integrations").mkdir(parents=True, exist_ok=True)
         (root / "nemesis.yaml").write_text(
-            f"backend: {{kind: embedded, path: {self.db}}}\ndata_dir: .\nintegrations_dir: integrations\n"
+            f"backend: {{kind: embedded, path: {self.db}}}\ndata_dir: .\n"
+            f"integrations_dir: integrations\npipelines_dir: {HERE.parent / 'pipelines'}\n"
         )
 
-    def integration(self, topic: str, url: str, workers: int, batch: int, max_wait_ms: int) -> None:
+    def integration(
+        self, topic: str, url: str, workers: int, batch: int, max_wait_ms: int, pipeline: str = ""
+    ) -> None:
         for old in (self.root / "integrations").glob("*.yaml"):
             old.unlink()
         (self.root / "integrations" / f"{topic}.yaml").write_text(
@@ -118,6 +121,7 @@ class Workspace:
             f"target: {{url: '{url}', timeout_s: 10}}\n"
             f"delivery: {{workers: {workers}, buffer: {max(2000, workers * batch * 2)}, "
             f"batch: {{size: {batch}, max_wait_ms: {max_wait_ms}}}}}\n"
+            + (f"pipeline: {pipeline}\n" if pipeline else "")
         )
 
     def start_proxy(self) -> subprocess.Popen[bytes]:
@@ -134,7 +138,14 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def fill(db: Path, topic: str, count: int, partitions: int = 4) -> None:
+def city_order(n: int) -> bytes:
+    """An order for pipelines/city-filter.yaml: 1 in 4 is from msk/spb and above 1000."""
+    city = ("msk", "spb", "kzn", "nsk")[n % 4]
+    amount = 1500 if (n // 4) % 2 else 500
+    return orjson.dumps({"order": {"id": n, "city": city, "amount": amount}, "note": "x" * 200})
+
+
+async def fill(db: Path, topic: str, count: int, partitions: int = 4, make: Any = None) -> None:
     broker = await open_embedded(EmbeddedBackendConfig(path=str(db)))
     try:
         await broker.admin.create_topic(
@@ -143,7 +154,10 @@ async def fill(db: Path, topic: str, count: int, partitions: int = 4) -> None:
         writer = await broker.writer(topic)
         for start in range(0, count, 1000):
             await writer.write(
-                [OutgoingMessage(value=PAYLOAD, partition=n % partitions) for n in range(start, min(count, start + 1000))]
+                [
+                    OutgoingMessage(value=make(n) if make else PAYLOAD, partition=n % partitions)
+                    for n in range(start, min(count, start + 1000))
+                ]
             )
         await writer.close()
     finally:
@@ -151,11 +165,24 @@ async def fill(db: Path, topic: str, count: int, partitions: int = 4) -> None:
 
 
 async def through_proxy(
-    space: Workspace, handler: Handler, topic: str, count: int, workers: int, batch: int
+    space: Workspace,
+    handler: Handler,
+    topic: str,
+    count: int,
+    workers: int,
+    batch: int,
+    pipeline: str = "",
 ) -> tuple[float, float]:
-    """(messages/s, peak RSS MB) of `nemesis run` delivering `count` pre-published messages."""
-    await fill(space.db, topic, count)
-    space.integration(topic, handler.url, workers, batch, max_wait_ms=5 if batch > 1 else 0)
+    """(messages/s, peak RSS MB) of `nemesis run` delivering `count` pre-published messages.
+
+    With a pipeline that filters, the rate counts every message read (filtered
+    ones included): the proxy is done when the handler has the passing quarter.
+    """
+    await fill(space.db, topic, count, make=city_order if pipeline else None)
+    space.integration(
+        topic, handler.url, workers, batch, max_wait_ms=5 if batch > 1 else 0, pipeline=pipeline
+    )
+    expected = count // 4 if pipeline else count
     async with aiohttp.ClientSession() as session:
         await handler.reset(session)
         proxy = space.start_proxy()
@@ -166,7 +193,7 @@ async def through_proxy(
                 now = time.perf_counter()
                 if first_at is None and events > 0:
                     first_at, first_count = now, events
-                if events >= count:
+                if events >= expected:
                     break
                 await asyncio.sleep(0.02)
             rss = peak_rss_mb(proxy.pid)
@@ -174,7 +201,8 @@ async def through_proxy(
             proxy.send_signal(signal.SIGTERM)
             proxy.wait(30)
     assert first_at is not None and first_count is not None
-    return (count - first_count) / (now - first_at), rss
+    scale = count / expected
+    return (expected - first_count) * scale / (now - first_at), rss
 
 
 async def bare_client(handler: Handler, count: int, concurrency: int) -> float:
@@ -230,7 +258,10 @@ async def log_rates(root: Path, count: int) -> dict[str, float]:
             started = time.perf_counter()
             for start in range(0, count, batch):
                 await writer.write(
-                    [OutgoingMessage(value=PAYLOAD, partition=n % 4) for n in range(start, start + batch)]
+                    [
+                        OutgoingMessage(value=PAYLOAD, partition=n % 4)
+                        for n in range(start, start + batch)
+                    ]
                 )
             results[f"append_batch_{batch}"] = count / (time.perf_counter() - started)
             await writer.close()
@@ -277,7 +308,11 @@ async def latency(space: Workspace, rate: float, seconds: float, workers: int) -
                 for n in range(total):
                     await _wait_until(started + n * interval)
                     await writer.write(
-                        [OutgoingMessage(value=orjson.dumps({"ts": time.time(), "n": n}), partition=n % 4)]
+                        [
+                            OutgoingMessage(
+                                value=orjson.dumps({"ts": time.time(), "n": n}), partition=n % 4
+                            )
+                        ]
                     )
                 while (await handler.stats(session))["events"] < total:
                     await asyncio.sleep(0.05)
@@ -329,16 +364,23 @@ async def main(args: argparse.Namespace) -> None:
             batched, batched_rss = await through_proxy(
                 space, handler, "batched", args.messages * 5, 8, 100
             )
+            filtered, _ = await through_proxy(
+                space, handler, "filtered", args.messages * 2, args.workers, 1, "city-filter"
+            )
         finally:
             handler.close()
         log = await log_rates(Path(tmp), args.log_messages)
         lat = await latency(space, 1000.0, args.latency_seconds, 16)
     a, b = statistics.median(proxy_rates), statistics.median(bare_rates)
     print(f"\nNemesis delivery benchmark ({os.cpu_count()} cores, proxy and handler pinned apart)")
-    print(f"  (a) nemesis run, 1 msg/request, {args.workers} workers: {a:>10,.0f} msg/s  {fmt(proxy_rates)}")
+    print(
+        f"  (a) nemesis run, 1 msg/request, {args.workers} workers: {a:>10,.0f} msg/s  {fmt(proxy_rates)}"
+    )
     print(f"  (b) bare aiohttp loop, same concurrency:  {b:>10,.0f} req/s  {fmt(bare_rates)}")
     print(f"      ratio a/b:                            {a / b:>10.2f}   (target >= 0.8)")
-    print(f"  (c) nemesis run, batches of 100:          {batched:>10,.0f} msg/s  (target >= 50,000)")
+    print(
+        f"  (c) nemesis run, batches of 100:          {batched:>10,.0f} msg/s  (target >= 50,000)"
+    )
     print(f"  (d) embedded log append, batch 100:       {log['append_batch_100']:>10,.0f} msg/s")
     print(f"      embedded log append, batch 1000:      {log['append_batch_1000']:>10,.0f} msg/s")
     print(f"      embedded log read:                    {log['read']:>10,.0f} msg/s")
@@ -350,8 +392,15 @@ async def main(args: argparse.Namespace) -> None:
     print(
         f"      producer -> log -> proxy -> handler:  p50 {lat['proxy_p50']:.2f} ms  p99 {lat['proxy_p99']:.2f} ms"
     )
-    print(f"      added by the proxy (incl. the log):   p50 {added_p50:.2f} ms  p99 {added_p99:.2f} ms  (target p99 <= 1.2 ms)")
-    print(f"  (f) peak RSS of the proxy: {max(rss):.0f} MB (single), {batched_rss:.0f} MB (batched)")
+    print(
+        f"      added by the proxy (incl. the log):   p50 {added_p50:.2f} ms  p99 {added_p99:.2f} ms  (target p99 <= 1.2 ms)"
+    )
+    print(
+        f"  (g) city-filter pipeline dropping 75%:    {filtered:>10,.0f} msg/s read  ({filtered / a:.1f}x (a))"
+    )
+    print(
+        f"  (f) peak RSS of the proxy: {max(rss):.0f} MB (single), {batched_rss:.0f} MB (batched)"
+    )
 
 
 def fmt(values: Sequence[float]) -> str:
@@ -378,7 +427,9 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3:])
         sys.exit(0)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)

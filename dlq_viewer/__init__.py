@@ -1,0 +1,1 @@
+"""The DLQ web UI: a FastAPI application over nemesis.dlq (never imported by nemesis)."""
