@@ -36,7 +36,7 @@ import socket
 import sqlite3
 import struct
 import sys
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -294,8 +294,12 @@ class Ringer:
         self._dead_removed = 0
         self._refreshes = 0
 
-    def ring(self, conn: sqlite3.Connection, topic_id: int, partitions: Collection[int]) -> None:
-        """Rings every live bell of ``topic_id``: call it after the append committed."""
+    def ring(self, conn: sqlite3.Connection, topic_id: int, partitions: Iterable[int]) -> None:
+        """Rings every live bell of ``topic_id``: call it after the append committed.
+
+        ``partitions`` (those appended to, repeats allowed) is only consumed
+        when there is a bell to ring.
+        """
         now = self._clock.monotonic()
         bells = self._topics.get(topic_id)
         if bells is None or now >= bells.refresh_at:
@@ -306,7 +310,7 @@ class Ringer:
         if sock is None:
             sock = self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             sock.setblocking(False)
-        payload = encode(topic_id, partitions)
+        payload = encode(topic_id, set(partitions))
         gone: list[bytes] = []
         for address in bells.addresses:
             try:

@@ -144,7 +144,7 @@ class EmbeddedWriter:
             if appended.rows:
                 # Rung from the write thread right after the commit, so readers
                 # elsewhere start reading while this result travels to the loop.
-                ringer.ring(conn, target.topic.id, {row[1] for row in appended.rows})
+                ringer.ring(conn, target.topic.id, (row[1] for row in appended.rows))
             return appended
 
         appended = await broker.db.writer.run(append, timeout_s=timeout_s)
