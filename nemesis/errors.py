@@ -86,6 +86,8 @@ class DlqError(NemesisError):
 
 
 class DlqTimeout(DlqError):
+    """A store call did not finish within its timeout."""
+
     retriable = True
 
 

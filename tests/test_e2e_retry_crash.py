@@ -6,7 +6,6 @@ import asyncio
 import json
 import random
 from collections import Counter
-from pathlib import Path
 
 import orjson
 import pytest
@@ -81,4 +80,3 @@ async def test_kill_9_during_retries_and_dead_letters_loses_nothing(workspace: W
     # Each rejected message is one DLQ row, however often a crash made it fail again.
     assert dead_count == len(rejected)
     assert all(row.reason.value == "http_4xx" for row in rows)
-    assert Path(workspace.root / "dlq.db").exists()

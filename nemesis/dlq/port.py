@@ -223,6 +223,8 @@ class Page:
 
 @dataclass(frozen=True, slots=True)
 class PutResult:
+    """What one ``put`` did."""
+
     inserted: int  # new rows
     updated: int  # failures of messages that had a row already
 
@@ -244,6 +246,8 @@ class Group:
 
 @dataclass(frozen=True, slots=True)
 class IntegrationStats:
+    """One integration's share of a ``Stats`` overview."""
+
     integration: str
     total: int
     last_hour: int  # rows dead-lettered within the hour before ``Stats.now``
@@ -254,6 +258,8 @@ class IntegrationStats:
 
 @dataclass(frozen=True, slots=True)
 class TimeBucket:
+    """Rows dead-lettered in ``[start, start + Stats.bucket_s)``."""
+
     start: float
     count: int
 
@@ -294,6 +300,8 @@ class ActionRecord:
 
 @dataclass(frozen=True, slots=True)
 class ActionPage:
+    """Entries of the audit log, newest first; ``next_cursor`` None at the end."""
+
     rows: Sequence[ActionRecord]
     next_cursor: str | None
 
@@ -396,4 +404,6 @@ class DeadLetterStore(Protocol):
         """Deletes rows dead-lettered longer ago than the retention, in small batches; how many."""
         ...
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Releases the store's connections."""
+        ...
