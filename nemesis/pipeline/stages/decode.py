@@ -144,8 +144,10 @@ def _protobuf_decoder(config: DecodeConfig, base_dir: Path) -> StageFunction:
     message_class = message_factory.GetMessageClass(descriptor)
     to_dict = json_format.MessageToDict
     options: dict[str, bool] = {"preserving_proto_field_name": True}
-    # Newer protobuf releases can keep int64 as numbers, so numeric filters work on them.
-    if "unquote_int64_if_possible" in inspect.signature(to_dict).parameters:
+    # Proto3 JSON quotes 64-bit integers; filters compare numbers, so they are turned
+    # back into numbers: by protobuf itself where it can, else by walking the descriptor.
+    native = "unquote_int64_if_possible" in inspect.signature(to_dict).parameters
+    if native:
         options["unquote_int64_if_possible"] = True
 
     def process(env: Envelope) -> bool:
@@ -156,7 +158,46 @@ def _protobuf_decoder(config: DecodeConfig, base_dir: Path) -> StageFunction:
             raise StageFailure(
                 DECODE_ERROR, f"the payload is not a valid {name} Protobuf message"
             ) from None
-        env.document = to_dict(message, **options)
+        document = to_dict(message, **options)
+        if not native:
+            _unquote_int64(document, descriptor)
+        env.document = document
         return True
 
     return process
+
+
+_INT64_TYPES = frozenset({3, 4, 6, 16, 18})  # INT64, UINT64, FIXED64, SFIXED64, SINT64
+
+
+def _unquote_int64(document: dict[str, Any], descriptor: Any) -> None:
+    """Turns the quoted 64-bit integers of a MessageToDict result back into numbers."""
+    for field in descriptor.fields:
+        value = document.get(field.name)
+        if value is None:
+            continue
+        if field.message_type is not None:
+            if field.message_type.GetOptions().map_entry:
+                value_field = field.message_type.fields_by_name["value"]
+                if value_field.message_type is not None:
+                    for item in value.values():
+                        _unquote_int64(item, value_field.message_type)
+                elif value_field.type in _INT64_TYPES:
+                    document[field.name] = {k: _as_int(v) for k, v in value.items()}
+            elif isinstance(value, list):
+                for item in value:
+                    if isinstance(item, dict):
+                        _unquote_int64(item, field.message_type)
+            elif isinstance(value, dict):
+                _unquote_int64(value, field.message_type)
+        elif field.type in _INT64_TYPES:
+            document[field.name] = (
+                [_as_int(v) for v in value] if isinstance(value, list) else _as_int(value)
+            )
+
+
+def _as_int(value: Any) -> Any:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return value
