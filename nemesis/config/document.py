@@ -114,10 +114,16 @@ def parse_yaml(text: str, file: str) -> YamlDocument:
     return document
 
 
-def yaml_kind(value: object) -> str:
-    """How a YAML author would name the kind of ``value``: a mapping, a list, a number..."""
+def kind_name(
+    value: object,
+    *,
+    null: str = "an empty value",
+    sequence: str = "a list",
+    mapping: str = "a mapping",
+) -> str:
+    """The kind of ``value`` in words (never the value: it may be a secret or a payload)."""
     if value is None:
-        return "an empty value"
+        return null
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, int | float):
@@ -125,10 +131,15 @@ def yaml_kind(value: object) -> str:
     if isinstance(value, str):
         return "a string"
     if isinstance(value, list):
-        return "a list"
+        return sequence
     if isinstance(value, dict):
-        return "a mapping"
+        return mapping
     return f"a {type(value).__name__}"
+
+
+def yaml_kind(value: object) -> str:
+    """How a YAML author would name the kind of ``value``: a mapping, a list, a number..."""
+    return kind_name(value)
 
 
 def _syntax_problem(file: str, exc: yaml.MarkedYAMLError) -> ConfigProblem:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+from nemesis.config.document import kind_name
 from nemesis.pipeline.stage import TYPE_ERROR, Envelope, StageFailure
 
 MAX_SEGMENTS = 64
@@ -223,16 +224,4 @@ def put(document: dict[str, Any], path: FieldPath, value: Any) -> None:
 
 def json_kind(value: object) -> str:
     """How JSON would name the kind of ``value``; never the value itself."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return f"a {type(value).__name__}"
+    return kind_name(value, null="null", sequence="an array", mapping="an object")

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, TypeGuard
 
 from nemesis.broker.port import Message
+from nemesis.config.document import kind_name
 from nemesis.pipeline.paths import (
     MISSING,
     ROOT_KINDS,
@@ -184,19 +185,8 @@ def _is_scalar(value: object) -> bool:
 
 
 def _describe(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return f"a {type(value).__name__}"
+    # A pattern is YAML, but a YAML null in it means JSON null.
+    return kind_name(value, null="null")
 
 
 def _kinds_text(kinds: frozenset[str]) -> str:

@@ -58,11 +58,7 @@ async def requeue(
     ``allowed`` limits the action to those integrations (a user's teams);
     rows of other integrations, and rows not in ``dead`` status, are skipped.
     """
-    rows = [
-        row
-        for row in await store.get_many(list(ids))
-        if row.status is Status.DEAD and (allowed is None or row.integration in allowed)
-    ]
+    rows = await _dead_rows(store, ids, allowed)
     by_integration: dict[str, list[DeadLetterRow]] = defaultdict(list)
     for row in rows:
         by_integration[row.integration].append(row)
@@ -96,17 +92,7 @@ async def requeue(
         moved[integration] = await store.mark_requeued(
             [row.id for row in letters], by=by, at=now, integrations=frozenset({integration})
         )
-    total = sum(moved.values())
-    if total:
-        await store.record_action(
-            who=by,
-            action=Action.REQUEUE,
-            integrations=sorted(moved),
-            count=total,
-            description=description or f"{total} selected",
-            at=now,
-        )
-    return ActionResult(Action.REQUEUE, total, moved)
+    return await _audited(store, Action.REQUEUE, moved, by=by, description=description, at=now)
 
 
 async def discard(
@@ -119,11 +105,7 @@ async def discard(
     clock: Clock = SYSTEM_CLOCK,
 ) -> ActionResult:
     """Marks dead rows discarded (they stay for the audit until retention removes them)."""
-    rows = [
-        row
-        for row in await store.get_many(list(ids))
-        if row.status is Status.DEAD and (allowed is None or row.integration in allowed)
-    ]
+    rows = await _dead_rows(store, ids, allowed)
     now = clock.time()
     moved: dict[str, int] = {}
     for integration in sorted({row.integration for row in rows}):
@@ -133,17 +115,41 @@ async def discard(
             at=now,
             integrations=frozenset({integration}),
         )
+    return await _audited(store, Action.DISCARD, moved, by=by, description=description, at=now)
+
+
+async def _dead_rows(
+    store: DeadLetterStore, ids: Collection[str], allowed: frozenset[str] | None
+) -> list[DeadLetterRow]:
+    """The rows an action may touch: dead ones, of the integrations the actor may act on."""
+    return [
+        row
+        for row in await store.get_many(list(ids))
+        if row.status is Status.DEAD and (allowed is None or row.integration in allowed)
+    ]
+
+
+async def _audited(
+    store: DeadLetterStore,
+    action: Action,
+    moved: dict[str, int],
+    *,
+    by: str,
+    description: str,
+    at: float,
+) -> ActionResult:
+    """Writes the audit entry of an action that touched rows, and reports it."""
     total = sum(moved.values())
     if total:
         await store.record_action(
             who=by,
-            action=Action.DISCARD,
+            action=action,
             integrations=sorted(moved),
             count=total,
             description=description or f"{total} selected",
-            at=now,
+            at=at,
         )
-    return ActionResult(Action.DISCARD, total, moved)
+    return ActionResult(action, total, moved)
 
 
 async def matching_ids(
