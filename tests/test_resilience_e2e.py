@@ -21,7 +21,7 @@ from nemesis.broker.port import ConsumerSpec, OutgoingMessage
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
 from nemesis.dlq import DeadLetterFilter, Reason, SqliteDeadLetterStore, Status, open_sqlite_dlq
 from nemesis.metrics import Metrics
-from nemesis.resilience.breaker import BreakerState, CircuitBreaker
+from nemesis.resilience.breaker import BreakerState, BreakerTransition, CircuitBreaker
 from nemesis.runtime.app import Proxy
 from nemesis.runtime.replay import requeue
 from nemesis.runtime.retries import replay_topic, tier_topic
@@ -85,9 +85,19 @@ async def end_offsets(broker: EmbeddedBroker, topic: str) -> int:
 async def wait_for_state(
     breaker: CircuitBreaker, states: set[BreakerState], timeout_s: float = 10
 ) -> None:
-    async with asyncio.timeout(timeout_s):
-        while breaker.state not in states:
-            await asyncio.sleep(0.02)
+    changed = asyncio.Event()
+
+    def on_transition(_: BreakerTransition) -> None:
+        changed.set()
+
+    breaker.add_listener(on_transition)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while breaker.state not in states:
+                changed.clear()
+                await changed.wait()
+    finally:
+        breaker.remove_listener(on_transition)
 
 
 async def test_failing_twice_goes_through_two_tiers_and_is_delivered(
@@ -258,3 +268,57 @@ async def test_requeue_goes_to_the_owning_integration_only(
     assert all(r is not None and r.last_action_by == "alice" and r.requeue_count == 1 for r in rows)
     actions = await dlq.actions()
     assert [(a.who, a.count) for a in actions.rows] == [("alice", count // 3)]
+
+
+@pytest.mark.parametrize("on_exhausted", ["dead_letter", "halt"])
+async def test_ordered_integration_retries_in_place_then_dead_letters_or_halts(
+    broker: EmbeddedBroker, dlq: SqliteDeadLetterStore, on_exhausted: str
+) -> None:
+    await broker.admin.create_topic("orders", partitions=2, consumers=[ConsumerSpec("it")])
+    writer = await broker.writer("orders")
+    # Two keys; key "a" has a message the handler never accepts (a 503 each time).
+    await writer.write(
+        [
+            OutgoingMessage(value=orjson.dumps({"n": n}), key="a" if n % 2 else "b")
+            for n in range(40)
+        ]
+    )
+    await writer.close()
+    metrics = Metrics()
+    async with HandlerServer() as handler:
+        handler.when(lambda e: n_of(e) == 5, status=503)
+        config = integration(
+            "it",
+            handler.url,
+            delivery={"workers": 8, "buffer": 100, "ordering": "key"},
+            retry={"tiers": ["50ms", "100ms"], "on_exhausted": on_exhausted},
+            breaker={"min_requests": 100_000},
+        )
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, metrics=metrics, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        # Key "b" flows regardless of what happens to key "a".
+        await handler.ledger.wait_until(
+            lambda ledger: sum(1 for e in ledger if e.done and e.key == "b") == 20, timeout_s=20
+        )
+        await asyncio.sleep(1.0)
+        proxy.stop()
+        await task
+    attempts_of_5 = [e.attempt for e in handler.ledger if n_of(e) == 5]
+    after_5 = [n_of(e) for e in handler.ledger if e.key == "a" and e.done and n_of(e) > 5]
+    # No retry tier topics for an ordered integration: retries happen in place.
+    assert tier_topic("it", 1) not in await broker.admin.list_topics()
+    if on_exhausted == "dead_letter":
+        assert attempts_of_5 == [1, 2, 3]  # the first try and one per tier
+        assert await dlq.count(DeadLetterFilter()) == 1
+        row = (await dlq.query(DeadLetterFilter())).rows[0]
+        assert row.reason is Reason.RETRIES_EXHAUSTED
+        assert after_5 == list(range(7, 40, 2))  # the key went on, in order, after it
+    else:
+        assert attempts_of_5[:3] == [1, 2, 3]
+        assert len(attempts_of_5) > 3  # still being retried at the last delay
+        assert await dlq.count(DeadLetterFilter()) == 0
+        assert after_5 == []  # the key is halted behind it
+        halted = metrics.registry.get_sample_value(
+            "nemesis_halted_keys_total", {"integration": "it"}
+        )
+        assert halted == 1
