@@ -32,13 +32,13 @@ async def test_retention_loop_deletes_expired_rows_every_interval(tmp_path: Path
         await store.put([letter(1, clock.time() - 31 * day), letter(2, clock.time() - 29 * day)])
         loop = asyncio.create_task(enforce_dlq_retention(store, interval_s=day, clock=clock))
         await clock.wait_all_tasks_blocked()
-        for _ in range(50):
+        for _ in range(500):
             if await store.count(DeadLetterFilter()) == 1:
                 break
             await asyncio.sleep(0.01)
         assert await store.count(DeadLetterFilter()) == 1  # the 31-day-old row went at once
         clock.advance(2 * day)  # the other one is now 31 days old: the next round takes it
-        for _ in range(50):
+        for _ in range(500):
             if await store.count(DeadLetterFilter()) == 0:
                 break
             await asyncio.sleep(0.01)
