@@ -2,10 +2,19 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The gRPC handler contract's Python code: generated at install time, never committed.
+PROTO_SRC := nemesis/proto/nemesis/v1/handler.proto
+PROTO_OUT := nemesis/proto/nemesis/v1/handler_pb2.py
 
-.PHONY: install demo run test lint typecheck pytest bench clean
+.PHONY: install proto demo run test lint typecheck pytest bench clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(PROTO_OUT)
+
+proto: $(PROTO_OUT)
+
+# Regenerated when the .proto changes or the venv is reinstalled (a new grpcio-tools).
+$(PROTO_OUT): $(PROTO_SRC) $(VENV)/.installed
+	$(BIN)/python -m nemesis.proto
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,3 +45,4 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache
+	rm -f nemesis/proto/nemesis/v1/*_pb2.py nemesis/proto/nemesis/v1/*_pb2.pyi

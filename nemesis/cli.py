@@ -10,11 +10,12 @@ import signal
 import sys
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
 
-from nemesis.broker.embedded import open_embedded
+from nemesis import backends
+from nemesis.admin.server import Service, plugin_services, serve_beside
 from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage, WriteStatus
 from nemesis.cli_dlq import DlqContext, add_dlq_commands
 from nemesis.config.loader import (
@@ -24,9 +25,17 @@ from nemesis.config.loader import (
     validate_paths,
 )
 from nemesis.config.models import NemesisConfig, parse_duration
-from nemesis.dlq import DeadLetterStore, open_sqlite_dlq
+from nemesis.dlq import DeadLetterStore
 from nemesis.errors import ConfigError, NemesisError
+from nemesis.logs import configure_logging
+from nemesis.onboarding import IntegrationRulesChecker
+from nemesis.onboarding.commands import add_onboarding_commands
 from nemesis.pipeline import PipelineChecker, dry_run_file, run_pipeline_tests
+from nemesis.runtime.housekeeping import enforce_dlq_retention
+
+if TYPE_CHECKING:
+    from nemesis.runtime.app import Proxy
+    from nemesis.runtime.reload import ConfigReloader
 
 log = logging.getLogger("nemesis")
 
@@ -137,6 +146,30 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
 
+    # --- onboarding: new, check-handler, schema (nemesis.onboarding.commands) ----------
+    add_onboarding_commands(commands, run_async)
+
+    size = commands.add_parser(
+        "size", help="workers N = R x T with headroom, and the buffer it implies"
+    )
+    size.add_argument("--rps", type=float, required=True, help="messages per second to deliver")
+    size.add_argument(
+        "--latency-ms", type=float, required=True, help="the handler's time per delivery"
+    )
+    size.add_argument("--batch-size", type=int, default=1, help="messages per request")
+    size.add_argument("--headroom", type=float, default=None, help="factor (default 1.5)")
+    size.set_defaults(handler=cmd_size)
+
+    init = commands.add_parser(
+        "init", help="create the topics, consumers and DLQ storage a configuration needs"
+    )
+    _config_option(init)
+    init.add_argument(
+        "--create-sources", action="store_true", help="also create missing source topics"
+    )
+    init.add_argument("--partitions", type=int, default=4, help="for topics it creates")
+    init.set_defaults(handler=cmd_init)
+
     demo = commands.add_parser(
         "demo", help="the whole thing on the embedded backend, in one minute"
     )
@@ -145,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     demo.add_argument("--rate", type=float, default=50.0, help="sample orders per second")
+    demo.add_argument(
+        "--viewer-port", type=int, default=8080, help="the DLQ viewer's port (0: any free one)"
+    )
     demo.set_defaults(handler=cmd_demo)
     return parser
 
@@ -160,11 +196,7 @@ def _config_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(level, "text", sys.stderr)
 
 
 def _process_config(args: argparse.Namespace) -> NemesisConfig:
@@ -186,15 +218,13 @@ def run_async(main: Coroutine[Any, Any, int]) -> int:
 
 
 async def open_broker(config: NemesisConfig) -> Broker:
-    """The configured backend."""
-    return await open_embedded(config.backend, data_dir=Path(config.data_dir))
+    """The configured backend (embedded or ydb)."""
+    return await backends.open_backend(config)
 
 
-async def open_dlq(config: NemesisConfig) -> DeadLetterStore:
-    """The configured dead-letter store."""
-    return await open_sqlite_dlq(
-        Path(config.data_dir, config.dlq.path), retention_s=config.dlq.retention
-    )
+async def open_dlq(config: NemesisConfig, broker: Broker | None = None) -> DeadLetterStore:
+    """The configured dead-letter store; a YDB store shares the broker's driver."""
+    return await backends.open_dlq(config, broker=broker)
 
 
 # --- run --------------------------------------------------------------------------
@@ -202,11 +232,15 @@ async def open_dlq(config: NemesisConfig) -> DeadLetterStore:
 
 def cmd_run(args: argparse.Namespace) -> int:
     config = _process_config(args)
+    configure_logging(getattr(args, "log_level", "info"), config.log_format, sys.stderr)
     return run_async(_run(config))
 
 
 async def _run(config: NemesisConfig) -> int:
-    from nemesis.runtime.app import Proxy
+    from nemesis.metrics import Metrics
+    from nemesis.runtime.app import Proxy, SupervisorOptions
+    from nemesis.runtime.reload import ConfigReloader
+    from nemesis.runtime.runner import RunnerOptions
 
     integrations, problems = load_integrations(Path(config.integrations_dir))
     for problem in problems:
@@ -217,22 +251,69 @@ async def _run(config: NemesisConfig) -> int:
     directory = Path(config.integrations_dir)
     files = {name: _integration_file(directory, name) for name in integrations}
     broker = await open_broker(config)
-    dlq = await open_dlq(config)
+    dlq = await open_dlq(config, broker)
     proxy = Proxy(
         broker,
         integrations,
         dlq=dlq,
         pipelines_dir=config.pipelines_dir,
         integration_files={name: path for name, path in files.items() if path is not None},
+        metrics=Metrics(process=True),
+        runner_options=RunnerOptions(shutdown_grace_s=config.shutdown_grace_s),
+        supervisor_options=SupervisorOptions(lag_refresh_s=config.metrics.lag_refresh_s),
     )
-    with _stop_on_signals(proxy.stop):
+    reloader = ConfigReloader(
+        proxy,
+        directory,
+        watch=config.reload.watch,
+        debounce_ms=config.reload.debounce_ms,
+        force_polling=config.reload.force_polling,
+        initial_problems=problems,
+    )
+    with _stop_on_signals(proxy.stop), _on_signal(signal.SIGHUP, reloader.request):
         log.info("running %d integrations: %s", len(integrations), ", ".join(sorted(integrations)))
         try:
-            await proxy.run()
+            await serve_beside(
+                proxy.run(),
+                [
+                    *_side_services(config, proxy, reloader),
+                    *plugin_services(config, proxy, dlq, broker),
+                ],
+                [reloader.run(), enforce_dlq_retention(dlq)],
+            )
         finally:
             await dlq.close()
             await broker.close()
     return EXIT_OK
+
+
+def _side_services(config: NemesisConfig, proxy: Proxy, reloader: ConfigReloader) -> list[Service]:
+    """What serves beside the proxy, in its event loop: the admin API (the viewer joins here)."""
+    from nemesis.admin import UvicornService, create_admin_app
+
+    services: list[Service] = []
+    if config.admin.enabled:
+        token = config.admin.token
+        app = create_admin_app(
+            proxy,
+            token=None if token is None else token.get_secret_value(),
+            reloader=reloader,
+        )
+        services.append(
+            UvicornService(app, host=config.admin.host, port=config.admin.port, name="admin API")
+        )
+    return services
+
+
+@contextlib.contextmanager
+def _on_signal(signum: signal.Signals, act: Callable[[], None]) -> Iterator[None]:
+    """Calls ``act`` on the signal (SIGHUP: reload the integrations) while in the block."""
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signum, act)
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signum)
 
 
 def _integration_file(directory: Path, name: str) -> Path | None:
@@ -255,6 +336,50 @@ def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
             loop.remove_signal_handler(sig)
 
 
+# --- size -------------------------------------------------------------------------
+
+
+def cmd_size(args: argparse.Namespace) -> int:
+    from nemesis.runtime.sizing import DEFAULT_HEADROOM, describe, size_for
+
+    headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
+    try:
+        figure = size_for(
+            args.rps, args.latency_ms / 1000, batch_size=args.batch_size, headroom=headroom
+        )
+    except ValueError as exc:
+        print(f"nemesis size: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(describe(figure))
+    return EXIT_OK
+
+
+# --- init -------------------------------------------------------------------------
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from nemesis.runtime.init import init_backend
+
+    config = _process_config(args)
+    loaded = load_integrations(Path(config.integrations_dir))
+    if loaded.problems:
+        print(format_problems(loaded.problems), file=sys.stderr)
+        return EXIT_INVALID
+
+    async def init() -> int:
+        report = await init_backend(
+            config,
+            loaded.integrations,
+            create_sources=args.create_sources,
+            partitions=args.partitions,
+        )
+        for line in report.lines():
+            print(line)
+        return EXIT_OK if report.ok else EXIT_INVALID
+
+    return run_async(init())
+
+
 # --- validate ---------------------------------------------------------------------
 
 
@@ -265,7 +390,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     pipelines_dirs = [p for p in paths if p.is_dir() and p.name == "pipelines"] or [
         Path("pipelines")
     ]
-    problems = validate_paths(paths, checkers=[PipelineChecker(pipelines_dirs=pipelines_dirs)])
+    problems = validate_paths(
+        paths,
+        checkers=[PipelineChecker(pipelines_dirs=pipelines_dirs), IntegrationRulesChecker(paths)],
+    )
     if problems:
         print(format_problems(problems, style=args.format))
         print(f"{len(problems)} problem(s) found", file=sys.stderr)
@@ -468,7 +596,9 @@ def cmd_test_pipelines(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from nemesis.demo import run_demo
 
-    return run_async(run_demo(args.dir, duration_s=args.duration, rate=args.rate))
+    return run_async(
+        run_demo(args.dir, duration_s=args.duration, rate=args.rate, viewer_port=args.viewer_port)
+    )
 
 
 if __name__ == "__main__":

@@ -12,16 +12,19 @@ import asyncio
 import contextlib
 import logging
 import random
+import secrets
 import signal
 import time
 from pathlib import Path
 
 import orjson
 
-from nemesis.broker.embedded import open_embedded
+from nemesis.admin.server import plugin_services
+from nemesis.backends import open_backend, open_dlq
 from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage
 from nemesis.config.loader import load_integrations, load_process_config
-from nemesis.dlq import DeadLetterFilter, DeadLetterStore, open_sqlite_dlq
+from nemesis.config.passwords import hash_password
+from nemesis.dlq import DeadLetterFilter, DeadLetterStore
 from nemesis.runtime.app import Proxy
 from nemesis.runtime.runner import RunnerOptions
 from nemesis.testing import HandlerServer
@@ -37,6 +40,12 @@ PROCESS_YAML = """\
 backend: {{kind: embedded, path: nemesis.db, default_partitions: 4}}
 data_dir: .
 integrations_dir: integrations
+viewer: {{port: {viewer_port}}}
+admin: {{enabled: false}}
+auth:                      # the DLQ viewer's one user; its password is printed at start
+  session_secret: {session_secret}
+  secure_cookies: false
+  users: [{{name: demo, password_hash: "{password_hash}", teams: [team-demo], admin: true}}]
 """
 
 INTEGRATION_YAML = """\
@@ -65,7 +74,9 @@ retry:
 """
 
 
-async def run_demo(directory: Path, *, duration_s: float | None, rate: float) -> int:
+async def run_demo(
+    directory: Path, *, duration_s: float | None, rate: float, viewer_port: int = 8080
+) -> int:
     """Runs until Ctrl-C (or ``duration_s``); returns the exit code."""
     directory.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before anything runs
     async with HandlerServer(seed=7) as handler:
@@ -83,7 +94,15 @@ async def run_demo(directory: Path, *, duration_s: float | None, rate: float) ->
             body='{"error": "amount above the loyalty limit"}',
         )
         config_path = directory / "nemesis.yaml"
-        config_path.write_text(PROCESS_YAML.format(config=config_path))
+        password = secrets.token_urlsafe(9)
+        config_path.write_text(
+            PROCESS_YAML.format(
+                config=config_path,
+                viewer_port=viewer_port,
+                password_hash=hash_password(password),
+                session_secret=secrets.token_urlsafe(48),
+            )
+        )
         integrations_dir = directory / "integrations"
         integrations_dir.mkdir(exist_ok=True)
         (integrations_dir / "demo-orders.yaml").write_text(
@@ -95,8 +114,8 @@ async def run_demo(directory: Path, *, duration_s: float | None, rate: float) ->
             for problem in problems:
                 log.error("%s", problem)
             return 1
-        broker = await open_embedded(config.backend, data_dir=Path(config.data_dir))
-        dlq = await open_sqlite_dlq(Path(config.data_dir, config.dlq.path))
+        broker = await open_backend(config)
+        dlq = await open_dlq(config, broker=broker)
         try:
             await broker.admin.create_topic(
                 TOPIC, partitions=4, consumers=[ConsumerSpec("demo-orders")], exist_ok=True
@@ -108,7 +127,17 @@ async def run_demo(directory: Path, *, duration_s: float | None, rate: float) ->
                 pipelines_dir=config.pipelines_dir,
                 runner_options=RunnerOptions(shutdown_grace_s=3),
             )
-            _print_banner(directory, handler.url)
+            services = []
+            viewer_lines = []
+            for service in plugin_services(config, proxy, dlq, broker):
+                try:
+                    service.bind()
+                except OSError as exc:
+                    log.warning("%s not started: %s", service.name, exc)
+                    continue
+                services.append(service)
+                viewer_lines.append(f"  {service.name + ':':<17}{service.url}/ (demo / {password})")
+            _print_banner(directory, handler.url, viewer_lines)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -116,6 +145,7 @@ async def run_demo(directory: Path, *, duration_s: float | None, rate: float) ->
             try:
                 async with asyncio.TaskGroup() as tasks:
                     proxy_task = tasks.create_task(proxy.run())
+                    serving = [tasks.create_task(service.serve()) for service in services]
                     producer = tasks.create_task(_produce(broker, rate))
                     reporter = tasks.create_task(_report(broker, handler, proxy, dlq))
                     with contextlib.suppress(TimeoutError):
@@ -125,6 +155,9 @@ async def run_demo(directory: Path, *, duration_s: float | None, rate: float) ->
                     proxy.stop()
                     await proxy_task
                     reporter.cancel()
+                    for service in services:
+                        service.stop()
+                    await asyncio.gather(*serving)
             finally:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
@@ -141,7 +174,7 @@ async def run_demo(directory: Path, *, duration_s: float | None, rate: float) ->
     return 0
 
 
-def _print_banner(directory: Path, handler_url: str) -> None:
+def _print_banner(directory: Path, handler_url: str, extra: list[str]) -> None:
     print(
         "\n".join(
             [
@@ -152,6 +185,7 @@ def _print_banner(directory: Path, handler_url: str) -> None:
                 "                   orders above 480 are rejected (422: dead-lettered)",
                 f"  producer:        sample orders into topic '{TOPIC}' (4 partitions)",
                 "  pipeline:        only msk/spb orders over 100 reach the handler (~20%)",
+                *extra,
                 "  stop with Ctrl-C",
                 "",
             ]

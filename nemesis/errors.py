@@ -8,7 +8,8 @@
     │   ├── BrokerTimeout      a blocking call ran out of time retriable
     │   ├── TopicNotFound      the topic does not exist
     │   ├── TopicExists        create of an existing topic
-    │   └── SessionLost        the partition session ended     (stale work, not retriable)
+    │   ├── SessionLost        the partition session ended     (stale work, not retriable)
+    │   └── BrokerAccessDenied credentials refused by the backend (retrying cannot help)
     ├── DeliveryError          a transport could not deliver   retriable
     └── DlqError               the dead-letter store failed    retriable
         ├── DlqTimeout         a store call ran out of time    retriable
@@ -72,6 +73,12 @@ class TopicExists(BrokerError):
 
 
 class SessionLost(BrokerError):
+    retriable = False
+
+
+class BrokerAccessDenied(BrokerError):
+    """The backend refused the credentials or the permission (YDB: unauthenticated/unauthorized)."""
+
     retriable = False
 
 

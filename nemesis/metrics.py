@@ -11,12 +11,22 @@ snapshots, so a stuck runner cannot leave a stale value behind.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import (
+    CollectorRegistry,
+    Gauge,
+    GCCollector,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from nemesis import __version__
 
 LATENCY_BUCKETS_S = (
     0.0005,
@@ -87,10 +97,12 @@ class StageMeter:
         return self.processed - self.filtered - self.failed
 
 
-def status_class(status: int | None) -> str:
-    """Bounded label for an HTTP status: the code for common ones, else its class."""
+def status_class(status: int | None, protocol: str = "http") -> str:
+    """Bounded label for a handler's answer: common HTTP codes, else their class; gRPC codes."""
     if status is None:
         return "none"
+    if protocol == "grpc":
+        return f"grpc_{status}"  # 17 codes at most
     if status in (200, 202, 204, 400, 404, 408, 409, 422, 429, 500, 502, 503, 504):
         return str(status)
     return f"{status // 100}xx"
@@ -156,6 +168,11 @@ class LoopFamily(Generic[Child]):
             child = self._children[values] = self._make()
         return child
 
+    def forget(self, first_label: str) -> None:
+        """Drops the children whose first label value is ``first_label`` (a removed integration)."""
+        for values in [values for values in self._children if values[0] == first_label]:
+            del self._children[values]
+
     def collect(self) -> Metric:
         counters = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         histograms = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -182,11 +199,24 @@ def _add_sample(
 
 
 class Metrics:
-    """Every metric family the proxy exports, on one registry."""
+    """Every metric family the proxy exports, on one registry.
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    With ``process=True`` the registry also carries the process, platform and
+    garbage-collector families of prometheus_client (``process_*``,
+    ``python_*``): what ``nemesis run`` exports; tests leave them out.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = False) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self._loop_families: list[LoopFamily[Any]] = []
+        if process:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
+        Info("nemesis_build", "The Nemesis version this process runs.", registry=r).info(
+            {"version": __version__}
+        )
         self.messages_read = self._loop_counter(
             "nemesis_messages_read",
             "Messages read from source topics.",
@@ -267,6 +297,12 @@ class Metrics:
             ["integration", "flow"],
             buckets=RATE_LIMIT_WAIT_BUCKETS_S,
         )
+        self.disabled_type_skips = self._loop_counter(
+            "nemesis_disabled_type_skips",
+            "Messages acknowledged without delivery because their type was in"
+            " flags.disabled_types.",
+            ["integration", "type"],
+        )
         # (integration, stage) -> meter; kept across pipeline reloads so counters stay monotonic.
         self._stage_meters: dict[tuple[str, str], StageMeter] = {}
         r.register(_CallbackCollector(self._collect_stages))
@@ -283,6 +319,16 @@ class Metrics:
         """Drops the stage meters of an integration that was removed."""
         for key in [key for key in self._stage_meters if key[0] == integration]:
             del self._stage_meters[key]
+
+    def forget_integration(self, integration: str) -> None:
+        """Drops every series of an integration that was removed from the configuration."""
+        for family in self._loop_families:
+            if family.labelnames and family.labelnames[0] == "integration":
+                family.forget(integration)
+        self.forget_stages(integration)
+        # Gauge.remove raises KeyError for label values it never saw.
+        with contextlib.suppress(KeyError):
+            self.breaker_state.remove(integration)
 
     def _collect_stages(self) -> Iterator[Metric]:
         messages = CounterMetricFamily(
@@ -316,6 +362,7 @@ class Metrics:
     ) -> LoopFamily[LoopCounter]:
         family = LoopFamily(name, documentation, labelnames, LoopCounter)
         self.registry.register(_CallbackCollector(lambda: [family.collect()]))
+        self._loop_families.append(family)
         return family
 
     def _loop_histogram(
@@ -323,6 +370,7 @@ class Metrics:
     ) -> LoopFamily[LoopHistogram]:
         family = LoopFamily(name, documentation, labelnames, lambda: LoopHistogram(buckets))
         self.registry.register(_CallbackCollector(lambda: [family.collect()]))
+        self._loop_families.append(family)
         return family
 
     def add_live_collector(self, collect: Callable[[], Iterable[Metric]]) -> None:

@@ -256,7 +256,18 @@ def test_pipeline_commands(workspace: Workspace) -> None:
 
 
 def test_demo_runs_and_delivers(workspace: Workspace) -> None:
-    result = workspace.cli("demo", "--duration", "7", "--rate", "200", "--dir", "demo", timeout=60)
+    result = workspace.cli(
+        "demo",
+        "--duration",
+        "7",
+        "--rate",
+        "200",
+        "--dir",
+        "demo",
+        "--viewer-port",
+        "0",
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("produced")]
@@ -299,3 +310,20 @@ def test_demo_runs_and_delivers(workspace: Workspace) -> None:
     bad = workspace.cli("dlq", "list", "-c", config, "--text", "x" * 5000)
     assert bad.returncode == 1
     assert "Traceback" not in bad.stderr
+
+
+def test_init_creates_what_the_configuration_needs_idempotently(workspace: Workspace) -> None:
+    workspace.write_integration("loyalty", integration_yaml("loyalty", "http://127.0.0.1:1/"))
+    missing = workspace.cli("init")
+    assert missing.returncode == 1
+    assert "topic orders: missing" in missing.stdout
+    first = workspace.cli("init", "--create-sources")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "topic nemesis.retry.loyalty.1: created" in first.stdout
+    assert "topic nemesis.replay.loyalty: created" in first.stdout
+    again = workspace.cli("init", "--create-sources")
+    assert again.returncode == 0
+    assert "created" not in again.stdout
+    assert "added" not in again.stdout
+    topics = workspace.cli("topics", "list").stdout.split()
+    assert {"orders", "nemesis.replay.loyalty", "nemesis.retry.loyalty.3"} <= set(topics)

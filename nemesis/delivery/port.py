@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from nemesis.broker.port import Message
 
@@ -55,6 +55,7 @@ class DeliveryResult:
     error: str | None = None  # short, for logs and the DLQ; never the payload
     retry_after_s: float | None = None  # the handler's Retry-After, if any
     duration_s: float = 0.0
+    protocol: Literal["http", "grpc"] = "http"  # what ``status`` is: an HTTP status or a gRPC code
 
 
 class Transport(Protocol):

@@ -5,6 +5,15 @@ its main flow from the source topic, one flow per retry tier, and a replay
 flow for messages requeued from the DLQ. They share the integration's
 transport, pipeline, circuit breaker and rate limits; each flow has its own
 runner, restarted alone if it fails.
+
+Integrations come and go while the proxy runs (``nemesis.runtime.reload``):
+``add_integration`` starts one, ``remove_integration`` drains and stops one,
+``replace_integration`` drains the old configuration before the new one
+starts (the new one is built first, so a configuration that does not build
+leaves the old one running), and ``update_file_config`` takes a changed YAML
+whose changes all apply live. ``set_overrides`` lays live values (admin API)
+over the YAML (``nemesis.runtime.overrides``); live values reach the
+runners, the rate limiters and the pipeline's disabled types at once.
 """
 
 from __future__ import annotations
@@ -15,6 +24,9 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Final
+
+from pydantic import ValidationError
 
 from nemesis.broker.port import Broker, ConsumerSpec, TopicWriter
 from nemesis.clock import SYSTEM_CLOCK, Clock
@@ -22,26 +34,49 @@ from nemesis.config.models import IntegrationConfig, TargetConfig
 from nemesis.delivery.http import http_transport
 from nemesis.delivery.port import Transport
 from nemesis.dlq import DeadLetterStore
-from nemesis.errors import ConfigError, NemesisError, TopicNotFound
+from nemesis.errors import ConfigError, ConfigProblem, NemesisError, TopicNotFound
 from nemesis.metrics import Metrics
 from nemesis.pipeline import Pipeline, build_integration_pipeline
-from nemesis.resilience.breaker import CircuitBreaker, bind_breaker_metrics
+from nemesis.resilience.breaker import BreakerListener, CircuitBreaker, bind_breaker_metrics
 from nemesis.resilience.limits import FlowLimits, wait_recorder
+from nemesis.runtime import overrides as live
+from nemesis.runtime.lag import LagMonitor, LagTarget, PartitionLag, oldest_unfinished_from
 from nemesis.runtime.retries import FlowSpec, TieredSettler, flows_of, tier_topic
-from nemesis.runtime.runner import IntegrationRunner, RunnerOptions
+from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
 from nemesis.runtime.settle import RetryInPlace, Settler
+from nemesis.runtime.sizing import LiveSizing
+from nemesis.runtime.telemetry import IntegrationSnapshot, ProxySnapshot, metric_families
 
 log = logging.getLogger(__name__)
 
 TransportFactory = Callable[[TargetConfig, str, int], Transport]
+
+# The connection pool of a transport is sized to the most workers an integration
+# may ever run (DeliveryConfig.workers' bound), not to the workers it starts with:
+# the runners' workers bound the concurrency and change at run time, and a pool
+# sized at start would become a second bound that a live resize cannot move.
+# Connections are opened on demand, so the ceiling costs nothing until used.
+MAX_CONNECTIONS: Final = 4096
 
 
 def _http(target: TargetConfig, integration: str, max_connections: int) -> Transport:
     return http_transport(target, integration=integration, max_connections=max_connections)
 
 
+def _grpc(target: TargetConfig, integration: str, max_connections: int) -> Transport:
+    # Imported on first use: grpcio and the generated code load only for gRPC targets.
+    from nemesis.delivery.grpc import grpc_transport
+
+    return grpc_transport(target, integration, max_connections)
+
+
 # URL scheme -> transport factory. Tests and embedders pass their own mapping.
-DEFAULT_TRANSPORTS: Mapping[str, TransportFactory] = {"http": _http, "https": _http}
+DEFAULT_TRANSPORTS: Mapping[str, TransportFactory] = {
+    "http": _http,
+    "https": _http,
+    "grpc": _grpc,
+    "grpcs": _grpc,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +85,14 @@ class SupervisorOptions:
     max_restart_delay_s: float = 30.0
     topic_wait_s: float = 5.0
     internal_partitions: int = 4  # of the retry tier and replay topics Nemesis creates
+    lag_refresh_s: float = 5.0  # how often end offsets are asked for (commit lag)
 
 
 @dataclass
 class IntegrationGroup:
     """The running parts of one integration, shared by its flows."""
 
-    config: IntegrationConfig
+    config: IntegrationConfig  # running: file_config with the live overrides
     pipeline: Pipeline
     breaker: CircuitBreaker
     limits: FlowLimits
@@ -64,6 +100,26 @@ class IntegrationGroup:
     tier_writers: list[TopicWriter] = field(default_factory=list)
     runners: dict[str, IntegrationRunner] = field(default_factory=dict)
     setup: asyncio.Lock = field(default_factory=asyncio.Lock)
+    file_config: IntegrationConfig | None = None  # as the YAML says (None: same as config)
+    file: Path | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    # Why a flow is not running, by flow (a missing topic, an unknown URL scheme).
+    issues: dict[str, str] = field(default_factory=dict)
+    # Problems of its file at the last reload (the group runs the last good YAML).
+    problems: list[ConfigProblem] = field(default_factory=list)
+    sizing: LiveSizing = field(default_factory=LiveSizing)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    breaker_listener: BreakerListener | None = None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def yaml(self) -> IntegrationConfig:
+        """The configuration as its YAML says, without live overrides."""
+        return self.file_config or self.config
 
 
 class Proxy:
@@ -86,37 +142,36 @@ class Proxy:
         self.broker = broker
         self.dlq = dlq
         self.metrics = metrics or Metrics()
-        self._integrations = dict(integrations)
+        self._pipelines_dir = pipelines_dir
+        self._integrations: dict[str, IntegrationConfig] = {}
         self._transports = transports
         self._clock = clock
         self._runner_options = runner_options
         self._supervisor = supervisor_options
         self._stopping = asyncio.Event()
         self._groups: dict[str, IntegrationGroup] = {}
-        for name, config in list(self._integrations.items()):
+        self._tasks: asyncio.TaskGroup | None = None
+        self._running = False
+        self._lag = LagMonitor(
+            broker, self.lag_targets, clock=clock, interval_s=supervisor_options.lag_refresh_s
+        )
+        files = integration_files or {}
+        for name, config in integrations.items():
             try:
-                pipeline = build_integration_pipeline(
-                    config,
-                    pipelines_dir=pipelines_dir,
-                    disabled_types=self._disabled_types(name),
-                    metrics=self.metrics,
-                    integration_file=(integration_files or {}).get(name),
-                )
+                group = self._build_group(config, files.get(name))
             except ConfigError as exc:
                 for problem in exc.problems:
                     # A configuration problem, not a crash: no traceback.
                     log.error("%s (integration %s not started)", problem, name)  # noqa: TRY400
-                del self._integrations[name]
                 continue
-            breaker = CircuitBreaker(config.breaker, clock=clock, name=name)
-            bind_breaker_metrics(breaker, self.metrics)
-            limits = FlowLimits(
-                config.rate_limits, clock=clock, on_wait=wait_recorder(self.metrics, name)
-            )
-            self._groups[name] = IntegrationGroup(config, pipeline, breaker, limits)
+            self._activate(group)
+        self.metrics.add_live_collector(lambda: metric_families(self.snapshot()))
+
+    # --- reading ------------------------------------------------------------------
 
     @property
     def integrations(self) -> Mapping[str, IntegrationConfig]:
+        """The running configuration of every integration (live overrides included)."""
         return self._integrations
 
     @property
@@ -132,14 +187,118 @@ class Proxy:
             if "main" in group.runners
         }
 
-    def _disabled_types(self, name: str) -> Callable[[], Collection[str]]:
-        """A live view of an integration's flags.disabled_types (they change at run time)."""
+    @property
+    def running(self) -> bool:
+        """Whether ``run()`` has started its integrations and ``stop()`` was not called."""
+        return self._running and not self._stopping.is_set()
 
-        def current() -> Collection[str]:
-            config = self._integrations.get(name)
-            return () if config is None else config.flags.disabled_types
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
 
-        return current
+    @property
+    def lag_monitor(self) -> LagMonitor:
+        return self._lag
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    def flows(self, config: IntegrationConfig) -> list[FlowSpec]:
+        """The flows an integration runs here (retry tiers and replay need a DLQ store)."""
+        every = flows_of(config)
+        return every if self.dlq is not None else every[:1]
+
+    def lag_targets(self) -> list[LagTarget]:
+        """Every flow whose commit lag is watched."""
+        return [
+            LagTarget(name, flow.name, flow.topic, flow.consumer)
+            for name, group in self._groups.items()
+            for flow in self.flows(group.config)
+        ]
+
+    def snapshot(self, names: Collection[str] | None = None) -> ProxySnapshot:
+        """Every integration (or those named) as it is now: for metrics and the admin API."""
+        groups = [g for n, g in self._groups.items() if names is None or n in names]
+        flows = {g.name: [runner.statistics() for runner in g.runners.values()] for g in groups}
+        oldest: dict[tuple[str, str, str, int], float] = {}
+        for name, stats_list in flows.items():
+            for stats in stats_list:
+                for partition in stats.partitions:
+                    written_at = partition.oldest_unfinished_written_at
+                    if written_at is not None and written_at > 0:
+                        key = (name, stats.flow, partition.topic, partition.partition)
+                        oldest[key] = min(written_at, oldest.get(key, written_at))
+        targets = [t for t in self.lag_targets() if names is None or t.integration in names]
+        lags: dict[str, list[PartitionLag]] = {}
+        for lag in self._lag.lags(targets, oldest_unfinished_from(oldest)):
+            lags.setdefault(lag.integration, []).append(lag)
+        return ProxySnapshot(
+            monotonic=self._clock.monotonic(),
+            time=self._clock.time(),
+            running=self.running,
+            stopping=self.stopping,
+            integrations=[
+                IntegrationSnapshot(
+                    name=group.name,
+                    state=_state_of(group),
+                    config=group.config,
+                    file_config=group.yaml,
+                    overrides=dict(group.overrides),
+                    file=group.file,
+                    flows=flows[group.name],
+                    issues=dict(group.issues),
+                    breaker=group.breaker.statistics(),
+                    limits=group.limits.statistics(),
+                    lags=lags.get(group.name, []),
+                    sizing=group.sizing.estimate(),
+                    problems=list(group.problems),
+                )
+                for group in groups
+            ],
+            lag=self._lag.statistics(),
+        )
+
+    # --- live changes -------------------------------------------------------------
+
+    def set_overrides(self, name: str, changes: Mapping[str, Any]) -> IntegrationConfig:
+        """Lays live values over an integration's YAML and applies them at once.
+
+        Values equal to the YAML's are not kept as overrides. Raises KeyError
+        for an unknown integration and pydantic's ValidationError (the whole
+        configuration is validated) for values that do not fit.
+        """
+        group = self._groups[name]
+        merged = live.caught_up(group.yaml, {**group.overrides, **changes})
+        config = live.apply_overrides(group.yaml, merged)
+        group.overrides = merged
+        self._apply_live(group, config, why="set live")
+        return config
+
+    def clear_overrides(
+        self, name: str, fields: Collection[str] | None = None
+    ) -> IntegrationConfig:
+        """Back to the YAML for ``fields`` (every live field when None); applied at once."""
+        group = self._groups[name]
+        kept = {} if fields is None else live.only(group.overrides, fields)
+        config = live.apply_overrides(group.yaml, kept)
+        group.overrides = kept
+        self._apply_live(group, config, why="back to the YAML")
+        return config
+
+    def update_file_config(self, config: IntegrationConfig, file: Path | None = None) -> list[str]:
+        """Takes a changed YAML whose changes all apply live; returns the fields that changed.
+
+        Overrides the YAML now agrees with are dropped. Raises ConfigError when
+        the remaining overrides do not fit the new YAML (the old one stays).
+        """
+        group = self._groups[config.name]
+        changed = live.changed_fields(group.yaml, config)
+        kept = live.caught_up(config, group.overrides)
+        running = self._with_overrides(config, kept, file)
+        group.file_config, group.file, group.overrides = config, file, kept
+        self._apply_live(group, running, why="changed in the YAML")
+        return changed
 
     def stop(self) -> None:
         """Drains and stops every flow; ``run()`` returns when all have."""
@@ -148,32 +307,112 @@ class Proxy:
             for runner in group.runners.values():
                 runner.stop()
 
+    # --- integrations coming and going ------------------------------------------
+
+    def add_integration(self, config: IntegrationConfig, file: Path | None = None) -> None:
+        """Starts an integration; raises ConfigError when its pipeline does not build."""
+        if config.name in self._groups:
+            raise ValueError(f"integration {config.name} runs already")
+        group = self._build_group(config, file)
+        self._activate(group)
+        self._start_group(group)
+        log.info("integration %s: added", config.name, extra={"integration": config.name})
+
+    async def replace_integration(
+        self, config: IntegrationConfig, file: Path | None = None
+    ) -> None:
+        """Restarts an integration on a changed YAML: the old one drains, then the new one starts.
+
+        The new one is built first: when it does not build (ConfigError), the
+        old one keeps running untouched. Live overrides carry over unless the
+        new YAML says the same.
+        """
+        old = self._groups[config.name]
+        new = self._build_group(config, file, live.caught_up(config, old.overrides))
+        await self._halt_group(old)
+        # Overrides set while the old one drained count too, if they still fit.
+        overrides = live.caught_up(config, old.overrides)
+        try:
+            new.config = self._with_overrides(config, overrides, file)
+        except ConfigError:
+            pass  # they do not fit the new YAML: the ones it was built with stay
+        else:
+            new.overrides = overrides
+        self._integrations[config.name] = new.config
+        self._deactivate(old)
+        self._activate(new)
+        self._start_group(new)
+        log.info("integration %s: restarted", config.name, extra={"integration": config.name})
+
+    async def remove_integration(self, name: str) -> None:
+        """Drains an integration's flows, stops it and forgets its metrics."""
+        group = self._groups[name]
+        await self._halt_group(group)
+        self._deactivate(group)
+        del self._groups[name]
+        self._integrations.pop(name, None)
+        self.metrics.forget_integration(name)
+        log.info("integration %s: removed", name, extra={"integration": name})
+
+    # --- the run ------------------------------------------------------------------
+
     async def run(self) -> None:
+        """Runs every integration, and those added later, until ``stop()``; drains and returns."""
         try:
             async with asyncio.TaskGroup() as tasks:
-                for group in self._groups.values():
-                    tasks.create_task(
-                        self._run_group(group), name=f"integration:{group.config.name}"
-                    )
+                self._tasks = tasks
+                telemetry = tasks.create_task(self._telemetry(), name="telemetry")
+                self._running = True
+                for group in list(self._groups.values()):
+                    self._start_group(group)
+                await self._stopping.wait()
+                self._running = False
+                running = [g.task for g in self._groups.values() if g.task is not None]
+                if running:
+                    await asyncio.wait(running)
+                telemetry.cancel()
         finally:
-            for group in self._groups.values():
+            self._running = False
+            self._tasks = None
+            for group in list(self._groups.values()):
                 await self._close_group(group)
+
+    def _start_group(self, group: IntegrationGroup) -> None:
+        if self._tasks is None or not self._running or group.task is not None:
+            return  # run() starts it, or it runs already
+        group.task = self._tasks.create_task(
+            self._run_group(group), name=f"integration:{group.name}"
+        )
+
+    async def _halt_group(self, group: IntegrationGroup) -> None:
+        """Stops a group's flows and waits until they drained."""
+        group.stopping.set()
+        for runner in group.runners.values():
+            runner.stop()
+        if group.task is not None:
+            await asyncio.wait([group.task])
 
     async def _run_group(self, group: IntegrationGroup) -> None:
         config = group.config
         factory = self._transports.get(config.target.scheme)
         if factory is None:
+            group.issues["main"] = f"no transport for {config.target.scheme}:// targets"
             log.error(
                 "integration %s: no transport for %s:// targets; not started",
                 config.name,
                 config.target.scheme,
+                extra={"integration": config.name},
             )
             return
-        group.transport = factory(config.target, config.name, config.delivery.workers)
-        flows = flows_of(config) if self.dlq is not None else flows_of(config)[:1]
-        async with asyncio.TaskGroup() as tasks:
-            for flow in flows:
-                tasks.create_task(self._supervise(group, flow), name=f"{config.name}:{flow.name}")
+        try:
+            group.transport = factory(config.target, config.name, MAX_CONNECTIONS)
+            async with asyncio.TaskGroup() as tasks:
+                for flow in self.flows(config):
+                    tasks.create_task(
+                        self._supervise(group, flow), name=f"{config.name}:{flow.name}"
+                    )
+        finally:
+            await self._close_group(group)
 
     async def _close_group(self, group: IntegrationGroup) -> None:
         for writer in group.tier_writers:
@@ -186,40 +425,59 @@ class Proxy:
 
     async def _supervise(self, group: IntegrationGroup, flow: FlowSpec) -> None:
         """Keeps one flow running: waits for its topic, restarts it after a failure."""
-        config = group.config
+        name = group.name
+        where = {"integration": name, "flow": flow.name}
         delay_s = self._supervisor.restart_delay_s
-        while not self._stopping.is_set():
+        while not self._halted(group):
             try:
                 await self._prepare_flow(group, flow)
             except TopicNotFound:
+                group.issues[flow.name] = f"topic {flow.topic} does not exist"
                 log.error(  # noqa: TRY400 - an expected state, not a failure with a traceback
                     "integration %s: topic %r does not exist; create it "
                     "(nemesis topics create %s --partitions N); checking again in %.0fs",
-                    config.name,
+                    name,
                     flow.topic,
                     flow.topic,
                     self._supervisor.topic_wait_s,
+                    extra=where,
                 )
-                await self._sleep_unless_stopping(self._supervisor.topic_wait_s)
+                await self._sleep_unless_halted(group, self._supervisor.topic_wait_s)
                 continue
+            except NemesisError as exc:
+                group.issues[flow.name] = f"cannot start: {exc}"
+                log.error(  # noqa: TRY400 - a broker problem, retried; not a bug
+                    "integration %s, flow %s: cannot start: %s; trying again in %.1fs",
+                    name,
+                    flow.name,
+                    exc,
+                    delay_s,
+                    extra=where,
+                )
+                await self._sleep_unless_halted(group, delay_s)
+                delay_s = min(delay_s * 2, self._supervisor.max_restart_delay_s)
+                continue
+            group.issues.pop(flow.name, None)
             try:
                 runner = self._make_runner(group, flow)
                 group.runners[flow.name] = runner
-                if self._stopping.is_set():
+                if self._halted(group):
                     runner.stop()
                 await runner.run()
             except* Exception as failures:
-                for exc in failures.exceptions:
+                for failure in failures.exceptions:
                     log.error(  # noqa: TRY400 - exc_info names the member of the group
                         "integration %s, flow %s failed; restarting in %.1fs",
-                        config.name,
+                        name,
                         flow.name,
                         delay_s,
-                        exc_info=exc,
+                        exc_info=failure,
+                        extra=where,
                     )
+                group.issues[flow.name] = "failed; restarting"
             else:
                 return
-            await self._sleep_unless_stopping(delay_s)
+            await self._sleep_unless_halted(group, delay_s)
             delay_s = min(delay_s * 2, self._supervisor.max_restart_delay_s)
 
     async def _prepare_flow(self, group: IntegrationGroup, flow: FlowSpec) -> None:
@@ -239,11 +497,11 @@ class Proxy:
             if group.tier_writers:
                 return
             for tier in range(1, len(group.config.retry.tiers) + 1):
-                topic = tier_topic(group.config.name, tier)
+                topic = tier_topic(group.name, tier)
                 await admin.create_topic(
                     topic,
                     partitions=self._supervisor.internal_partitions,
-                    consumers=[ConsumerSpec(group.config.name)],
+                    consumers=[ConsumerSpec(group.name)],
                     exist_ok=True,
                 )
                 group.tier_writers.append(await self.broker.writer(topic))
@@ -279,9 +537,143 @@ class Proxy:
             metrics=self.metrics,
         )
 
-    async def _sleep_unless_stopping(self, seconds: float) -> None:
+    async def _telemetry(self) -> None:
+        """Refreshes commit lag and samples the live sizing figures, until cancelled."""
+        while True:
+            try:
+                await self._lag.refresh()
+                self._sample_sizing()
+            except Exception:
+                # A supervisor boundary: a bug here must cost metrics, not deliveries.
+                log.exception("refreshing commit lag failed; trying again")
+            await self._clock.sleep(self._supervisor.lag_refresh_s)
+
+    def _sample_sizing(self) -> None:
+        now = self._clock.monotonic()
+        for group in self._groups.values():
+            runner = group.runners.get("main")
+            if runner is None:
+                continue
+            stats = runner.statistics()
+            group.sizing.sample(
+                now,
+                attempted=stats.attempted,
+                requests=stats.requests,
+                request_seconds=stats.request_seconds,
+                produced=self._lag.end_offsets(group.config.source.topic),
+            )
+
+    # --- groups -------------------------------------------------------------------
+
+    def _build_group(
+        self,
+        file_config: IntegrationConfig,
+        file: Path | None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> IntegrationGroup:
+        """The parts of an integration, not started; raises ConfigError."""
+        name = file_config.name
+        config = self._with_overrides(file_config, overrides or {}, file)
+        pipeline = build_integration_pipeline(
+            config,
+            pipelines_dir=self._pipelines_dir,
+            disabled_types=self._disabled_types(name),
+            metrics=self.metrics,
+            integration_file=file,
+        )
+        breaker = CircuitBreaker(config.breaker, clock=self._clock, name=name)
+        limits = FlowLimits(
+            config.rate_limits, clock=self._clock, on_wait=wait_recorder(self.metrics, name)
+        )
+        return IntegrationGroup(
+            config,
+            pipeline,
+            breaker,
+            limits,
+            file_config=file_config,
+            file=file,
+            overrides=dict(overrides or {}),
+        )
+
+    def _with_overrides(
+        self, file_config: IntegrationConfig, overrides: Mapping[str, Any], file: Path | None
+    ) -> IntegrationConfig:
         try:
-            async with asyncio.timeout(seconds):
-                await self._stopping.wait()
-        except TimeoutError:
-            return
+            return live.apply_overrides(file_config, overrides)
+        except ValidationError as exc:
+            where = str(file) if file is not None else f"integration {file_config.name}"
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        where,
+                        None,
+                        ".".join(str(part) for part in error["loc"]) or None,
+                        f"{error['msg']} (with the live overrides"
+                        f" {', '.join(sorted(overrides))}; clear them or change the file)",
+                    )
+                    for error in exc.errors()
+                ]
+            ) from None
+
+    def _activate(self, group: IntegrationGroup) -> None:
+        """Makes a built group the one its name refers to, and its breaker the one measured."""
+        self._groups[group.name] = group
+        self._integrations[group.name] = group.config
+        group.breaker_listener = bind_breaker_metrics(group.breaker, self.metrics)
+
+    def _deactivate(self, group: IntegrationGroup) -> None:
+        if group.breaker_listener is not None:
+            group.breaker.remove_listener(group.breaker_listener)
+            group.breaker_listener = None
+
+    def _apply_live(self, group: IntegrationGroup, config: IntegrationConfig, *, why: str) -> None:
+        changed = live.changed_fields(group.config, config)
+        group.config = config
+        self._integrations[group.name] = config
+        group.limits.apply(config.rate_limits)
+        for runner in group.runners.values():
+            runner.apply(config)
+        if changed:
+            log.info(
+                "integration %s: %s %s",
+                group.name,
+                ", ".join(f"{path}={live.get_field(config, path)!r}" for path in changed),
+                why,
+                extra={"integration": group.name},
+            )
+
+    def _disabled_types(self, name: str) -> Callable[[], Collection[str]]:
+        """A live view of an integration's flags.disabled_types (they change at run time)."""
+
+        def current() -> Collection[str]:
+            config = self._integrations.get(name)
+            return () if config is None else config.flags.disabled_types
+
+        return current
+
+    def _halted(self, group: IntegrationGroup) -> bool:
+        return self._stopping.is_set() or group.stopping.is_set()
+
+    async def _sleep_unless_halted(self, group: IntegrationGroup, seconds: float) -> None:
+        waiters = [
+            asyncio.ensure_future(self._stopping.wait()),
+            asyncio.ensure_future(group.stopping.wait()),
+        ]
+        try:
+            await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+
+
+def _state_of(group: IntegrationGroup) -> str:
+    if group.stopping.is_set():
+        return "stopping"
+    main = group.runners.get("main")
+    if main is None:
+        return "waiting" if group.issues else "starting"
+    state = main.state
+    if state is RunnerState.RUNNING and group.config.paused:
+        return "paused"
+    return state.value

@@ -19,8 +19,17 @@ unfinished at once (intake waits), and no partition holds more than
 slow or failing one): such a partition is paused at the reader while the
 others flow on.
 
-Shutdown: stop reading, let workers drain for the grace period, commit what is
-done under ``asyncio.shield``, then cancel what is left (it is redelivered).
+Shutdown: stop reading, let the deliveries in flight finish within the grace
+period (workers take nothing new: what was read and not started stays
+uncommitted, for the next reader), commit what is done under
+``asyncio.shield``, then cancel what is left (it is redelivered).
+
+Live settings (``apply``): ``delivery.workers`` resizes the worker pool
+(``nemesis.runtime.workers``: a worker holding messages finishes them before it
+leaves), ``delivery.buffer`` moves the intake bound at once, ``delivery.batch``
+is read by each worker when it starts its next batch, ``flags.disabled_types``
+is checked before the pipeline and ``paused`` stops or restarts reading. None
+of them touches a message in flight, so a change neither loses nor repeats one.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemesis import logs
 from nemesis.broker.port import Broker, Message, PartitionSession, TopicReader
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig
@@ -43,7 +53,7 @@ from nemesis.pipeline import Pipeline, Verdict
 from nemesis.resilience.breaker import BreakerState, CircuitBreaker, is_healthy
 from nemesis.resilience.limits import Flow, FlowLimits
 from nemesis.runtime.acks import AckTracker, PartitionStats
-from nemesis.runtime.events import EventFactory
+from nemesis.runtime.events import EventFactory, event_id
 from nemesis.runtime.retries import (
     FlowSpec,
     attempts_so_far,
@@ -53,6 +63,7 @@ from nemesis.runtime.retries import (
 )
 from nemesis.runtime.scheduler import Scheduler, Work
 from nemesis.runtime.settle import Action, Failure, RetryInPlace, Settler, failure_of
+from nemesis.runtime.workers import WorkerPool, WorkerSlot
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +104,15 @@ class RunnerStats:
     last_commit_at: float | None
     paused_partitions: int
     partitions: Sequence[PartitionStats] = field(default_factory=tuple)
+    flow: str = "main"
+    started_at: float = 0.0  # monotonic time the runner was made
+    workers_busy: int = 0  # workers holding messages (retiring ones included)
+    workers_retiring: int = 0  # shrunk away, finishing their messages
+    assigned_partitions: int = 0  # partition sessions the reader holds now
+    requests: int = 0  # delivery requests answered (a batch is one)
+    request_seconds: float = 0.0  # their summed duration
+    attempted: int = 0  # messages those requests carried
+    skipped: int = 0  # messages of disabled types, acknowledged without delivery
 
 
 class IntegrationRunner:
@@ -131,6 +151,9 @@ class IntegrationRunner:
         self._clock = clock
         self._options = options
         self._events = EventFactory(config)
+        self._type_key = config.source.type_key
+        self._disabled = frozenset(config.flags.disabled_types)
+        self._log = logs.bind(log, integration=config.name, flow=self.flow.name)
         self._tracker = AckTracker()
         self._scheduler = Scheduler(config.delivery.ordering, clock)
         self._state = RunnerState.STARTING
@@ -141,8 +164,15 @@ class IntegrationRunner:
         self._progress = asyncio.Event()  # set whenever a message finishes or a session is dropped
         self._commit_lock = asyncio.Lock()
         self._paused_sessions: dict[tuple[str, int, int], PartitionSession] = {}
+        self._pool: WorkerPool | None = None
+        self._reader: TopicReader | None = None
         self._in_flight = 0
         self._messages_read = 0
+        self._requests = 0
+        self._request_s = 0.0
+        self._attempted = 0
+        self._skipped = 0
+        self._started_at = clock.monotonic()
         self._last_read_at: float | None = None
         self._last_commit_at: float | None = None
         self._bind_metrics()
@@ -159,6 +189,7 @@ class IntegrationRunner:
         self._m_stale = m.stale_dropped.labels(name)
         # Children by (outcome, status): a labels() lookup per delivery costs more than the count.
         self._m_deliveries: dict[tuple[Outcome, int | None], LoopCounter] = {}
+        self._m_skipped: dict[str, LoopCounter] = {}
 
     # --- control ------------------------------------------------------------
 
@@ -175,13 +206,37 @@ class IntegrationRunner:
         self._resumed.clear()
 
     def resume(self) -> None:
+        """Reads again after ``pause()``."""
         self._resumed.set()
 
+    def apply(self, config: IntegrationConfig) -> None:
+        """Takes the live settings of ``config`` at once (see the module docstring).
+
+        Only ``delivery.workers``, ``delivery.buffer``, ``delivery.batch``,
+        ``flags.disabled_types`` and ``paused`` are taken; the caller restarts
+        the runner for a change of anything else.
+        """
+        if config.name != self.name:
+            raise ValueError(f"runner {self.name} cannot take the settings of {config.name}")
+        self.config = config
+        self._disabled = frozenset(config.flags.disabled_types)
+        if self._pool is not None and not self._stopping.is_set():
+            # Not while draining: the workers are leaving on purpose.
+            self._pool.resize(config.delivery.workers)
+        if config.paused:
+            self.pause()
+        else:
+            self.resume()
+        # The intake may be waiting for room under the old buffer bound.
+        self._progress.set()
+
     def statistics(self) -> RunnerStats:
+        """A snapshot of the queues, the workers and the counters."""
+        pool, reader = self._pool, self._reader
         return RunnerStats(
             integration=self.name,
             state=self._state,
-            workers=self.config.delivery.workers,
+            workers=self.config.delivery.workers if pool is None else pool.size,
             buffered=self._scheduler.ready + self._scheduler.waiting,
             in_flight=self._in_flight,
             delayed=self._scheduler.delayed,
@@ -192,6 +247,15 @@ class IntegrationRunner:
             last_commit_at=self._last_commit_at,
             paused_partitions=len(self._paused_sessions),
             partitions=tuple(self._tracker.statistics()),
+            flow=self.flow.name,
+            started_at=self._started_at,
+            workers_busy=0 if pool is None else pool.busy,
+            workers_retiring=0 if pool is None else pool.retiring,
+            assigned_partitions=0 if reader is None else len(reader.sessions()),
+            requests=self._requests,
+            request_seconds=self._request_s,
+            attempted=self._attempted,
+            skipped=self._skipped,
         )
 
     # --- the run ------------------------------------------------------------
@@ -199,54 +263,66 @@ class IntegrationRunner:
     async def run(self) -> None:
         """Reads, delivers and commits until ``stop()``, then drains and returns."""
         reader = await self._broker.reader(self.flow.topic, self.flow.consumer)
+        self._reader = reader
+        label = f"{self.name}:{self.flow.name}"
         try:
             async with asyncio.TaskGroup() as tasks:
-                intake = tasks.create_task(self._intake(reader), name=f"{self.name}:intake")
+                intake = tasks.create_task(self._intake(reader), name=f"{label}:intake")
                 helpers = [
-                    tasks.create_task(self._commit_loop(reader), name=f"{self.name}:commit"),
-                    tasks.create_task(self._scheduler.run_timers(), name=f"{self.name}:timers"),
+                    tasks.create_task(self._commit_loop(reader), name=f"{label}:commit"),
+                    tasks.create_task(self._scheduler.run_timers(), name=f"{label}:timers"),
                 ]
-                helpers += [
-                    tasks.create_task(self._worker(), name=f"{self.name}:worker-{i}")
-                    for i in range(self.config.delivery.workers)
-                ]
+                pool = self._pool = WorkerPool(tasks, self._worker, name=label)
+                pool.resize(self.config.delivery.workers)
                 await self._stopping.wait()
                 await intake
                 self._state = RunnerState.DRAINING
-                await self._drain(self._options.shutdown_grace_s)
+                await self._drain(pool, self._options.shutdown_grace_s)
+                pool.close()
                 for task in helpers:
                     task.cancel()
         finally:
             # Commit what finished, even when cancelled: it is only ever less redelivery.
             await asyncio.shield(self._commit(reader))
+            self._reader = None
             await reader.close()
             if self._owns_transport:
                 await self._transport.close()
             self._state = RunnerState.STOPPED
 
-    async def _drain(self, grace_s: float) -> None:
+    async def _drain(self, pool: WorkerPool, grace_s: float) -> None:
+        """Lets the deliveries in flight finish; workers leave instead of taking more."""
+        pool.resize(0)
         try:
             async with asyncio.timeout(grace_s):
-                while self._tracker.unfinished > 0:
-                    self._progress.clear()
-                    await self._progress.wait()
+                await pool.wait_empty()
         except TimeoutError:
-            log.warning(
-                "integration %s: %d messages unfinished after the %.1fs grace period; "
-                "they will be delivered again",
+            self._log.warning(
+                "integration %s: %d deliveries still in flight after the %.1fs grace period;"
+                " they will be delivered again",
                 self.name,
-                self._tracker.unfinished,
+                pool.busy,
                 grace_s,
+            )
+        left = self._tracker.unfinished
+        if left:
+            self._log.info(
+                "integration %s, flow %s: %d messages read and not delivered stay uncommitted"
+                " for the next reader",
+                self.name,
+                self.flow.name,
+                left,
             )
 
     async def _intake(self, reader: TopicReader) -> None:
-        buffer = self.config.delivery.buffer
         while not self._stopping.is_set():
             if not self._resumed.is_set():
                 self._state = RunnerState.PAUSED
                 await _first(self._resumed, self._stopping)
                 continue
             self._state = RunnerState.RUNNING
+            # Read every round: the buffer may be changed while running.
+            buffer = self.config.delivery.buffer
             free = buffer - self._tracker.unfinished
             if free <= 0:
                 self._progress.clear()
@@ -307,26 +383,35 @@ class IntegrationRunner:
 
     # --- workers ------------------------------------------------------------
 
-    async def _worker(self) -> None:
-        while True:
-            batch = await self._next_batch()
+    async def _worker(self, slot: WorkerSlot) -> None:
+        while not slot.retiring:
+            slot.idle = True  # holding nothing: a shrinking pool may cancel it here
+            try:
+                first = await self._scheduler.get()
+            finally:
+                slot.idle = False
+            batch = await self._next_batch(first)
             await self._process(batch)
 
-    async def _next_batch(self) -> list[Work]:
-        first = await self._scheduler.get()
-        size = self.config.delivery.batch.size
+    async def _next_batch(self, first: Work) -> list[Work]:
+        # Read per batch: the batch settings may be changed while running.
+        settings = self.config.delivery.batch
+        size = settings.size
         if size == 1:
             return [first]
         batch = [first]
-        deadline = self._clock.monotonic() + self.config.delivery.batch.max_wait_ms / 1000
+        deadline = self._clock.monotonic() + settings.max_wait_ms / 1000
         while len(batch) < size:
             work = self._scheduler.get_nowait()
             if work is None:
                 remaining = deadline - self._clock.monotonic()
                 if remaining <= 0:
                     break
+                # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
+                # that lands as the get completes, and the worker would never stop.
                 try:
-                    work = await asyncio.wait_for(self._scheduler.get(), remaining)
+                    async with asyncio.timeout(remaining):
+                        work = await self._scheduler.get()
                 except TimeoutError:
                     break
             batch.append(work)
@@ -375,6 +460,8 @@ class IntegrationRunner:
 
     async def _prepare(self, batch: list[Work]) -> tuple[list[Work], list[Event]]:
         """Runs the pipeline: filtered messages finish here, dead ones go to the settler."""
+        if self._disabled:
+            batch = self._skip_disabled(batch)
         pipeline, make_event, view = self._pipeline, self._events, self._view
         if pipeline.is_empty:
             return batch, [make_event(view(work.message), work.attempt) for work in batch]
@@ -399,8 +486,50 @@ class IntegrationRunner:
                 await self._settle(work, failure)
         return passed, events
 
+    def _skip_disabled(self, batch: list[Work]) -> list[Work]:
+        """Acknowledges messages whose type (``ce-type``) is in ``flags.disabled_types`` now."""
+        kept: list[Work] = []
+        disabled, type_key = self._disabled, self._type_key
+        for work in batch:
+            kind = work.message.metadata.get(type_key)
+            if kind is None or kind not in disabled:
+                kept.append(work)
+                continue
+            counter = self._m_skipped.get(kind)
+            if counter is None:
+                # Bounded: only types that were disabled at some point get a label.
+                counter = self._m_skipped[kind] = self._metrics.disabled_type_skips.labels(
+                    self.name, kind
+                )
+            counter.inc()
+            self._skipped += 1
+            self._finish(work)
+        return kept
+
     async def _settle(self, work: Work, failure: Failure) -> None:
         decision = await self._settler.settle(work, failure)
+        if self._log.isEnabledFor(logging.DEBUG):
+            message = self._view(work.message)
+            self._log.debug(
+                "%s/%s@%s attempt %d: %s (%s), %s",
+                message.topic,
+                message.partition,
+                message.offset,
+                work.attempt,
+                failure.outcome.value,
+                failure.reason,
+                decision.action.value,
+                extra={
+                    "topic": message.topic,
+                    "partition": message.partition,
+                    "offset": message.offset,
+                    "event_id": event_id(work.message),
+                    "attempt": work.attempt,
+                    "outcome": failure.outcome.value,
+                    "status": failure.status,
+                    "stage": failure.stage,
+                },
+            )
         if decision.action is Action.ACK:
             self._finish(work)
             return
@@ -412,13 +541,16 @@ class IntegrationRunner:
         self._scheduler.put_later(work, decision.delay_s)
 
     def _observe(self, result: DeliveryResult, count: int) -> None:
+        self._requests += 1
+        self._request_s += result.duration_s
+        self._attempted += count
         self._m_duration.observe(result.duration_s)
         self._m_batch.observe(count)
         key = (result.outcome, result.status)
         counter = self._m_deliveries.get(key)
         if counter is None:
             counter = self._m_deliveries[key] = self._metrics.deliveries.labels(
-                self.name, result.outcome.value, status_class(result.status)
+                self.name, result.outcome.value, status_class(result.status, result.protocol)
             )
         counter.inc(count)
 
@@ -455,13 +587,15 @@ class IntegrationRunner:
                 # Not fatal: the next commit of this partition covers these offsets too,
                 # and if none comes they are delivered again (at-least-once).
                 self._m_commit_failures.inc()
-                log.warning(
+                last = run[-1]
+                self._log.warning(
                     "integration %s: commit of %s/%s up to %d failed: %s",
                     self.name,
-                    run[-1].topic,
-                    run[-1].partition,
-                    run[-1].offset,
+                    last.topic,
+                    last.partition,
+                    last.offset,
                     exc,
+                    extra={"topic": last.topic, "partition": last.partition, "offset": last.offset},
                 )
                 continue
             self._m_commits.inc()

@@ -60,6 +60,15 @@ class Failure:
 def failure_of(result: DeliveryResult) -> Failure:
     """The failure a handler's answer amounts to (only for outcomes that are not done)."""
     status = result.status
+    if result.protocol == "grpc":
+        # A gRPC code is no HTTP status: it names the reason and stays out of http_status.
+        if result.outcome is Outcome.DEAD:
+            reason = "verdict_dead" if status == 0 else "grpc_status"
+        else:
+            reason = "no_answer" if status is None else f"grpc_{status}"
+        return Failure(
+            result.outcome, reason, error=result.error, retry_after_s=result.retry_after_s
+        )
     if result.outcome is Outcome.DEAD:
         # A 2xx that is dead can only be the verdict header; 4xx statuses are the contract table.
         reason = "verdict_dead" if status is not None and status < 300 else "http_4xx"

@@ -1,0 +1,98 @@
+"""Serving the viewer with uvicorn inside a process that owns its signals (``nemesis run``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+log = logging.getLogger(__name__)
+
+
+class ViewerStartError(Exception):
+    """The viewer could not listen (the address is taken, or not ours to bind)."""
+
+
+class ViewerServer(uvicorn.Server):
+    """A uvicorn server that leaves SIGINT/SIGTERM to its host process; ``stop()`` ends it.
+
+    Plain uvicorn replaces the process's signal handlers while it serves and
+    exits the process when it cannot bind; inside ``nemesis run`` the proxy
+    owns the signals, and a taken port must be an error, not an exit.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Installs nothing: the host process handles signals and calls ``stop()``."""
+        yield
+
+    def stop(self) -> None:
+        """Stops accepting, finishes open requests, runs the app's shutdown; ``serve`` returns."""
+        self.should_exit = True
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serves until ``stop()``; raises ``ViewerStartError`` if it cannot start."""
+        try:
+            await super().serve(sockets)
+        except SystemExit:
+            # uvicorn logs why (e.g. the port is in use) and then exits.
+            raise ViewerStartError(
+                f"the DLQ viewer could not start on {self.config.host}:{self.config.port}"
+            ) from None
+
+
+def viewer_server(
+    app: FastAPI, host: str, port: int, *, log_level: str = "warning"
+) -> ViewerServer:
+    """A server for ``app`` on ``host:port`` (port 0: any free port, see ``bound_port``)."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        lifespan="on",
+        # request.client must be the TCP peer: the trusted-header check depends on it.
+        proxy_headers=False,
+        server_header=False,
+        access_log=False,
+        log_config=None,  # keep the host process's logging setup
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+    )
+    return ViewerServer(config)
+
+
+def bound_port(server: ViewerServer) -> int:
+    """The port a started server listens on (useful with port 0)."""
+    for listener in server.servers:
+        for sock in listener.sockets:
+            port: int = sock.getsockname()[1]
+            return port
+    raise RuntimeError("the viewer server is not listening yet")
+
+
+async def serve_viewer(
+    app: FastAPI, host: str, port: int, *, stop: asyncio.Event | None = None
+) -> None:
+    """Serves ``app`` on ``host:port`` until ``stop`` is set, then shuts down gracefully."""
+    server = viewer_server(app, host, port)
+    if stop is None:
+        await server.serve()
+        return
+    # Owned here: cancelled and awaited whichever way serve() ends.
+    watcher = asyncio.ensure_future(_stop_when_set(stop, server))
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+async def _stop_when_set(stop: asyncio.Event, server: ViewerServer) -> None:
+    await stop.wait()
+    server.stop()

@@ -1,0 +1,263 @@
+"""The admin API's request and response bodies (they are its OpenAPI schema)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# The bounds repeat DeliveryConfig's and BatchConfig's (tests/test_admin_api.py
+# checks that they agree): the schema tells a client what fits before it asks.
+Workers = Annotated[int, Field(ge=1, le=4096)]
+Buffer = Annotated[int, Field(ge=1, le=1_000_000)]
+BatchSize = Annotated[int, Field(ge=1, le=10_000)]
+MaxWaitMs = Annotated[int, Field(ge=0, le=60_000)]
+Rate = Annotated[float, Field(gt=0, le=1e9)]
+TypeName = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BatchPatch(_Request):
+    """``delivery.batch``: read by each worker when it starts its next batch."""
+
+    size: BatchSize | None = None
+    max_wait_ms: MaxWaitMs | None = None
+
+
+class DeliveryPatch(_Request):
+    """``delivery``: workers resize at once, the buffer bound moves at once."""
+
+    workers: Workers | None = None
+    buffer: Buffer | None = None
+    batch: BatchPatch | None = None
+
+
+class RateLimitsPatch(_Request):
+    """``rate_limits`` in messages per second; an explicit ``null`` lifts a limit."""
+
+    main: Rate | None = None
+    retry: Rate | None = None
+    replay: Rate | None = None
+
+
+class FlagsPatch(_Request):
+    """``flags``: message types (``ce-type``) acknowledged without delivery."""
+
+    disabled_types: Annotated[list[TypeName], Field(max_length=1000)] | None = None
+
+
+class IntegrationPatch(_Request):
+    """Live values to lay over an integration's YAML; omitted fields stay as they are."""
+
+    delivery: DeliveryPatch | None = None
+    rate_limits: RateLimitsPatch | None = None
+    flags: FlagsPatch | None = None
+    paused: bool | None = None
+
+    def changes(self) -> dict[str, Any]:
+        """The patch as dotted live fields (``delivery.workers``) and their new values."""
+        changes: dict[str, Any] = {}
+        if self.delivery is not None:
+            delivery = self.delivery
+            for name in ("workers", "buffer"):
+                if getattr(delivery, name) is not None:
+                    changes[f"delivery.{name}"] = getattr(delivery, name)
+            if delivery.batch is not None:
+                for name in ("size", "max_wait_ms"):
+                    if getattr(delivery.batch, name) is not None:
+                        changes[f"delivery.batch.{name}"] = getattr(delivery.batch, name)
+        if self.rate_limits is not None:
+            # Only the flows the client named: an explicit null is "unlimited".
+            for name in sorted(self.rate_limits.model_fields_set):
+                changes[f"rate_limits.{name}"] = getattr(self.rate_limits, name)
+        if self.flags is not None and self.flags.disabled_types is not None:
+            changes["flags.disabled_types"] = list(self.flags.disabled_types)
+        if self.paused is not None:
+            changes["paused"] = self.paused
+        return changes
+
+
+class Problem(BaseModel):
+    """A configuration problem: file, line and field."""
+
+    file: str
+    line: int | None
+    field: str | None
+    message: str
+
+
+class Setting(BaseModel):
+    """A live field: its running value, where it came from and what the YAML says."""
+
+    field: str
+    value: Any
+    source: Literal["default", "yaml", "override"]
+    yaml: Any
+    drift: bool
+
+
+class FlowStatus(BaseModel):
+    """One flow's runner: main, retry-<n> or replay."""
+
+    flow: str
+    topic: str
+    state: str
+    workers: int
+    workers_busy: int
+    workers_retiring: int
+    buffered: int
+    in_flight: int
+    delayed: int
+    unfinished: int
+    uncommitted: int
+    paused_partitions: int
+    assigned_partitions: int
+    messages_read: int
+    seconds_since_last_read: float
+    seconds_since_last_commit: float | None
+
+
+class PartitionLagStatus(BaseModel):
+    """The commit lag of one flow on one partition."""
+
+    flow: str
+    topic: str
+    partition: int
+    end_offset: int
+    committed_offset: int
+    messages: int
+    seconds: float | None
+    exact: bool
+
+
+class LagStatus(BaseModel):
+    """Commit lag: total messages behind, the oldest one's age, and per partition."""
+
+    messages: int
+    seconds: float | None
+    partitions: list[PartitionLagStatus]
+
+
+class BreakerStatus(BaseModel):
+    """The circuit breaker of the integration's target."""
+
+    state: Literal["closed", "open", "half_open"]
+    time_in_state_s: float
+    cooldown_remaining_s: float
+    error_rate: float | None
+    window_requests: int
+    window_failures: int
+
+
+class RateLimitStatus(BaseModel):
+    """One flow's rate limiter."""
+
+    flow: Literal["main", "retry", "replay"]
+    limit: float | None
+    waiting: int
+    waits: int
+    waited_s: float
+
+
+class Rates(BaseModel):
+    """Throughput and delivery time, measured over the last minute of the main flow."""
+
+    window_s: float
+    delivered_per_s: float
+    produced_per_s: float | None
+    latency_ms: float
+    batch_size: int
+
+
+class SizingStatus(BaseModel):
+    """Workers as configured beside what the measured load needs (``nemesis size``)."""
+
+    configured_workers: int
+    configured_buffer: int
+    recommended_workers: int | None
+    recommended_buffer: int | None
+    headroom: float
+    capped: bool
+
+
+class IntegrationStatus(BaseModel):
+    """An integration as it runs now."""
+
+    name: str
+    state: str
+    paused: bool
+    file: str | None
+    flows: list[FlowStatus]
+    issues: dict[str, str]
+    breaker: BreakerStatus
+    lag: LagStatus
+    rates: Rates | None  # None until a minute of deliveries is measured
+    rate_limits: list[RateLimitStatus]
+    settings: list[Setting]
+    drift: list[Setting]
+    sizing: SizingStatus
+    problems: list[Problem]
+
+
+class IntegrationList(BaseModel):
+    """Every running integration."""
+
+    integrations: list[IntegrationStatus]
+
+
+class Health(BaseModel):
+    """The process answers."""
+
+    status: Literal["ok"]
+
+
+class Readiness(BaseModel):
+    """Whether the proxy is up and running its integrations, and if not, why."""
+
+    status: Literal["ready", "not_ready"]
+    reasons: list[str]
+    integrations: int
+
+
+class ReloadResult(BaseModel):
+    """What a configuration reload found and did."""
+
+    trigger: str
+    at: float
+    ok: bool
+    added: list[str]
+    applied: dict[str, list[str]]
+    restarted: dict[str, list[str]]
+    removed: list[str]
+    kept: list[str]
+    problems: list[Problem]
+
+
+class ConfigStatus(BaseModel):
+    """The integrations directory and the last reload."""
+
+    directory: str | None
+    watching: bool
+    last_reload: ReloadResult | None
+
+
+class SizingFigure(BaseModel):
+    """``N = R x T`` with headroom, and the buffer it implies."""
+
+    rps: float
+    latency_ms: float
+    batch_size: int
+    headroom: float
+    in_flight: float
+    workers: int
+    buffer: int
+    capped: bool
+
+
+class ErrorMessage(BaseModel):
+    """Why a request was refused."""
+
+    detail: str

@@ -1,0 +1,240 @@
+"""Topic admin on YDB: create, add consumers, list, describe (with lag), drop.
+
+Topic names are paths under the backend's directory (``<database>/<directory>``).
+YDB has no cheap "list topics": ``list_topics`` walks that directory with
+the scheme client, one ``ListDirectory`` call per sub-directory, down to
+``MAX_LIST_DEPTH`` levels and at most ``MAX_LISTED`` topics. Point the
+backend's ``directory`` at a folder of its own (``nemesis``) rather than
+the database root of a busy database.
+
+``describe_topic`` costs one ``DescribeTopic`` and one ``DescribeConsumer``
+per consumer (the committed offsets live in the consumer's statistics).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, cast
+
+import ydb
+from ydb import (
+    TopicClientAsyncIO,
+    TopicConsumer,
+    TopicConsumerDescription,
+    TopicDescription,
+)
+from ydb.aio.driver import Driver
+
+from nemesis.broker.port import ConsumerSpec, PartitionInfo
+from nemesis.broker.port import TopicDescription as PortDescription
+from nemesis.broker.ydb.connection import object_path
+from nemesis.broker.ydb.errors import topic_call
+from nemesis.broker.ydb.mapping import unix_seconds
+from nemesis.errors import TopicExists, TopicNotFound
+
+MAX_LIST_DEPTH = 4
+MAX_LISTED = 10_000
+
+
+class SchemeEntry(Protocol):
+    """What ``list_topics`` reads of the SDK's (untyped) scheme entries."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def type(self) -> ydb.SchemeEntryType: ...
+
+
+class Directory(Protocol):
+    @property
+    def children(self) -> Sequence[SchemeEntry]: ...
+
+
+ListDirectory = Callable[[str], Awaitable[Directory]]
+
+
+class YdbAdmin:
+    """Topic admin over the SDK's topic client and scheme client."""
+
+    def __init__(
+        self,
+        topics: TopicClientAsyncIO,
+        list_directory: ListDirectory,
+        *,
+        database: str,
+        directory: str,
+        default_retention_s: float,
+        timeout_s: float,
+    ) -> None:
+        self._topics = topics
+        self._list_directory = list_directory
+        self._database = database
+        self._directory = directory
+        self._default_retention_s = default_retention_s
+        self._timeout_s = timeout_s
+
+    def path(self, name: str) -> str:
+        """The absolute YDB path of a topic."""
+        return object_path(self._database, self._directory, name)
+
+    async def create_topic(
+        self,
+        name: str,
+        *,
+        partitions: int,
+        consumers: Sequence[ConsumerSpec] = (),
+        retention_s: float | None = None,
+        exist_ok: bool = False,
+    ) -> None:
+        """Creates a topic; with ``exist_ok`` an existing one keeps its settings and gains
+        the missing consumers. ``retention_s`` None takes the backend's default; 0 leaves
+        it to the server's default (YDB has no "keep forever")."""
+        if partitions < 1:
+            raise ValueError("a topic needs at least one partition")
+        if retention_s is None:
+            retention_s = self._default_retention_s
+        retention = datetime.timedelta(seconds=retention_s) if retention_s else None
+        try:
+            await topic_call(
+                f"create topic {name}",
+                self._topics.create_topic(
+                    self.path(name),
+                    min_active_partitions=partitions,
+                    max_active_partitions=partitions,
+                    retention_period=retention,
+                    consumers=[_consumer(c) for c in consumers],
+                ),
+                self._timeout_s,
+            )
+        except TopicExists:
+            if not exist_ok:
+                raise
+            for consumer in consumers:
+                await self.add_consumer(name, consumer)
+
+    async def add_consumer(self, topic: str, consumer: ConsumerSpec) -> None:
+        """Registers a consumer; a consumer that exists already is left alone."""
+        described = await self._describe(topic)
+        if any(c.name == consumer.name for c in described.consumers):
+            return
+        try:
+            await topic_call(
+                f"add consumer {consumer.name} to {topic}",
+                self._topics.alter_topic(self.path(topic), add_consumers=[_consumer(consumer)]),
+                self._timeout_s,
+            )
+        except TopicExists:
+            return  # added meanwhile by another process
+
+    async def list_topics(self) -> Sequence[str]:
+        """Topic names under the backend's directory, sorted (see the module docstring)."""
+        found: list[str] = []
+        pending: list[tuple[str, int]] = [("", 0)]
+        while pending and len(found) < MAX_LISTED:
+            relative, depth = pending.pop()
+            path = object_path(self._database, self._directory, relative)
+            try:
+                directory = await topic_call(
+                    f"list {path}", self._list_directory(path), self._timeout_s
+                )
+            except TopicNotFound:
+                continue  # the directory does not exist (yet): no topics in it
+            for entry in directory.children:
+                name = f"{relative}/{entry.name}" if relative else entry.name
+                if entry.type == ydb.SchemeEntryType.TOPIC:
+                    found.append(name)
+                elif (
+                    entry.type == ydb.SchemeEntryType.DIRECTORY
+                    and depth + 1 < MAX_LIST_DEPTH
+                    and not entry.name.startswith(".")  # .sys, .tmp: YDB's own
+                ):
+                    pending.append((name, depth + 1))
+        return sorted(found)[:MAX_LISTED]
+
+    async def describe_topic(self, name: str) -> PortDescription:
+        """Offsets per partition and committed offsets per consumer (for lag)."""
+        described = await self._describe(name, include_stats=True)
+        consumers = sorted(c.name for c in described.consumers)
+        committed: dict[int, dict[str, int]] = {p.partition_id: {} for p in described.partitions}
+        for consumer in consumers:
+            about = await topic_call(
+                f"describe consumer {consumer} of {name}",
+                self._topics.describe_consumer(self.path(name), consumer, include_stats=True),
+                self._timeout_s,
+            )
+            for partition, offset in consumer_offsets(about).items():
+                committed.setdefault(partition, {})[consumer] = offset
+        return topic_description(name, described, committed)
+
+    async def drop_topic(self, name: str) -> None:
+        """Deletes a topic; its readers fail at their next read."""
+        await topic_call(
+            f"drop topic {name}", self._topics.drop_topic(self.path(name)), self._timeout_s
+        )
+
+    async def partitions(self, name: str) -> int:
+        """How many partitions a topic has (TopicNotFound if there is no such topic)."""
+        return len((await self._describe(name)).partitions)
+
+    async def consumers(self, name: str) -> Sequence[str]:
+        """The consumers registered on a topic."""
+        return [c.name for c in (await self._describe(name)).consumers]
+
+    async def _describe(self, name: str, include_stats: bool = False) -> TopicDescription:
+        return await topic_call(
+            f"describe topic {name}",
+            self._topics.describe_topic(self.path(name), include_stats=include_stats),
+            self._timeout_s,
+        )
+
+
+def topic_description(
+    name: str, described: TopicDescription, committed: dict[int, dict[str, int]]
+) -> PortDescription:
+    """The port's description of a topic from the SDK's, with committed offsets per consumer."""
+    consumers = sorted(c.name for c in described.consumers)
+    partitions = []
+    for partition in sorted(described.partitions, key=lambda p: p.partition_id):
+        stats = partition.partition_stats
+        start = stats.partition_start if stats is not None else 0
+        end = stats.partition_end if stats is not None else 0
+        written = stats.last_write_time if stats is not None else None
+        offsets = committed.get(partition.partition_id, {})
+        partitions.append(
+            PartitionInfo(
+                partition=partition.partition_id,
+                start_offset=start,
+                end_offset=end,
+                # YDB reports the epoch for a partition never written to.
+                last_written_at=unix_seconds(written) or None,
+                # Never committed, or committed below the retained start: reads begin at start.
+                committed={c: max(offsets.get(c, 0), start) for c in consumers},
+            )
+        )
+    retention = described.retention_period
+    return PortDescription(
+        name=name,
+        partitions=partitions,
+        consumers=consumers,
+        retention_s=retention.total_seconds() if retention else None,
+    )
+
+
+def consumer_offsets(described: TopicConsumerDescription) -> dict[int, int]:
+    """Committed offset per partition, from a consumer's description with statistics."""
+    return {
+        p.partition_id: p.partition_consumer_stats.committed_offset
+        for p in described.partitions
+        if p.partition_consumer_stats is not None
+    }
+
+
+def _consumer(spec: ConsumerSpec) -> TopicConsumer | str:
+    return TopicConsumer(spec.name, important=spec.important)
+
+
+def scheme_lister(driver: Driver) -> ListDirectory:
+    """The scheme client's ``list_directory``, typed (the SDK leaves it untyped)."""
+    return cast(ListDirectory, driver.scheme_client.list_directory)

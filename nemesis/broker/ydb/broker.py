@@ -1,0 +1,120 @@
+"""The YDB backend: admin, readers and writers over one SDK driver."""
+
+from __future__ import annotations
+
+import logging
+
+from ydb import TopicClientAsyncIO
+from ydb.aio.driver import Driver
+
+from nemesis.broker.ydb.admin import ListDirectory, YdbAdmin, scheme_lister
+from nemesis.broker.ydb.connection import open_driver
+from nemesis.broker.ydb.reader import YdbReader
+from nemesis.broker.ydb.writer import YdbWriter, default_producer_id
+from nemesis.clock import SYSTEM_CLOCK, Clock
+from nemesis.config.models import YdbBackendConfig
+from nemesis.errors import TopicNotFound
+
+logger = logging.getLogger(__name__)
+
+
+class YdbBroker:
+    """YDB topics through the official SDK (see ``nemesis/broker/ydb/README.md``)."""
+
+    def __init__(
+        self,
+        driver: Driver,
+        config: YdbBackendConfig,
+        *,
+        owns_driver: bool = True,
+        clock: Clock = SYSTEM_CLOCK,
+        topics: TopicClientAsyncIO | None = None,
+        list_directory: ListDirectory | None = None,
+    ) -> None:
+        self.driver = driver
+        self.config = config
+        self._owns_driver = owns_driver
+        self._clock = clock
+        self._topics = topics if topics is not None else driver.topic_client
+        self._admin = YdbAdmin(
+            self._topics,
+            list_directory if list_directory is not None else scheme_lister(driver),
+            database=config.database,
+            directory=config.directory,
+            default_retention_s=config.retention,
+            timeout_s=config.request_timeout_s,
+        )
+        self._readers: list[YdbReader] = []
+        self._writers: list[YdbWriter] = []
+        self._closed = False
+
+    @property
+    def admin(self) -> YdbAdmin:
+        return self._admin
+
+    @property
+    def topics(self) -> TopicClientAsyncIO:
+        """The SDK topic client (for transactions: ``nemesis.broker.ydb.tx``)."""
+        return self._topics
+
+    async def reader(self, topic: str, consumer: str) -> YdbReader:
+        """A reader of ``topic`` as ``consumer``; YDB assigns it its share of partitions."""
+        self._check_open()
+        if consumer not in await self._admin.consumers(topic):
+            raise TopicNotFound(f"topic {topic} has no consumer {consumer}")
+        sdk = self._topics.reader(
+            self._admin.path(topic),
+            consumer=consumer,
+            buffer_size_bytes=self.config.reader_buffer_bytes,
+        )
+        reader = YdbReader(
+            sdk,
+            topic=topic,
+            consumer=consumer,
+            stash_limit=self.config.pause_stash_messages,
+            commit_timeout_s=self.config.request_timeout_s,
+        )
+        self._readers = [r for r in self._readers if not r.closed]
+        self._readers.append(reader)
+        return reader
+
+    async def writer(self, topic: str, producer_id: str | None = None) -> YdbWriter:
+        """A writer for ``topic``; give a stable ``producer_id`` where de-duplication matters."""
+        self._check_open()
+        partitions = await self._admin.partitions(topic)
+        writer = YdbWriter(
+            self._topics,
+            topic=topic,
+            path=self._admin.path(topic),
+            producer_id=producer_id or default_producer_id(),
+            partitions=partitions,
+            open_timeout_s=self.config.connect_timeout_s,
+            clock=self._clock,
+        )
+        self._writers = [w for w in self._writers if not w.closed]
+        self._writers.append(writer)
+        return writer
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the broker is closed")
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Closes readers and writers, then the driver if this broker opened it."""
+        if self._closed:
+            return
+        self._closed = True
+        for reader in self._readers:
+            await reader.close(timeout_s)
+        for writer in self._writers:
+            await writer.close(timeout_s)
+        self._readers.clear()
+        self._writers.clear()
+        if self._owns_driver:
+            await self.driver.stop(timeout=max(1, round(timeout_s)))
+
+
+async def open_ydb(config: YdbBackendConfig, *, clock: Clock = SYSTEM_CLOCK) -> YdbBroker:
+    """Connects to YDB (BrokerError if it cannot within ``connect_timeout_s``)."""
+    driver = await open_driver(config)
+    return YdbBroker(driver, config, clock=clock)

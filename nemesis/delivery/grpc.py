@@ -1,0 +1,426 @@
+"""The gRPC transport: the handler contract over ``nemesis.v1.HandlerService`` (grpcio asyncio).
+
+The contract mirrors HTTP's (DESIGN.md section 6): ``Deliver`` carries one
+event, ``DeliverBatch`` a batch whose answer applies to every event in it;
+an ``Event`` holds the same CloudEvents attributes as the ``ce-*`` headers
+(``nemesis/proto/nemesis/v1/handler.proto``). The answer is a status code,
+turned into an ``Outcome`` by one function, ``outcome_for_status``; a
+``nemesis-verdict`` trailer overrides the status, and a ``retry-after``
+(seconds) or ``grpc-retry-pushback-ms`` trailer asks for a later retry.
+
+One channel per transport (one integration's target), opened on first use
+and shared by every call: gRPC multiplexes the calls over HTTP/2, so the
+worker count bounds the calls in flight, not connections. Every call has a
+deadline of ``target.timeout_s``. grpcio's errors are translated here and
+never reach the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import SplitResult, urlsplit
+
+import grpc
+from grpc import aio
+
+from nemesis import __version__
+from nemesis.clock import SYSTEM_CLOCK, Clock
+from nemesis.config.models import TargetConfig
+from nemesis.delivery.cloudevents import SPECVERSION, source_for
+from nemesis.delivery.http import VERDICT_HEADER, _one_line, _redacted, parse_retry_after
+from nemesis.delivery.port import DeliveryResult, Event, Outcome
+from nemesis.errors import ConfigError, ConfigProblem
+from nemesis.proto import SERVICE
+
+try:
+    from nemesis.proto.nemesis.v1 import handler_pb2 as pb
+except ModuleNotFoundError as exc:
+    # The generated code is a build product (nemesis.proto); say how to build it.
+    raise ModuleNotFoundError(
+        "the gRPC handler contract is not compiled: run `make proto` "
+        "(python -m nemesis.proto, needs grpcio-tools)"
+    ) from exc
+
+DELIVER_METHOD: Final = f"/{SERVICE}/Deliver"
+DELIVER_BATCH_METHOD: Final = f"/{SERVICE}/DeliverBatch"
+VERDICT_TRAILER: Final = VERDICT_HEADER
+RETRY_AFTER_TRAILER: Final = "retry-after"
+PUSHBACK_TRAILER: Final = "grpc-retry-pushback-ms"
+DEFAULT_PORTS: Final = {"grpc": 80, "grpcs": 443}
+
+_StatusCode = grpc.StatusCode
+_DEAD_CODES: Final = frozenset(
+    {
+        _StatusCode.INVALID_ARGUMENT,
+        _StatusCode.FAILED_PRECONDITION,
+        _StatusCode.OUT_OF_RANGE,
+        _StatusCode.ALREADY_EXISTS,
+    }
+)
+_TRY_LATER_CODES: Final = frozenset(
+    {
+        _StatusCode.UNAVAILABLE,
+        _StatusCode.RESOURCE_EXHAUSTED,
+        _StatusCode.DEADLINE_EXCEEDED,
+        _StatusCode.ABORTED,
+        _StatusCode.INTERNAL,
+    }
+)
+_MISCONFIGURED_CODES: Final = frozenset(
+    {
+        _StatusCode.UNAUTHENTICATED,
+        _StatusCode.PERMISSION_DENIED,
+        _StatusCode.UNIMPLEMENTED,
+        _StatusCode.NOT_FOUND,
+    }
+)
+_VERDICTS: Final = {"drop": Outcome.DROPPED, "dead": Outcome.DEAD, "retry": Outcome.RETRY}
+
+
+def outcome_for_status(
+    code: grpc.StatusCode | None, trailers: Mapping[str, str] | None = None
+) -> Outcome:
+    """The gRPC handler contract: the call's status (None: no answer) and trailers -> Outcome.
+
+    It mirrors ``nemesis.delivery.http.outcome_for_response``: integration-wide
+    failures retry, so that the circuit breaker stops the flow and messages
+    wait in the topic; only message-level violations go to the DLQ at once,
+    and a status this table does not know never does (a truly bad message
+    still reaches the DLQ when the retry tiers run out).
+    """
+    verdict = trailers.get(VERDICT_TRAILER) if trailers is not None else None
+    if verdict is not None:
+        # The handler's explicit verdict overrides the status; an unknown one is
+        # ignored rather than guessed at, and the status decides.
+        by_verdict = _VERDICTS.get(verdict.strip().lower())
+        if by_verdict is not None:
+            return by_verdict
+    if code is None:
+        # No status at all (the transport was closed before the call): try again later.
+        return Outcome.RETRY
+    if code is _StatusCode.OK:
+        # The handler took the event: its offset may be committed.
+        return Outcome.DELIVERED
+    if code in _DEAD_CODES:
+        # INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE: this message breaks the
+        # contract (HTTP's 400/422); ALREADY_EXISTS is HTTP's 409. Retrying cannot help.
+        return Outcome.DEAD
+    if code in _TRY_LATER_CODES:
+        # UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED (our deadline or the
+        # handler's), ABORTED, INTERNAL: the handler is down, overloaded or failed (5xx, 429).
+        return Outcome.RETRY
+    if code in _MISCONFIGURED_CODES:
+        # UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED, NOT_FOUND: credentials,
+        # service or method are wrong for every message alike (HTTP's 401/403/404/405).
+        return Outcome.RETRY
+    # UNKNOWN (what a server answers when the handler raised), CANCELLED (the server
+    # or our shutdown cancelled the call), DATA_LOSS: the handler failed, not the
+    # message; retry, as argued above.
+    return Outcome.RETRY
+
+
+def retry_after_s(trailers: Mapping[str, str], now: float) -> float | None:
+    """The delay a handler asked for: ``retry-after`` (as HTTP's) or ``grpc-retry-pushback-ms``."""
+    delay = parse_retry_after(trailers.get(RETRY_AFTER_TRAILER), now)
+    if delay is not None:
+        return delay
+    pushback = trailers.get(PUSHBACK_TRAILER)
+    if pushback is None:
+        return None
+    try:
+        milliseconds = int(pushback.strip())
+    except ValueError:
+        return None
+    # gRFC A6: a negative pushback means "do not retry"; Nemesis still retries, with no hint.
+    return milliseconds / 1000 if milliseconds >= 0 else None
+
+
+def event_message(event: Event, source: str) -> pb.Event:
+    """One event as ``nemesis.v1.Event``: the attributes of the HTTP contract, typed."""
+    message = event.message
+    proto = pb.Event(
+        id=_utf8(event.id),
+        source=_utf8(source),
+        spec_version=SPECVERSION,
+        type=_utf8(event.type),
+        data_content_type=_utf8(event.content_type),
+        data=event.body,
+        topic=_utf8(message.topic),
+        partition=message.partition,
+        offset=message.offset,
+        attempt=event.attempt,
+    )
+    unix_s = message.created_at or message.written_at
+    if unix_s > 0:
+        # Microseconds, as ce-time over HTTP: both modes name the same instant.
+        proto.time.FromMicroseconds(round(unix_s * 1_000_000))
+    if message.key is not None:
+        proto.partition_key = _utf8(message.key)
+    return proto
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcTransportStatistics:
+    """A snapshot of one transport's counters."""
+
+    calls: int  # calls started
+    in_flight: int  # calls waiting for an answer now
+    max_connections: int  # the integration's worker count (calls share one channel)
+    channel: str  # the channel's connectivity: idle, connecting, ready, ... or "closed"
+
+
+# gRPC metadata keys: lowercase token characters; "grpc-" belongs to the library.
+_METADATA_KEY: Final = re.compile(r"[0-9a-z_.\-]+")
+_RESERVED_METADATA: Final = frozenset({"content-type", "te", "user-agent", "host"})
+_UNSAFE_VALUE_CHARS: Final = re.compile(r"[^\x20-\x7e]")
+
+
+class GrpcTransport:
+    """Delivers one integration's events to its gRPC handler over one shared channel."""
+
+    def __init__(
+        self,
+        target: TargetConfig,
+        *,
+        integration: str,
+        max_connections: int,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        self._address, self._secure = _address(target, integration)
+        self._timeout_s = target.timeout_s
+        self._max_connections = max_connections
+        self._clock = clock
+        self._source = source_for(integration)
+        self._metadata = _checked_metadata(target.headers, integration)
+        # Opened on first use: a grpc.aio channel belongs to the loop it is created in.
+        self._channel: _Channel | None = None
+        self._closed = False
+        self._calls = 0
+        self._in_flight = 0
+
+    @property
+    def address(self) -> str:
+        """The channel's target, ``host:port``."""
+        return self._address
+
+    async def deliver(self, event: Event) -> DeliveryResult:
+        """Calls ``Deliver`` with one event."""
+        if self._closed:
+            return _closed()
+        request = pb.DeliverRequest(event=event_message(event, self._source))
+        call = self._open().deliver(request, timeout=self._timeout_s, metadata=self._metadata)
+        return await self._call(call, (event.body,))
+
+    async def deliver_batch(self, events: Sequence[Event]) -> DeliveryResult:
+        """Calls ``DeliverBatch`` with the events; the result applies to each."""
+        if not events:
+            raise ValueError("deliver_batch needs at least one event")
+        if self._closed:
+            return _closed()
+        request = pb.DeliverBatchRequest(
+            events=[event_message(event, self._source) for event in events]
+        )
+        call = self._open().deliver_batch(request, timeout=self._timeout_s, metadata=self._metadata)
+        return await self._call(call, [event.body for event in events])
+
+    async def close(self) -> None:
+        """Closes the channel; calls in flight end CANCELLED (retry), later ones answer RETRY."""
+        self._closed = True
+        if self._channel is not None:
+            await self._channel.channel.close(None)
+
+    def statistics(self) -> GrpcTransportStatistics:
+        """A snapshot of the counters."""
+        if self._channel is None or self._closed:
+            state = "closed" if self._closed else "idle"
+        else:
+            state = self._channel.channel.get_state().name.lower()
+        return GrpcTransportStatistics(
+            calls=self._calls,
+            in_flight=self._in_flight,
+            max_connections=self._max_connections,
+            channel=state,
+        )
+
+    def _open(self) -> _Channel:
+        if self._channel is None:
+            self._channel = _Channel.open(self._address, secure=self._secure)
+        return self._channel
+
+    async def _call(
+        self,
+        call: aio.UnaryUnaryCall[pb.DeliverRequest, pb.DeliverResponse]
+        | aio.UnaryUnaryCall[pb.DeliverBatchRequest, pb.DeliverBatchResponse],
+        sent: Sequence[bytes],
+    ) -> DeliveryResult:
+        started = self._clock.monotonic()
+        self._calls += 1
+        self._in_flight += 1
+        try:
+            try:
+                await call
+            except aio.AioRpcError as failed:
+                code, details = failed.code(), failed.details()
+                trailers = _metadata_dict(failed.trailing_metadata())
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not self._closed or (task is not None and task.cancelling()):
+                    raise  # our own task is being cancelled: not an answer
+                # close() cancelled the call under us: the handler may or may not have it.
+                code, details, trailers = grpc.StatusCode.CANCELLED, "transport closed", {}
+            else:
+                code, details = grpc.StatusCode.OK, None
+                trailers = _metadata_dict(await call.trailing_metadata())
+        finally:
+            self._in_flight -= 1
+        duration_s = self._clock.monotonic() - started
+        outcome = outcome_for_status(code, trailers)
+        if outcome is Outcome.DELIVERED:
+            error = None
+        elif code is _StatusCode.DEADLINE_EXCEEDED and duration_s >= self._timeout_s:
+            error = f"timeout after {self._timeout_s}s"  # our deadline, not the handler's
+        else:
+            error = _error_text(code, details, sent)
+        return DeliveryResult(
+            outcome,
+            status=code.value[0],
+            error=error,
+            retry_after_s=retry_after_s(trailers, self._clock.time()),
+            duration_s=duration_s,
+            protocol="grpc",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Channel:
+    """The shared channel and the two methods of the service, bound to it."""
+
+    channel: aio.Channel
+    deliver: aio.UnaryUnaryMultiCallable[pb.DeliverRequest, pb.DeliverResponse]
+    deliver_batch: aio.UnaryUnaryMultiCallable[pb.DeliverBatchRequest, pb.DeliverBatchResponse]
+
+    @classmethod
+    def open(cls, address: str, *, secure: bool) -> _Channel:
+        options = [
+            ("grpc.primary_user_agent", f"nemesis/{__version__}"),
+            # A DNS name with several addresses (a headless Kubernetes service) spreads
+            # the calls over every handler pod instead of pinning one connection.
+            ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}'),
+        ]
+        if secure:
+            credentials = grpc.ssl_channel_credentials()
+            channel = aio.secure_channel(address, credentials, options=options)
+        else:
+            channel = aio.insecure_channel(address, options=options)
+        return cls(
+            channel,
+            channel.unary_unary(
+                DELIVER_METHOD,
+                request_serializer=pb.DeliverRequest.SerializeToString,
+                response_deserializer=pb.DeliverResponse.FromString,
+            ),
+            channel.unary_unary(
+                DELIVER_BATCH_METHOD,
+                request_serializer=pb.DeliverBatchRequest.SerializeToString,
+                response_deserializer=pb.DeliverBatchResponse.FromString,
+            ),
+        )
+
+
+def grpc_transport(target: TargetConfig, integration: str, max_connections: int) -> GrpcTransport:
+    """The gRPC transport for one integration (a TransportFactory for grpc:// and grpcs://)."""
+    return GrpcTransport(target, integration=integration, max_connections=max_connections)
+
+
+def _error_text(code: grpc.StatusCode, details: str | None, sent: Sequence[bytes]) -> str:
+    """``gRPC UNAVAILABLE: <details>``, without anything of what we sent."""
+    # Handlers like to echo the request in their details; logs and the DLQ must not.
+    snippet = _one_line(_redacted((details or "").encode(), sent).decode(errors="replace"))
+    return f"gRPC {code.name}: {snippet}" if snippet else f"gRPC {code.name}"
+
+
+def _closed() -> DeliveryResult:
+    return DeliveryResult(outcome_for_status(None), error="transport closed", protocol="grpc")
+
+
+def _metadata_dict(metadata: Iterable[object] | None) -> dict[str, str]:
+    """Metadata pairs as a dict; binary (``-bin``) values are not part of the contract."""
+    # Typed loosely on purpose: grpc-stubs types AioRpcError.trailing_metadata() as
+    # grpc._Metadatum objects, while grpcio returns (key, value) pairs.
+    pairs: dict[str, str] = {}
+    for item in metadata or ():
+        if isinstance(item, tuple) and len(item) == 2:
+            key, value = item
+            if isinstance(key, str) and isinstance(value, str):
+                # The first of a repeated key wins.
+                pairs.setdefault(key.lower(), value)
+    return pairs
+
+
+def _utf8(text: str) -> str:
+    # Protobuf strings must be valid UTF-8: one odd key must not fail a delivery.
+    if text.isascii():
+        return text
+    return text.encode("utf-8", errors="replace").decode("utf-8")
+
+
+def _address(target: TargetConfig, integration: str) -> tuple[str, bool]:
+    """``grpc[s]://host[:port]`` as the channel target ``host:port``, and whether it is TLS."""
+    if target.scheme not in DEFAULT_PORTS:
+        raise ConfigError(
+            [_problem(integration, "target.url", "the gRPC transport needs grpc(s)://")]
+        )
+    parts = urlsplit(target.url)
+    problem = None
+    port = _port(parts)
+    if port is None:
+        problem = "the port is not a number between 1 and 65535"
+    elif parts.path not in ("", "/") or parts.query or parts.fragment:
+        problem = "a gRPC target is grpc://host:port: the service and methods are fixed"
+    elif parts.username is not None or parts.password is not None:
+        problem = "credentials go in target.headers (metadata) with ${VAR}, not in the URL"
+    elif not parts.hostname:
+        problem = "the URL names no host"
+    if problem is not None or port is None:
+        raise ConfigError([_problem(integration, "target.url", problem or "")])
+    host = parts.hostname or ""
+    port = port or DEFAULT_PORTS[target.scheme]
+    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}"), target.scheme == "grpcs"
+
+
+def _port(parts: SplitResult) -> int | None:
+    """The port in the URL; 0 when none is written, None when it is not a port."""
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if port is None:
+        return 0
+    return port if port > 0 else None
+
+
+def _checked_metadata(headers: Mapping[str, str], integration: str) -> tuple[tuple[str, str], ...]:
+    checked: list[tuple[str, str]] = []
+    for name, value in headers.items():
+        field = f"target.headers.{name}"
+        key = name.lower()
+        if not _METADATA_KEY.fullmatch(key) or key.endswith("-bin"):
+            message = "not a valid gRPC metadata key (letters, digits, '-', '_', '.'; no -bin)"
+            raise ConfigError([_problem(integration, field, message)])
+        if key.startswith("grpc-") or key in _RESERVED_METADATA:
+            raise ConfigError([_problem(integration, field, "set by gRPC itself")])
+        if _UNSAFE_VALUE_CHARS.search(value):
+            message = "gRPC metadata values are printable ASCII"
+            raise ConfigError([_problem(integration, field, message)])
+        checked.append((key, value))
+    return tuple(checked)
+
+
+def _problem(integration: str, field: str, message: str) -> ConfigProblem:
+    return ConfigProblem(file=f"integration {integration}", line=None, field=field, message=message)

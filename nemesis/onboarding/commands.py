@@ -1,0 +1,200 @@
+"""``nemesis new``, ``nemesis check-handler`` and ``nemesis schema``: the onboarding commands.
+
+``nemesis.cli`` registers them with ``add_onboarding_commands``; the work is
+done by ``templates``, ``probe`` and ``schema`` in this package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, Final
+
+from pydantic import ValidationError
+
+from nemesis.config.loader import load_integration_file
+from nemesis.config.models import TargetConfig
+from nemesis.errors import NemesisError
+from nemesis.onboarding.probe import DEFAULT_DATA, ProbeOptions, check_handler
+from nemesis.onboarding.schema import SCHEMA_KINDS, json_schema
+from nemesis.onboarding.templates import (
+    DEFAULT_PORTS,
+    DEFAULT_URLS,
+    HANDLER_LANGS,
+    IntegrationSpec,
+    new_handler,
+    new_integration,
+)
+
+AsyncRunner = Callable[[Coroutine[Any, Any, int]], int]
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+
+
+def add_onboarding_commands(commands: Any, run_async: AsyncRunner) -> None:
+    """Registers ``new``, ``check-handler`` and ``schema`` on the top-level subparsers."""
+    new = commands.add_parser("new", help="start a handler project or an integration file")
+    kinds = new.add_subparsers(title="what to create", metavar="KIND", required=True)
+
+    handler = kinds.add_parser("handler", help="a runnable handler project with tests")
+    handler.add_argument("directory", type=Path, help="where to write it (new or empty)")
+    handler.add_argument("--lang", choices=HANDLER_LANGS, default="python-fastapi")
+    handler.add_argument("--force", action="store_true", help="write into a non-empty folder")
+    handler.set_defaults(handler=cmd_new_handler)
+
+    integration = kinds.add_parser("integration", help="a commented integration YAML")
+    integration.add_argument("name", help="lowercase, dashes: <topic>-to-<team>")
+    integration.add_argument("--topic", help="default: the part of NAME before -to-")
+    integration.add_argument("--consumer", help="default: NAME")
+    integration.add_argument(
+        "--url", default=DEFAULT_URLS["python-fastapi"], help="the handler (default: %(default)s)"
+    )
+    integration.add_argument(
+        "--owner",
+        action="append",
+        default=[],
+        help="owning team, repeatable (default: team-<the part of NAME after -to->)",
+    )
+    integration.add_argument("--pipeline", help="a pipeline from pipelines/")
+    integration.add_argument(
+        "--dir", type=Path, default=Path("integrations"), help="default: %(default)s"
+    )
+    integration.add_argument("--force", action="store_true", help="overwrite the file")
+    integration.set_defaults(handler=cmd_new_integration)
+
+    check = commands.add_parser(
+        "check-handler", help="probe a handler: does it follow the contract? (exit 1 if not)"
+    )
+    check.add_argument("url", nargs="?", help="http(s)://... or grpc(s)://host:port")
+    check.add_argument(
+        "--integration", type=Path, help="take the URL, timeout, headers and batch size from it"
+    )
+    check.add_argument("--timeout-s", type=float, default=None, help="default 5")
+    check.add_argument("--batch", type=int, default=None, help="probe a batch of N events")
+    check.add_argument("--type", default="nemesis.probe", help="ce-type of the probes")
+    check.add_argument("--data", help=f"a realistic payload (default: {DEFAULT_DATA.decode()})")
+    check.add_argument("--data-file", type=Path, help="the payload from a file")
+    check.add_argument("--content-type", default="application/json")
+    check.add_argument(
+        "--header", action="append", default=[], metavar="K=V", help="request header, repeatable"
+    )
+    check.add_argument("--slow-ms", type=float, default=1000.0, help="warn above this latency")
+    check.add_argument("--json", action="store_true", help="the report as JSON")
+    check.set_defaults(handler=functools.partial(cmd_check_handler, run_async=run_async))
+
+    schema = commands.add_parser("schema", help="JSON Schema of a YAML file kind, for editors")
+    schema.add_argument("kind", nargs="?", choices=SCHEMA_KINDS, default="integration")
+    schema.add_argument("-o", "--output", type=Path, help="write to a file instead of stdout")
+    schema.set_defaults(handler=cmd_schema)
+
+
+def cmd_new_handler(args: argparse.Namespace) -> int:
+    """``nemesis new handler``."""
+    directory: Path = args.directory
+    written = new_handler(directory, args.lang, force=args.force)
+    for path in written:
+        print(f"wrote {path}")
+    port = DEFAULT_PORTS[args.lang]
+    url = DEFAULT_URLS[args.lang]
+    proto = "  make proto             # generate the gRPC code\n" if "grpc" in args.lang else ""
+    print(
+        f"\nnext, in {directory}:\n"
+        "  make install           # or: pip install -r requirements.txt\n"
+        f"{proto}"
+        "  make test              # the handler's own contract tests\n"
+        f"  make run               # serves on 127.0.0.1:{port}\n"
+        f"  nemesis check-handler {url}\n"
+        "then write your logic in handler.py (handle)."
+    )
+    return EXIT_OK
+
+
+def cmd_new_integration(args: argparse.Namespace) -> int:
+    """``nemesis new integration``."""
+    spec = IntegrationSpec(
+        name=args.name,
+        topic=args.topic,
+        consumer=args.consumer,
+        url=args.url,
+        owners=tuple(args.owner),
+        pipeline=args.pipeline,
+    )
+    path = new_integration(spec, args.dir, force=args.force)
+    print(f"wrote {path}\nnext: nemesis validate, then open a pull request")
+    return EXIT_OK
+
+
+def cmd_check_handler(args: argparse.Namespace, run_async: AsyncRunner) -> int:
+    """``nemesis check-handler``: exit 0 when the handler follows the contract, else 1."""
+    return run_async(_check(_probe_options(args), as_json=args.json))
+
+
+async def _check(options: ProbeOptions, *, as_json: bool) -> int:
+    report = await check_handler(options)
+    print(json.dumps(report.as_dict(), indent=2) if as_json else report.format())
+    return EXIT_OK if report.passed else EXIT_FAILED
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    """``nemesis schema``."""
+    text = json.dumps(json_schema(args.kind), indent=2) + "\n"
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text, encoding="utf-8")
+        print(f"wrote {args.output}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _probe_options(args: argparse.Namespace) -> ProbeOptions:
+    url: str | None = args.url
+    timeout_s, batch, headers = 5.0, 0, {}
+    if args.integration is not None:
+        # Loaded like `nemesis run` loads it: ${VAR} headers need their variables.
+        config = load_integration_file(args.integration)
+        url = url or config.target.url
+        timeout_s = config.target.timeout_s
+        batch = config.delivery.batch.size
+        headers = dict(config.target.headers)
+    if url is None:
+        raise NemesisError("check-handler needs a URL or --integration FILE")
+    for pair in args.header:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise NemesisError(f"--header {pair!r}: expected NAME=VALUE")
+        headers[name] = value
+    if args.data is not None and args.data_file is not None:
+        raise NemesisError("give --data or --data-file, not both")
+    if args.data_file is not None:
+        try:
+            data = args.data_file.read_bytes()
+        except OSError as exc:
+            raise NemesisError(f"{args.data_file}: {exc.strerror or exc}") from exc
+    else:
+        data = DEFAULT_DATA if args.data is None else args.data.encode()
+    options = ProbeOptions(
+        url=url,
+        timeout_s=args.timeout_s if args.timeout_s is not None else timeout_s,
+        batch_size=args.batch if args.batch is not None else batch,
+        data=data,
+        content_type=args.content_type,
+        event_type=args.type,
+        headers=headers,
+        slow_ms=args.slow_ms,
+    )
+    _check_target(options)
+    return options
+
+
+def _check_target(options: ProbeOptions) -> None:
+    try:
+        TargetConfig(url=options.url, timeout_s=options.timeout_s, headers=dict(options.headers))
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise NemesisError(f"check-handler: {problems}") from exc

@@ -1,0 +1,247 @@
+"""The pull-request rules for integration files: a Checker plugged into ``nemesis validate``.
+
+The loader already checks each file against the models (types, ranges,
+unknown keys), that names are unique and match their files, and the
+``PipelineChecker`` that named pipelines exist. These are the rules a
+reviewer would otherwise enforce by hand, across files:
+
+- owners: every entry names a team (``team-loyalty``, ``org/team`` or an
+  e-mail), once;
+- topics and consumers follow the naming convention (lowercase words joined
+  by ``.``, ``-``, ``_`` or ``/``), and never touch Nemesis's own
+  ``nemesis.*`` topics;
+- one consumer per integration: two integrations reading one topic with one
+  consumer name would split its messages between them;
+- the target URL is one a transport accepts (scheme, and the transport's own
+  checks: a grpc:// URL is ``host:port``, header names are valid...);
+- no secrets inline in integration or process files (``inline_secrets``),
+  including files with other problems: a secret in a pull request must be
+  reported at once, not after the file is otherwise fixed. ``scan`` names the
+  paths ``nemesis validate`` was given; without it only the files that loaded
+  are scanned.
+
+Every problem points at the file and line of the value concerned.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Final
+
+from nemesis.config.document import DataPath, YamlDocument, format_path, parse_yaml
+from nemesis.config.loader import YAML_SUFFIXES, ValidationContext
+from nemesis.config.models import IntegrationConfig, TargetConfig
+from nemesis.delivery.port import Transport
+from nemesis.errors import ConfigError, ConfigProblem
+from nemesis.onboarding.inline_secrets import find_inline_secrets
+from nemesis.pipeline.checker import PIPELINES_DIR_NAME
+from nemesis.pipeline.compiler import is_test_file
+
+OWNER_PATTERN: Final = r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)?$|^[^@\s]+@[^@\s]+\.[a-z]+$"
+# Lowercase words joined by single separators: "orders", "billing.invoices", "crm/leads-v2".
+TOPIC_CONVENTION: Final = r"^[a-z0-9]+([._/-][a-z0-9]+)*$"
+INTERNAL_PREFIX: Final = "nemesis."
+
+TransportFactory = Callable[[TargetConfig, str, int], Transport]
+
+
+def _http(target: TargetConfig, integration: str, max_connections: int) -> Transport:
+    from nemesis.delivery.http import http_transport
+
+    return http_transport(target, integration=integration, max_connections=max_connections)
+
+
+def _grpc(target: TargetConfig, integration: str, max_connections: int) -> Transport:
+    from nemesis.delivery.grpc import grpc_transport
+
+    return grpc_transport(target, integration, max_connections)
+
+
+# The transports whose checks the rules run, by URL scheme.
+KNOWN_TRANSPORTS: Final[Mapping[str, TransportFactory]] = {
+    "http": _http,
+    "https": _http,
+    "grpc": _grpc,
+    "grpcs": _grpc,
+}
+
+
+class IntegrationRulesChecker:
+    """Cross-file rules for integration (and process) files, for ``nemesis validate``."""
+
+    def __init__(
+        self,
+        scan: Sequence[Path] = (),
+        *,
+        transports: Mapping[str, TransportFactory] = KNOWN_TRANSPORTS,
+        topic_convention: str = TOPIC_CONVENTION,
+        owner_pattern: str = OWNER_PATTERN,
+    ) -> None:
+        self._scan = list(scan)
+        self._transports = transports
+        self._topic = re.compile(topic_convention)
+        self._owner = re.compile(owner_pattern)
+
+    def claims(self, path: Path) -> bool:
+        """Claims nothing: it checks what the core loaded."""
+        return False
+
+    def check(self, paths: Sequence[Path], context: ValidationContext) -> list[ConfigProblem]:
+        """Problems in the loaded integrations, across them, and inline secrets."""
+        run = _Run(context)
+        # (topic, consumer) -> the integration reading it first, and where it says so
+        consumers: dict[tuple[str, str], tuple[str, str]] = {}
+        for name in sorted(context.integrations.integrations):
+            integration = context.integrations.integrations[name]
+            document = run.document(name, context.integration_files.get(name))
+            self._owners(run, document, integration)
+            self._source(run, document, integration, consumers)
+            self._target(run, document, integration)
+            run.secrets(document)
+        for path in [*context.process_configs, *_configuration_files(self._scan)]:
+            run.secrets(run.read(path))
+        return run.problems
+
+    def _owners(self, run: _Run, document: YamlDocument, integration: IntegrationConfig) -> None:
+        seen: set[str] = set()
+        for index, owner in enumerate(integration.owners):
+            where = ("owners", index)
+            if not owner.strip():
+                run.report(document, where, "an owner cannot be blank: name the owning team")
+            elif not self._owner.match(owner):
+                run.report(
+                    document,
+                    where,
+                    f"{owner!r} is not a team: write a team slug (team-loyalty),"
+                    " org/team or an e-mail address",
+                )
+            elif owner in seen:
+                run.report(document, where, f"{owner!r} is listed twice")
+            seen.add(owner)
+
+    def _source(
+        self,
+        run: _Run,
+        document: YamlDocument,
+        integration: IntegrationConfig,
+        consumers: dict[tuple[str, str], tuple[str, str]],
+    ) -> None:
+        source = integration.source
+        for field, value in (("topic", source.topic), ("consumer", source.consumer)):
+            where = ("source", field)
+            if value.startswith(INTERNAL_PREFIX) or value == INTERNAL_PREFIX.rstrip("."):
+                run.report(
+                    document,
+                    where,
+                    f"{field} names starting with {INTERNAL_PREFIX!r} belong to Nemesis"
+                    " (retry tiers, replay): read the source topic",
+                )
+            elif not self._topic.match(value):
+                run.report(
+                    document,
+                    where,
+                    f"{value!r} does not follow the naming convention: lowercase words"
+                    " joined by '.', '-', '_' or '/' (orders, billing.invoices)",
+                )
+        key = (source.topic, source.consumer)
+        where = ("source", "consumer")
+        here = f"{document.file}:{document.line_of(where)}"
+        first = consumers.setdefault(key, (integration.name, here))
+        if first[0] != integration.name:
+            run.report(
+                document,
+                where,
+                f"integration {first[0]!r} ({first[1]}) already reads topic {source.topic!r} as"
+                f" consumer {source.consumer!r}: the two would split the messages; use a"
+                " consumer of this integration's own (its name)",
+            )
+
+    def _target(self, run: _Run, document: YamlDocument, integration: IntegrationConfig) -> None:
+        target = integration.target
+        factory = self._transports.get(target.scheme)
+        if factory is None:
+            schemes = ", ".join(f"{s}://" for s in sorted(self._transports))
+            run.report(
+                document,
+                ("target", "url"),
+                f"no transport for {target.scheme}:// targets (this Nemesis has {schemes})",
+            )
+            return
+        if any("${" in value for value in (target.url, *target.headers.values())):
+            # Unexpanded references (secrets absent in CI) cannot be checked as values.
+            return
+        try:
+            # Building a transport opens nothing (connections open on first delivery):
+            # it runs the transport's own checks of the URL and headers.
+            factory(target, integration.name, 1)
+        except ConfigError as exc:
+            for problem in exc.problems:
+                path = _path_of(problem.field)
+                run.report(document, path, problem.message)
+
+
+def _configuration_files(paths: Sequence[Path]) -> list[Path]:
+    """The integration and process files among ``paths``, as ``validate_paths`` sorts them."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            # Pipelines hold sample payloads in their tests, not configuration.
+            if path.name != PIPELINES_DIR_NAME:
+                files += sorted(
+                    entry
+                    for entry in path.iterdir()
+                    if entry.suffix in YAML_SUFFIXES and not entry.name.startswith(".")
+                )
+        elif path.suffix in YAML_SUFFIXES and path.parent.name != PIPELINES_DIR_NAME:
+            files.append(path)
+    return [file for file in files if file.is_file() and not is_test_file(file)]
+
+
+class _Run:
+    """One check: the problems found so far, and the files read for their lines."""
+
+    def __init__(self, context: ValidationContext) -> None:
+        self.context = context
+        self.problems: list[ConfigProblem] = []
+        self.scanned: set[Path] = set()
+
+    def document(self, name: str, file: Path | None) -> YamlDocument:
+        """The integration's file as written (before ``${VAR}`` expansion), with lines."""
+        if file is None:
+            return YamlDocument(f"integration {name}")
+        return self.read(file)
+
+    def read(self, file: Path) -> YamlDocument:
+        try:
+            text = file.read_text(encoding="utf-8-sig")
+        except (OSError, UnicodeDecodeError):
+            # The loader already reported why the file cannot be read.
+            return YamlDocument(str(file))
+        return parse_yaml(text, str(file))
+
+    def report(self, document: YamlDocument, path: DataPath, message: str) -> None:
+        problem = ConfigProblem(document.file, document.line_of(path), format_path(path), message)
+        if problem not in self.problems:
+            self.problems.append(problem)
+
+    def secrets(self, document: YamlDocument) -> None:
+        key = Path(document.file).resolve()
+        if document.data is None or key in self.scanned:
+            return
+        self.scanned.add(key)
+        for found in find_inline_secrets(document.data):
+            self.report(
+                document,
+                found.path,
+                f"{found.why}: read it from the environment with ${{VAR}}"
+                ' (e.g. "Bearer ${HANDLER_TOKEN}"); the value is in git history now,'
+                " so rotate it",
+            )
+
+
+def _path_of(field: str | None) -> DataPath:
+    # "target.headers.X-Api-Key" -> ("target", "headers", "X-Api-Key"); a header name with
+    # dots resolves to its nearest ancestor's line, which is still the right place.
+    return () if field is None else tuple(field.split("."))

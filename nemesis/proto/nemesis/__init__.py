@@ -1,0 +1,1 @@
+"""Generated code for the ``nemesis`` protobuf package lives below (see ``nemesis.proto``)."""

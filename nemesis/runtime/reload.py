@@ -1,0 +1,340 @@
+"""Configuration reload: ``integrations/*.yaml`` picked up while the proxy runs.
+
+A reload reads the whole directory again, the way ``nemesis run`` does at
+start, and brings the running integrations in line with it:
+
+* a new file that validates starts its integration;
+* a changed file whose changes are all live settings (``delivery.workers``,
+  ``buffer``, ``batch``, ``rate_limits``, ``flags``, ``paused``, ``owners``)
+  is applied to the running integration at once, nothing restarts;
+* any other change (target, source, pipeline, retry, breaker, ordering)
+  restarts that integration alone: the new configuration is built first, the
+  old one drains (its in-flight messages finish and are committed), then the
+  new one starts;
+* a removed file drains and stops its integration;
+* a file that does not validate (or whose pipeline does not build) is
+  reported, with file, line and field, in the log and the admin API, and
+  ignored: its integration keeps running on the last good configuration.
+
+What triggers a reload: a change in the directory (``reload.watch``, through
+``watchfiles``: inotify, or polling with ``reload.force_polling``), SIGHUP
+(``kill -HUP <pid>``), or ``POST /config/reload`` on the admin API. Reloads
+never overlap; requests that arrive during one are folded into one more.
+Kubernetes updates a mounted ConfigMap by swapping a symlink in the
+directory, which the watch sees as a change like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from nemesis.clock import SYSTEM_CLOCK, Clock
+from nemesis.config.loader import YAML_SUFFIXES, load_integrations
+from nemesis.config.models import IntegrationConfig
+from nemesis.config.problems import sort_problems
+from nemesis.errors import ConfigError, ConfigProblem
+from nemesis.runtime import overrides as live
+from nemesis.runtime.app import Proxy
+
+log = logging.getLogger(__name__)
+
+_REWATCH_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadReport:
+    """What one reload found and did."""
+
+    trigger: str  # start | watch | signal | api
+    at: float  # Unix seconds
+    added: Sequence[str] = ()
+    applied: Mapping[str, Sequence[str]] = field(default_factory=dict)  # name -> live fields
+    restarted: Mapping[str, Sequence[str]] = field(default_factory=dict)  # name -> the reason
+    removed: Sequence[str] = ()
+    kept: Sequence[str] = ()  # broken files whose integration runs its last good configuration
+    problems: Sequence[ConfigProblem] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Whether every file validated."""
+        return not self.problems
+
+    def summary(self) -> str:
+        """One line for the log."""
+        parts = [
+            f"{label} {', '.join(names)}"
+            for label, names in (
+                ("added", self.added),
+                ("applied live", list(self.applied)),
+                ("restarted", list(self.restarted)),
+                ("removed", self.removed),
+                ("kept on their last good configuration", self.kept),
+            )
+            if names
+        ]
+        if self.problems:
+            parts.append(f"{len(self.problems)} problem(s)")
+        return "; ".join(parts) or "nothing changed"
+
+
+class ConfigReloader:
+    """Brings a running proxy in line with its integrations directory, on request or on change."""
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        directory: Path,
+        *,
+        env: Mapping[str, str] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        watch: bool = True,
+        debounce_ms: int = 500,
+        force_polling: bool = False,
+        initial_problems: Sequence[ConfigProblem] = (),
+    ) -> None:
+        self._proxy = proxy
+        self._directory = directory
+        self._env = env
+        self._clock = clock
+        self._watch = watch
+        self._debounce_ms = debounce_ms
+        self._force_polling = force_polling
+        self._lock = asyncio.Lock()
+        self._requested = asyncio.Event()
+        self._trigger = "api"
+        self._reloads = {True: 0, False: 0}
+        self._last_success_at: float | None = None
+        self.last: ReloadReport | None = None
+        # What nemesis run found at start (it logged the problems already).
+        self._record(
+            ReloadReport("start", clock.time(), problems=sort_problems(list(initial_problems))),
+            quiet=True,
+        )
+        proxy.metrics.add_live_collector(self._collect)
+
+    @property
+    def directory(self) -> Path:
+        return self._directory
+
+    @property
+    def watching(self) -> bool:
+        return self._watch
+
+    def request(self, trigger: str = "signal") -> None:
+        """Asks for a reload soon (safe from a signal handler: it only sets an event)."""
+        self._trigger = trigger
+        self._requested.set()
+
+    async def run(self) -> None:
+        """Reloads on every request (and directory change, when watching) until cancelled."""
+        async with asyncio.TaskGroup() as tasks:
+            if self._watch:
+                tasks.create_task(self._watch_directory(), name="reload:watch")
+            while True:
+                await self._requested.wait()
+                self._requested.clear()
+                try:
+                    await self.reload(self._trigger)
+                except Exception:
+                    # A supervisor boundary: a bug in one reload must not stop deliveries.
+                    log.exception("configuration reload failed; the running configuration stays")
+
+    async def reload(self, trigger: str = "api") -> ReloadReport:
+        """Reads the directory and applies what changed; returns what was done."""
+        async with self._lock:
+            report = await self._reload(trigger)
+        self._record(report)
+        return report
+
+    # --- the work -------------------------------------------------------------------
+
+    async def _reload(self, trigger: str) -> ReloadReport:
+        directory = self._directory
+        loaded, problems = await asyncio.to_thread(load_integrations, directory, self._env)
+        present = await asyncio.to_thread(_file_names, directory)
+        problems = list(problems)
+        by_name = _problems_by_file(problems, directory)
+        proxy = self._proxy
+        added: list[str] = []
+        applied: dict[str, list[str]] = {}
+        restarts: dict[str, tuple[IntegrationConfig, list[str]]] = {}
+        removals: list[str] = []
+        kept: set[str] = set()
+        for name, config in sorted(loaded.items()):
+            file = _file_of(directory, name)
+            group = proxy.groups.get(name)
+            try:
+                if group is None:
+                    proxy.add_integration(config, file)
+                    added.append(name)
+                elif config != group.yaml:
+                    restart = live.needs_restart(group.yaml, config)
+                    if restart:
+                        restarts[name] = (config, restart)
+                    else:
+                        applied[name] = proxy.update_file_config(config, file)
+            except ConfigError as exc:
+                # Its pipeline does not build, or its live overrides no longer fit.
+                problems.extend(exc.problems)
+                by_name.setdefault(name, []).extend(exc.problems)
+                if group is not None:
+                    kept.add(name)
+        for name in proxy.groups:
+            if name not in loaded:
+                if name in present:
+                    kept.add(name)  # its file is there but broken: the last good one runs on
+                else:
+                    removals.append(name)
+        failed = await self._restart_and_remove(restarts, removals)
+        for name, failures in failed.items():
+            problems.extend(failures)
+            by_name.setdefault(name, []).extend(failures)
+        kept.update(failed)
+        for name, group in proxy.groups.items():
+            group.problems = list(by_name.get(name, ()))
+        return ReloadReport(
+            trigger=trigger,
+            at=self._clock.time(),
+            added=added,
+            applied=applied,
+            restarted={
+                name: reason for name, (_, reason) in restarts.items() if name not in failed
+            },
+            removed=removals,
+            kept=sorted(kept),
+            problems=sort_problems(problems),
+        )
+
+    async def _restart_and_remove(
+        self,
+        restarts: Mapping[str, tuple[IntegrationConfig, list[str]]],
+        removals: Sequence[str],
+    ) -> dict[str, list[ConfigProblem]]:
+        """Drains what restarts or goes side by side (one slow drain delays no other).
+
+        Returns the integrations whose new configuration did not build (they
+        run on as they were), with the problems.
+        """
+        proxy = self._proxy
+        failed: dict[str, list[ConfigProblem]] = {}
+
+        async def restart(name: str, config: IntegrationConfig) -> None:
+            try:
+                await proxy.replace_integration(config, _file_of(self._directory, name))
+            except ConfigError as exc:
+                failed[name] = exc.problems
+
+        async with asyncio.TaskGroup() as tasks:
+            for name, (config, _) in restarts.items():
+                tasks.create_task(restart(name, config), name=f"reload:restart:{name}")
+            for name in removals:
+                tasks.create_task(proxy.remove_integration(name), name=f"reload:remove:{name}")
+        return failed
+
+    def _record(self, report: ReloadReport, *, quiet: bool = False) -> None:
+        self.last = report
+        self._reloads[report.ok] += 1
+        if report.ok:
+            self._last_success_at = report.at
+        if quiet:
+            return
+        for problem in report.problems:
+            # A configuration problem, not a crash: no traceback.
+            log.error("%s (ignored; the running configuration stays)", problem)
+        level = logging.INFO if report.ok else logging.WARNING
+        log.log(level, "configuration reload (%s): %s", report.trigger, report.summary())
+
+    async def _watch_directory(self) -> None:
+        from watchfiles import awatch
+
+        directory = self._directory
+        if not directory.is_dir():
+            log.warning(
+                "not watching %s: no such directory; reload with SIGHUP or the admin API",
+                directory,
+            )
+            return
+        while True:
+            try:
+                # Every change counts (no filter): a ConfigMap update is a symlink swap of
+                # dot-named entries, and a reload of an unchanged directory changes nothing.
+                async for _ in awatch(
+                    directory,
+                    watch_filter=None,
+                    debounce=self._debounce_ms,
+                    recursive=False,
+                    force_polling=self._force_polling,
+                ):
+                    self.request("watch")
+            except Exception:
+                # A supervisor boundary (the directory went away, the watcher failed):
+                # SIGHUP and the admin API still reload; watching starts again later.
+                log.exception("watching %s failed; watching again in %.0fs", directory, _REWATCH_S)
+            await self._clock.sleep(_REWATCH_S)
+            if not directory.is_dir():
+                continue
+            self.request("watch")  # whatever changed meanwhile
+
+    def _collect(self) -> Iterable[Metric]:
+        reloads = CounterMetricFamily(
+            "nemesis_config_reloads",
+            "Configuration reloads, by result: ok, or error (some file did not validate).",
+            labels=["result"],
+        )
+        reloads.add_metric(["ok"], float(self._reloads[True]))
+        reloads.add_metric(["error"], float(self._reloads[False]))
+        invalid = GaugeMetricFamily(
+            "nemesis_config_invalid_files",
+            "Integration files the last reload found invalid (their last good configuration runs).",
+            labels=[],
+        )
+        report = self.last
+        invalid.add_metric([], float(len({p.file for p in report.problems}) if report else 0))
+        success = GaugeMetricFamily(
+            "nemesis_config_last_reload_success_timestamp_seconds",
+            "When a reload last found every file valid (Unix seconds).",
+            labels=[],
+        )
+        if self._last_success_at is not None:
+            success.add_metric([], self._last_success_at)
+        return [reloads, invalid, success]
+
+
+def _file_names(directory: Path) -> set[str]:
+    """The integration names files in ``directory`` stand for, valid or not."""
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return set()
+    return {
+        entry.stem
+        for entry in entries
+        if entry.suffix in YAML_SUFFIXES and not entry.name.startswith(".") and entry.is_file()
+    }
+
+
+def _file_of(directory: Path, name: str) -> Path | None:
+    for suffix in YAML_SUFFIXES:
+        path = directory / f"{name}{suffix}"
+        if path.exists():
+            return path
+    return None
+
+
+def _problems_by_file(
+    problems: Iterable[ConfigProblem], directory: Path
+) -> dict[str, list[ConfigProblem]]:
+    """Problems of the directory's files, by the integration each file stands for."""
+    by_name: dict[str, list[ConfigProblem]] = {}
+    for problem in problems:
+        path = Path(problem.file)
+        if path.suffix in YAML_SUFFIXES and path.parent == directory:
+            # An integration lives in <name>.yaml: the file names it even when broken.
+            by_name.setdefault(path.stem, []).append(problem)
+    return by_name

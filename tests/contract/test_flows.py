@@ -1,0 +1,159 @@
+"""Retry tiers, the DLQ, requeue and ``nemesis init`` over each backend, end to end.
+
+The same proxy, runner and settler run over the backend under test and its
+DLQ store, delivering to a real handler server on 127.0.0.1; retry tiers
+are fractions of a second so the cases take seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import orjson
+import pytest
+
+from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage
+from nemesis.config.models import IntegrationConfig
+from nemesis.dlq import DeadLetterFilter, Reason, Status
+from nemesis.runtime.app import Proxy
+from nemesis.runtime.init import Outcome, init_backend
+from nemesis.runtime.replay import requeue
+from nemesis.runtime.retries import replay_topic, tier_topic
+from nemesis.runtime.runner import RunnerOptions
+from nemesis.testing import HandlerServer, LedgerEntry
+from tests.contract.conftest import Backend
+
+pytestmark = pytest.mark.timeout(120)
+
+FAST = RunnerOptions(receive_timeout_s=0.05, commit_interval_s=0.02, shutdown_grace_s=2)
+
+
+def integration(name: str, url: str, **sections: Any) -> IntegrationConfig:
+    document: dict[str, Any] = {
+        "name": name,
+        "owners": [f"team-{name}"],
+        "source": {"topic": "orders", "consumer": name},
+        "target": {"url": url, "timeout_s": 2},
+        "delivery": {"workers": 8, "buffer": 200},
+        "retry": {"tiers": ["200ms", "400ms"]},
+        "breaker": {"min_requests": 100_000},  # the breaker has cases of its own
+    }
+    document.update(sections)
+    return IntegrationConfig.model_validate(document)
+
+
+async def publish(broker: Broker, count: int, consumer: str = "it") -> None:
+    await broker.admin.create_topic(
+        "orders", partitions=2, consumers=[ConsumerSpec(consumer)], exist_ok=True
+    )
+    writer = await broker.writer("orders")
+    await writer.write(
+        [
+            OutgoingMessage(value=orjson.dumps({"n": n}), metadata={"type": "order.created"})
+            for n in range(count)
+        ]
+    )
+    await writer.close()
+
+
+def n_of(entry: LedgerEntry) -> int:
+    return int(json.loads(entry.body)["n"])
+
+
+async def test_each_retry_tier_waits_its_delay(backend: Backend) -> None:
+    count = 20
+    broker = await backend.broker()
+    dlq = await backend.dlq(broker)
+    await publish(broker, count)
+    async with HandlerServer() as handler:
+        handler.fail_first(2, status=503)
+        proxy = Proxy(broker, {"it": integration("it", handler.url)}, dlq=dlq, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        await handler.ledger.wait_for(count, timeout_s=60)
+        proxy.stop()
+        await task
+    assert await dlq.count(DeadLetterFilter()) == 0
+    for event_id in handler.ledger.ids():
+        arrivals = handler.ledger.by_id(event_id)
+        assert [e.attempt for e in arrivals] == [1, 2, 3]
+        # One ce-id, at the source coordinates, on every attempt.
+        assert {(e.topic, e.partition, e.offset) for e in arrivals} == {
+            ("orders", arrivals[0].partition, arrivals[0].offset)
+        }
+        first, second, third = (e.received_wall for e in arrivals)
+        assert second - first >= 0.2 - 0.01
+        assert third - second >= 0.4 - 0.01
+
+
+async def test_a_rejected_message_is_dead_lettered_once_and_requeue_brings_it_back(
+    backend: Backend,
+) -> None:
+    count = 30
+    broker = await backend.broker()
+    dlq = await backend.dlq(broker)
+    await publish(broker, count)
+    async with HandlerServer() as handler:
+        handler.when(lambda e: e.attempt is not None and n_of(e) % 5 == 0, status=422)
+        proxy = Proxy(broker, {"it": integration("it", handler.url)}, dlq=dlq, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        try:
+            await handler.ledger.wait_for(count - count // 5, timeout_s=60)
+            for _ in range(600):  # the last moves to the DLQ may trail the deliveries
+                if await dlq.count(DeadLetterFilter()) >= count // 5:
+                    break
+                await asyncio.sleep(0.05)
+            rows = (await dlq.query(DeadLetterFilter())).rows
+            assert {row.reason for row in rows} == {Reason.HTTP_4XX}
+            assert {row.http_status for row in rows} == {422}
+            assert sorted(json.loads(row.payload)["n"] for row in rows) == list(range(0, count, 5))
+            ids = [row.id for row in rows]
+
+            handler.reset()  # the fix is deployed
+            result = await requeue(dlq, broker, ids, by="alice", description="contract")
+            assert result.count == count // 5
+            await handler.ledger.wait_for(count, timeout_s=60)
+        finally:
+            proxy.stop()
+            await task
+    requeued = await dlq.get_many(ids)
+    assert {row.status for row in requeued} == {Status.REQUEUED}
+    assert {row.requeue_count for row in requeued} == {1}
+    # The replay carried the ce-id of the first delivery: one id per source message.
+    assert len(handler.ledger.ids()) == count
+    assert (await dlq.actions()).rows[0].who == "alice"
+
+
+async def test_init_creates_what_a_configuration_needs_and_is_idempotent(
+    backend: Backend,
+) -> None:
+    broker = await backend.broker()
+    await broker.admin.create_topic("orders", partitions=2)
+    configs = [
+        integration("alpha", "http://127.0.0.1:9/"),
+        integration("beta", "http://127.0.0.1:9/", delivery={"ordering": "key"}),
+        integration("gamma", "http://127.0.0.1:9/", source={"topic": "nowhere", "consumer": "g"}),
+    ]
+    first = await init_backend(backend.config, configs, broker=broker)
+    assert not first.ok
+    assert [(s.name, s.integration) for s in first.missing] == [("nowhere", "gamma")]
+    created = {s.name for s in first.steps if s.kind == "topic" and s.outcome is Outcome.CREATED}
+    # Unordered alpha gets its tiers; ordered beta retries in place: only its replay topic.
+    assert created == {
+        tier_topic("alpha", 1),
+        tier_topic("alpha", 2),
+        replay_topic("alpha"),
+        replay_topic("beta"),
+    }
+    orders = await broker.admin.describe_topic("orders")
+    assert orders.consumers == ["alpha", "beta"]
+    assert (await broker.admin.describe_topic(tier_topic("alpha", 2))).consumers == ["alpha"]
+    assert first.steps[-1].kind == "dlq"
+    assert first.steps[-1].outcome is Outcome.READY
+
+    again = await init_backend(backend.config, configs, broker=broker)
+    assert again.changed == ()
+    assert [str(s) for s in again.missing] == ["topic nowhere: missing (gamma)"]
+    dlq = await backend.dlq(broker)
+    assert await dlq.count(DeadLetterFilter()) == 0

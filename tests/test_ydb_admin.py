@@ -1,0 +1,280 @@
+"""YDB topic admin: descriptions from the SDK's result types, listing, idempotent creation.
+
+The topic client here is a stand-in for the SDK's ``TopicClientAsyncIO`` that
+keeps topics in memory and answers with the SDK's own result classes and
+errors, so that the adapter's side (paths, exist_ok, consumers, lag) runs
+as it would against a server.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import pytest
+import ydb
+from ydb import (
+    TopicClientAsyncIO,
+    TopicConsumer,
+    TopicConsumerDescription,
+    TopicDescription,
+    issues,
+)
+from ydb._grpc.grpcwrapper.ydb_topic_public_types import (
+    PublicPartitionConsumerStats,
+    PublicPartitionStats,
+)
+from ydb.aio.driver import Driver
+
+from nemesis.broker.port import ConsumerSpec
+from nemesis.broker.ydb import YdbAdmin, YdbBroker
+from nemesis.broker.ydb.admin import Directory, consumer_offsets, topic_description
+from nemesis.config.models import YdbBackendConfig
+from nemesis.errors import TopicExists, TopicNotFound
+
+WRITTEN = datetime.datetime(2026, 11, 30, 12, 0, 0)  # naive UTC
+
+
+def scheme_entry(name: str, kind: ydb.SchemeEntryType = ydb.SchemeEntryType.TOPIC) -> Any:
+    entry = cast(Callable[..., Any], ydb.SchemeEntry)  # untyped in the SDK
+    return entry(name, "root", kind, [], [], 0)
+
+
+def partition_stats(
+    start: int, end: int, written: datetime.datetime | None
+) -> PublicPartitionStats:
+    return PublicPartitionStats(
+        partition_start=start,
+        partition_end=end,
+        store_size_bytes=0,
+        last_write_time=written,
+        max_write_time_lag=None,
+        bytes_written=None,
+        partition_node_id=1,
+    )
+
+
+def described(
+    path: str, partitions: int, consumers: Sequence[str], retention_s: float | None
+) -> TopicDescription:
+    return TopicDescription(
+        self=scheme_entry(path.rsplit("/", 1)[-1]),
+        min_active_partitions=partitions,
+        max_active_partitions=partitions,
+        partition_count_limit=0,
+        partitions=[
+            TopicDescription.PartitionInfo(
+                partition_id=p,
+                active=True,
+                child_partition_ids=[],
+                parent_partition_ids=[],
+                partition_stats=partition_stats(2, 10 + p, WRITTEN if p == 0 else None),
+            )
+            for p in range(partitions)
+        ],
+        retention_period=datetime.timedelta(seconds=retention_s) if retention_s else None,
+        retention_storage_mb=0,
+        supported_codecs=[],
+        partition_write_speed_bytes_per_second=0,
+        partition_write_burst_bytes=0,
+        attributes={},
+        consumers=[TopicConsumer(name) for name in consumers],
+        metering_mode=None,
+        topic_stats=None,
+        auto_partitioning_settings=None,
+    )
+
+
+def consumer_description(name: str, committed: dict[int, int]) -> TopicConsumerDescription:
+    return TopicConsumerDescription(
+        self=scheme_entry(name),
+        consumer=TopicConsumer(name),
+        partitions=[
+            TopicConsumerDescription.PartitionInfo(
+                partition_id=p,
+                active=True,
+                child_partition_ids=[],
+                parent_partition_ids=[],
+                partition_stats=None,
+                partition_consumer_stats=PublicPartitionConsumerStats(
+                    last_read_offset=offset,
+                    committed_offset=offset,
+                    read_session_id="",
+                    partition_read_session_create_time=None,
+                    last_read_time=None,
+                    max_read_time_lag=None,
+                    max_write_time_lag=None,
+                    max_committed_time_lag=None,
+                    bytes_read=None,
+                    reader_name="",
+                    connection_node_id=0,
+                ),
+                partition_location=None,
+            )
+            for p, offset in committed.items()
+        ],
+    )
+
+
+@dataclass
+class Topic:
+    partitions: int
+    consumers: list[str]
+    retention_s: float | None
+    committed: dict[str, dict[int, int]] = field(default_factory=dict)
+
+
+class TopicService:
+    """The SDK topic client's admin calls over topics kept in memory."""
+
+    def __init__(self) -> None:
+        self.topics: dict[str, Topic] = {}
+        self.calls: list[str] = []
+
+    async def create_topic(self, path: str, **settings: Any) -> None:
+        self.calls.append(f"create {path}")
+        if path in self.topics:
+            raise issues.AlreadyExists(f"{path} exists")
+        retention = settings["retention_period"]
+        self.topics[path] = Topic(
+            settings["min_active_partitions"],
+            [c.name for c in settings["consumers"]],
+            retention.total_seconds() if retention else None,
+        )
+
+    async def alter_topic(self, path: str, add_consumers: list[TopicConsumer]) -> None:
+        self.calls.append(f"alter {path}")
+        self._topic(path).consumers += [c.name for c in add_consumers]
+
+    async def describe_topic(self, path: str, include_stats: bool = False) -> TopicDescription:
+        topic = self._topic(path)
+        return described(path, topic.partitions, topic.consumers, topic.retention_s)
+
+    async def describe_consumer(
+        self, path: str, consumer: str, *, include_stats: bool = False
+    ) -> TopicConsumerDescription:
+        return consumer_description(consumer, self._topic(path).committed.get(consumer, {}))
+
+    async def drop_topic(self, path: str) -> None:
+        self._topic(path)
+        del self.topics[path]
+
+    def _topic(self, path: str) -> Topic:
+        if path not in self.topics:
+            raise issues.SchemeError(f"path {path} not found")
+        return self.topics[path]
+
+
+@dataclass
+class Listing:
+    children: list[Any]
+
+
+def lister(tree: dict[str, list[Any]]) -> Any:
+    async def list_directory(path: str) -> Directory:
+        if path not in tree:
+            raise issues.SchemeError(f"path {path} not found")
+        return Listing(tree[path])
+
+    return list_directory
+
+
+def admin_over(service: TopicService, tree: dict[str, list[Any]] | None = None) -> YdbAdmin:
+    return YdbAdmin(
+        cast(TopicClientAsyncIO, service),
+        lister(tree or {}),
+        database="/local",
+        directory="nemesis",
+        default_retention_s=86400.0,
+        timeout_s=1.0,
+    )
+
+
+async def test_create_is_idempotent_with_exist_ok_and_adds_missing_consumers() -> None:
+    service = TopicService()
+    admin = admin_over(service)
+    await admin.create_topic("orders", partitions=3, consumers=[ConsumerSpec("a")])
+    assert service.topics["/local/nemesis/orders"] == Topic(3, ["a"], 86400.0)
+    with pytest.raises(TopicExists, match="create topic orders"):
+        await admin.create_topic("orders", partitions=3)
+    await admin.create_topic(
+        "orders", partitions=9, consumers=[ConsumerSpec("a"), ConsumerSpec("b")], exist_ok=True
+    )
+    assert service.topics["/local/nemesis/orders"] == Topic(3, ["a", "b"], 86400.0)
+    await admin.add_consumer("orders", ConsumerSpec("b"))  # there already: no alter
+    assert service.calls.count("alter /local/nemesis/orders") == 1
+    with pytest.raises(ValueError, match="partition"):
+        await admin.create_topic("x", partitions=0)
+    await admin.create_topic("forever", partitions=1, retention_s=0)
+    assert service.topics["/local/nemesis/forever"].retention_s is None
+
+
+async def test_describe_gives_offsets_and_each_consumers_committed_offset() -> None:
+    service = TopicService()
+    admin = admin_over(service)
+    await admin.create_topic(
+        "orders", partitions=2, consumers=[ConsumerSpec("b"), ConsumerSpec("a")]
+    )
+    service.topics["/local/nemesis/orders"].committed = {"a": {0: 7, 1: 1}}
+    description = await admin.describe_topic("orders")
+    assert (description.name, description.consumers, description.retention_s) == (
+        "orders",
+        ["a", "b"],
+        86400.0,
+    )
+    p0, p1 = description.partitions
+    assert (p0.partition, p0.start_offset, p0.end_offset) == (0, 2, 10)
+    assert p0.last_written_at == WRITTEN.replace(tzinfo=datetime.UTC).timestamp()
+    assert p1.last_written_at is None
+    # Never committed, or committed below the retained start, reads from the start.
+    assert (p0.committed, p1.committed) == ({"a": 7, "b": 2}, {"a": 2, "b": 2})
+    with pytest.raises(TopicNotFound, match="describe topic nothing"):
+        await admin.describe_topic("nothing")
+
+
+def test_description_and_consumer_offsets_from_the_sdks_types() -> None:
+    offsets = consumer_offsets(consumer_description("c", {0: 5, 3: 9}))
+    assert offsets == {0: 5, 3: 9}
+    description = topic_description("t", described("/local/t", 1, ["c"], None), {0: {"c": 1}})
+    assert description.retention_s is None
+    assert description.partitions[0].committed == {"c": 2}
+
+
+async def test_list_walks_the_directory_and_skips_ydbs_own() -> None:
+    tree = {
+        "/local/nemesis": [
+            scheme_entry("orders"),
+            scheme_entry("retry", ydb.SchemeEntryType.DIRECTORY),
+            scheme_entry(".sys", ydb.SchemeEntryType.DIRECTORY),
+            scheme_entry("dlq", ydb.SchemeEntryType.TABLE),
+        ],
+        "/local/nemesis/retry": [scheme_entry("a.1"), scheme_entry("a.2")],
+        "/local/nemesis/.sys": [scheme_entry("secret")],
+    }
+    assert await admin_over(TopicService(), tree).list_topics() == [
+        "orders",
+        "retry/a.1",
+        "retry/a.2",
+    ]
+    assert await admin_over(TopicService(), {}).list_topics() == []  # no directory: no topics
+
+
+async def test_a_reader_needs_a_registered_consumer() -> None:
+    service = TopicService()
+    broker = YdbBroker(
+        cast(Driver, object()),
+        YdbBackendConfig(endpoint="grpc://localhost:2136", database="/local", directory="nemesis"),
+        owns_driver=False,
+        topics=cast(TopicClientAsyncIO, service),
+        list_directory=lister({}),
+    )
+    await broker.admin.create_topic("orders", partitions=1)
+    with pytest.raises(TopicNotFound, match="no consumer billing"):
+        await broker.reader("orders", "billing")
+    with pytest.raises(TopicNotFound):
+        await broker.writer("missing")
+    await broker.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await broker.writer("orders")

@@ -1,0 +1,92 @@
+"""The backend registry: the configured kind opens its broker and DLQ store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nemesis.backends import Backends, default_backends, open_backend, open_dlq
+from nemesis.broker.embedded import EmbeddedBroker
+from nemesis.broker.port import Broker, PartitionSession, TopicAdmin, TopicReader, TopicWriter
+from nemesis.broker.ydb import YdbAdmin, YdbBroker, YdbReader, YdbSession, YdbWriter
+from nemesis.clock import Clock
+from nemesis.config.models import NemesisConfig
+from nemesis.dlq import DeadLetterStore, SqliteDeadLetterStore
+from nemesis.dlq.ydb import YdbDeadLetterStore
+
+
+def config_in(directory: Path) -> NemesisConfig:
+    return NemesisConfig.model_validate(
+        {
+            "backend": {"kind": "embedded", "path": "log.db"},
+            "dlq": {"kind": "sqlite", "path": "dlq.db", "retention": 0},
+            "data_dir": str(directory),
+        }
+    )
+
+
+async def test_the_default_kinds_open_from_the_configuration(tmp_path: Path) -> None:
+    config = config_in(tmp_path)
+    broker = await open_backend(config)
+    try:
+        assert isinstance(broker, EmbeddedBroker)
+        assert broker.path == tmp_path / "log.db"
+        store = await open_dlq(config, broker=broker)
+        assert isinstance(store, SqliteDeadLetterStore)
+        assert store.retention_s is None  # 0: keep forever
+        await store.close()
+    finally:
+        await broker.close()
+    assert set(default_backends().brokers) == {"embedded", "ydb"}
+    assert set(default_backends().dlqs) == {"sqlite", "ydb"}
+
+
+async def test_a_registry_can_be_copied_and_given_other_factories(tmp_path: Path) -> None:
+    opened: list[str] = []
+
+    async def fake_broker(config: NemesisConfig, clock: Clock) -> Broker:
+        opened.append(config.backend.kind)
+        raise RuntimeError("a fake that opens nothing")
+
+    registry = default_backends().copy()
+    registry.register_broker("embedded", fake_broker)
+    with pytest.raises(RuntimeError, match="fake"):
+        await open_backend(config_in(tmp_path), backends=registry)
+    assert opened == ["embedded"]
+    assert default_backends().brokers["embedded"] is not fake_broker  # fresh every time
+
+    empty = Backends()
+    with pytest.raises(ValueError, match="no broker backend of kind 'embedded'"):
+        await open_backend(config_in(tmp_path), backends=empty)
+    with pytest.raises(ValueError, match="no DLQ store of kind 'sqlite'"):
+        await open_dlq(config_in(tmp_path), backends=empty)
+
+
+async def test_a_ydb_backend_that_cannot_be_reached_is_a_broker_error() -> None:
+    from nemesis.errors import BrokerError
+
+    config = NemesisConfig.model_validate(
+        {
+            "backend": {
+                "kind": "ydb",
+                "endpoint": "grpc://127.0.0.1:9",  # nothing listens on the discard port
+                "database": "/local",
+                "connect_timeout_s": 0.5,
+            }
+        }
+    )
+    with pytest.raises(BrokerError, match=r"connect to grpc://127\.0\.0\.1:9/local"):
+        await open_backend(config)
+
+
+def the_ydb_classes_implement_the_ports(
+    broker: YdbBroker,
+    admin: YdbAdmin,
+    reader: YdbReader,
+    writer: YdbWriter,
+    session: YdbSession,
+    store: YdbDeadLetterStore,
+) -> tuple[Broker, TopicAdmin, TopicReader, TopicWriter, PartitionSession, DeadLetterStore]:
+    """Never called: mypy checks each return value against its port's Protocol."""
+    return broker, admin, reader, writer, session, store
