@@ -31,7 +31,6 @@ from nemesis.runtime.retries import replay_topic
 
 ALICE, BOB, ROOT = STANDARD_ACCESS.people
 BOT_A, BOT_ROOT = STANDARD_ACCESS.clients
-NOW = time.time()
 INTEGRATIONS = {
     "orders-a": integration("orders-a", ["team-a"], rate_limits={"replay": 25}),
     "orders-b": integration("orders-b", ["team-b"]),
@@ -57,18 +56,20 @@ def bearer(token: str) -> dict[str, str]:
 
 async def fill(env: ViewerEnv) -> None:
     """30 letters of orders-a (422s, a few 409s, spread over two hours), 5 of orders-b."""
+    # Now, not at import: the page's time filters count back from the moment of the request.
+    now = time.time()
     letters = [
         letter(
             "orders-a",
             n,
-            at=NOW - n * 240,
+            at=now - n * 240,
             http_status=409 if n % 10 == 0 else 422,
             error=f"409 conflict: order {n} settled" if n % 10 == 0 else None,
         )
         for n in range(30)
     ]
     letters += [
-        letter("orders-b", n, at=NOW - n * 60, reason=Reason.RETRIES_EXHAUSTED, http_status=503)
+        letter("orders-b", n, at=now - n * 60, reason=Reason.RETRIES_EXHAUSTED, http_status=503)
         for n in range(5)
     ]
     await env.store.put(letters)
