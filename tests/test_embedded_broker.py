@@ -779,7 +779,11 @@ async def test_sqlite_work_does_not_block_the_event_loop(broker: EmbeddedBroker)
     await ticking
     # The append alone takes a few hundred milliseconds on this machine.
     assert appended_in > 0.1
-    assert max(gaps) < 0.1, f"the loop stalled for {max(gaps):.3f}s"
+    # On the loop, the append would stall it for its whole duration; off it, the loop only
+    # waits for the GIL now and then (longer on a loaded machine, never that long).
+    assert max(gaps) < max(0.1, appended_in / 2), (
+        f"the loop stalled for {max(gaps):.3f}s of a {appended_in:.3f}s append"
+    )
 
 
 # --- property: every message exactly once, in order ---------------------------------------------

@@ -197,7 +197,10 @@ class SqliteThread:
             raise BrokerError(f"{self._name}: the connection is closed")
         future = asyncio.get_running_loop().run_in_executor(self._executor, self._translated, job)
         try:
-            return await asyncio.wait_for(future, timeout_s)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+            # that arrives as the job finishes, and a close() waiting on the caller hangs.
+            async with asyncio.timeout(timeout_s):
+                return await future
         except TimeoutError:
             raise BrokerTimeout(f"{self._name}: no answer within {timeout_s:g}s") from None
 
