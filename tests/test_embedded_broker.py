@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import sqlite3
@@ -769,8 +770,14 @@ async def test_sqlite_work_does_not_block_the_event_loop(broker: EmbeddedBroker)
             last = now
 
     ticking = asyncio.create_task(ticker())
+    # A full garbage collection of the batch's objects pauses every thread alike: that
+    # is not the loop waiting for SQLite, so it is kept out of this measurement.
+    gc.disable()
     started = time.perf_counter()
-    await writer.write([OutgoingMessage(value=b"x" * 200)] * 20_000, timeout_s=60)
+    try:
+        await writer.write([OutgoingMessage(value=b"x" * 200)] * 20_000, timeout_s=60)
+    finally:
+        gc.enable()
     # Reading page by page gives the loop a turn between pages anyway; the
     # one big append above is what would freeze it if it ran on the loop.
     appended_in = time.perf_counter() - started
