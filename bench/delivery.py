@@ -302,7 +302,18 @@ async def latency(space: Workspace, rate: float, seconds: float, workers: int) -
             broker = await open_embedded(EmbeddedBackendConfig(path=str(space.db)))
             try:
                 writer = await broker.writer(topic)
-                await asyncio.sleep(1.5)  # the proxy has started and holds its partitions
+                # Warm up: the proxy has started (admin API, viewer, imports), holds its
+                # partitions and has delivered once on every partition before we measure.
+                await writer.write(
+                    [
+                        OutgoingMessage(value=orjson.dumps({"ts": time.time()}), partition=p)
+                        for p in range(4)
+                    ]
+                )
+                while (await handler.stats(session))["events"] < 4:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)
+                await handler.reset(session)
                 total = int(rate * seconds)
                 started = time.perf_counter()
                 for n in range(total):
