@@ -32,7 +32,7 @@ from dlq_viewer.context import (
     letter_id,
     scope_of,
 )
-from dlq_viewer.filters import integration_name, parse_time, search_text
+from dlq_viewer.filters import filter_terms, integration_name, parse_time, search_text
 from dlq_viewer.pages import payload_response, submit_job, visible_job
 from dlq_viewer.render import utc
 from nemesis.dlq import (
@@ -600,14 +600,8 @@ def _describe(spec: FilterIn, until: float) -> str:
     parts = []
     if spec.integrations:
         parts.append(f"integrations {', '.join(sorted(spec.integrations))}")
-    if spec.group:
-        parts.append(f"group {spec.group}")
-    if spec.reason:
-        parts.append(f"reason {spec.reason.value}")
-    if spec.http_status:
-        parts.append(f"HTTP {spec.http_status}")
-    if spec.text:
-        parts.append(f"text contains {spec.text!r}")
+    reason = spec.reason.value if spec.reason else None
+    parts += filter_terms(spec.group, reason, spec.http_status, spec.text)
     if spec.since is not None:
         parts.append(f"since {utc(spec.since)}")
     parts.append(f"before {utc(until)}")

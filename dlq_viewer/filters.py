@@ -212,14 +212,7 @@ class ListFilter:
         parts = []
         if self.integration:
             parts.append(f"integration {self.integration}")
-        if self.group:
-            parts.append(f"group {self.group}")
-        if self.reason:
-            parts.append(f"reason {self.reason}")
-        if self.http_status:
-            parts.append(f"HTTP {self.http_status}")
-        if self.q:
-            parts.append(f"text contains {self.q!r}")
+        parts += filter_terms(self.group, self.reason, self.http_status, self.q)
         since, until = self.time_range(now)
         if self.range in RANGES:
             parts.append(RANGES[self.range][0])
@@ -231,3 +224,19 @@ class ListFilter:
         if self.status and self.status not in (STATUS_ANY, Status.DEAD.value):
             parts.insert(0, f"status {self.status}")
         return ", ".join(parts) if parts else "any integration, any time"
+
+
+def filter_terms(
+    group: str | None, reason: str | None, http_status: int | str | None, text: str | None
+) -> list[str]:
+    """The words for the parts of a filter that pages and the API describe alike."""
+    parts = []
+    if group:
+        parts.append(f"group {group}")
+    if reason:
+        parts.append(f"reason {reason}")
+    if http_status:
+        parts.append(f"HTTP {http_status}")
+    if text:
+        parts.append(f"text contains {text!r}")
+    return parts
