@@ -27,6 +27,7 @@ from nemesis.config.loader import (
 from nemesis.config.models import NemesisConfig, parse_duration
 from nemesis.dlq import DeadLetterStore
 from nemesis.errors import ConfigError, NemesisError
+from nemesis.heap import settle_heap
 from nemesis.logs import configure_logging
 from nemesis.onboarding import IntegrationRulesChecker
 from nemesis.onboarding.commands import add_onboarding_commands
@@ -273,14 +274,12 @@ async def _run(config: NemesisConfig) -> int:
     with _stop_on_signals(proxy.stop), _on_signal(signal.SIGHUP, reloader.request):
         log.info("running %d integrations: %s", len(integrations), ", ".join(sorted(integrations)))
         try:
-            await serve_beside(
-                proxy.run(),
-                [
-                    *_side_services(config, proxy, reloader),
-                    *plugin_services(config, proxy, dlq, broker),
-                ],
-                [reloader.run(), enforce_dlq_retention(dlq)],
-            )
+            services = [
+                *_side_services(config, proxy, reloader),
+                *plugin_services(config, proxy, dlq, broker),
+            ]
+            settle_heap()
+            await serve_beside(proxy.run(), services, [reloader.run(), enforce_dlq_retention(dlq)])
         finally:
             await dlq.close()
             await broker.close()

@@ -121,3 +121,31 @@ def test_partitions_commit_independently() -> None:
     stats = {s.partition: s for s in tracker.statistics()}
     assert stats[0].oldest_unfinished_offset == 0
     assert stats[0].outstanding == 2
+
+
+def test_ack_after_commit_is_ignored_and_counts_stay_right() -> None:
+    tracker = AckTracker()
+    session = FakeSession()
+    tracker.extend([message(o, session=session) for o in (3, 4, 7)])
+    assert tracker.unfinished == 3
+    assert tracker.ack(message(3, session=session))
+    assert [[m.offset for m in run] for run in tracker.take_committable()] == [[3]]
+    # Committed already: a repeated ack must not count a second finish.
+    assert not tracker.ack(message(3, session=session))
+    # Outside what is tracked, on either side.
+    assert not tracker.ack(message(2, session=session))
+    assert not tracker.ack(message(8, session=session))
+    assert tracker.unfinished == 2
+    assert tracker.ack(message(7, session=session))
+    assert tracker.take_committable() == []  # 4 is still unfinished
+    assert tracker.ack(message(4, session=session))
+    assert [[m.offset for m in run] for run in tracker.take_committable()] == [[4, 7]]
+    assert (tracker.unfinished, tracker.outstanding) == (0, 0)
+
+
+def test_a_run_that_goes_backwards_is_refused_whole() -> None:
+    acks = PartitionAcks(FakeSession())
+    acks.extend([message(1), message(2)])
+    with pytest.raises(ValueError, match="offset 3 read after 4"):
+        acks.extend([message(4), message(3)])
+    assert acks.outstanding == 2  # nothing of the refused run was taken

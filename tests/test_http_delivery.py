@@ -22,6 +22,7 @@ from nemesis.delivery.cloudevents import (
     batch_body,
     decode_header_value,
     encode_header_value,
+    is_json_text,
     structured_event,
 )
 from nemesis.delivery.http import (
@@ -491,6 +492,38 @@ def test_batch_body_structure() -> None:
     assert base64.b64decode(binary_event["data_base64"]) == b"\x01"
     # JSON data is embedded byte for byte, not re-serialised.
     assert PAYLOAD in batch_body(events[:1], "nemesis/x")
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b'{"city": "\xff"}',  # invalid UTF-8 inside a string
+        b'{"a": 1,}',
+        b"[1, 2",
+        b"NaN",
+        b"",
+        b'{"a": 1} {"b": 2}',
+    ],
+)
+def test_a_payload_labelled_json_that_is_not_travels_as_base64(payload: bytes) -> None:
+    good = make_event("good")
+    bad = make_event("bad", payload=payload)
+    body = batch_body([good, bad], "nemesis/x")
+    # The batch stays one valid JSON text, and a strict parser takes it.
+    parsed_good, parsed_bad = orjson.loads(body)
+    body.decode("utf-8")
+    assert parsed_good["data"] == orjson.loads(PAYLOAD)
+    assert "data" not in parsed_bad
+    assert base64.b64decode(parsed_bad["data_base64"]) == payload
+    assert not is_json_text(payload)
+
+
+@pytest.mark.parametrize(
+    "payload", [b"3", b' {"a": [1, {"b": null}]} ', rb'"caf\u00e9"', '"é"'.encode()]
+)
+def test_json_payloads_are_embedded_as_they_are(payload: bytes) -> None:
+    assert is_json_text(payload)
+    assert payload in batch_body([make_event("e", payload=payload)], "nemesis/x")
 
 
 async def test_batch_outcome_applies_to_all(

@@ -270,3 +270,16 @@ async def test_apply_changes_the_flows_live() -> None:
     assert limits[Flow.RETRY].rate == 50
     assert limits[Flow.REPLAY] is replay
     assert replay.rate == 1
+
+
+def test_try_acquire_takes_only_what_is_there_now() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(10.0, clock=clock, burst_s=1.0)
+    assert limiter.try_acquire(10)  # the full burst
+    assert not limiter.try_acquire(1)  # nothing left, and nothing was taken
+    assert limiter.statistics().acquired == 10
+    clock.advance(0.1)
+    assert limiter.try_acquire(1)
+    assert RateLimiter(None, clock=clock).try_acquire(10**6)
+    with pytest.raises(ValueError, match="negative"):
+        limiter.try_acquire(-1)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from urllib.parse import quote, unquote
 
+import msgspec
 import orjson
 
 from nemesis.delivery.port import Event
@@ -70,17 +71,24 @@ def is_json(content_type: str) -> bool:
 def rfc3339(unix_s: float) -> str:
     """Unix seconds as an RFC 3339 UTC timestamp with microseconds."""
     # Formatting a datetime per event was the largest single cost of a batch (16% of
-    # the proxy's CPU): the seconds part is formatted once per second and cached.
-    seconds = int(unix_s)
-    micros = round((unix_s - seconds) * 1_000_000)
-    if micros == 1_000_000:
-        seconds, micros = seconds + 1, 0
-    return f"{_utc_second(seconds)}.{micros:06d}Z"
+    # the proxy's CPU): the seconds part is formatted once per second and kept.
+    seconds, micros = divmod(int(unix_s * 1_000_000 + 0.5), 1_000_000)
+    text = _SECONDS.get(seconds)
+    if text is None:
+        text = _utc_second(seconds)
+    return "%s.%06dZ" % (text, micros)  # noqa: UP031  (measured faster than an f-string)
 
 
-@functools.lru_cache(maxsize=256)
+_SECONDS: dict[int, str] = {}
+_SECONDS_KEPT = 256
+
+
 def _utc_second(seconds: int) -> str:
-    return datetime.fromtimestamp(seconds, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    if len(_SECONDS) >= _SECONDS_KEPT:
+        _SECONDS.clear()
+    text = datetime.fromtimestamp(seconds, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    _SECONDS[seconds] = text
+    return text
 
 
 def event_time(event: Event) -> str | None:
@@ -101,20 +109,31 @@ def binary_headers(event: Event, source: str) -> dict[str, str]:
     headers = {
         "ce-specversion": SPECVERSION,
         "ce-id": encode_header_value(event.id),
-        "ce-source": encode_header_value(source),
-        "ce-type": encode_header_value(event.type),
-        "ce-topic": encode_header_value(message.topic),
+        # Sources, types, topics and content types repeat: each is encoded once.
+        "ce-source": _header_text(source),
+        "ce-type": _header_text(event.type),
+        "ce-topic": _header_text(message.topic),
         "ce-partition": str(message.partition),
         "ce-offset": str(message.offset),
         "ce-attempt": str(event.attempt),
-        "content-type": safe_content_type(event.content_type),
+        "content-type": _content_type_header(event.content_type),
     }
-    time = event_time(event)
-    if time is not None:
-        headers["ce-time"] = time
+    unix_s = message.created_at or message.written_at
+    if unix_s > 0:
+        headers["ce-time"] = rfc3339(unix_s)
     if message.key is not None:
         headers["ce-partitionkey"] = encode_header_value(message.key)
     return headers
+
+
+@functools.lru_cache(maxsize=1024)
+def _header_text(text: str) -> str:
+    return encode_header_value(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _content_type_header(content_type: str) -> str:
+    return safe_content_type(content_type)
 
 
 def _utf8(text: str) -> str:
@@ -148,7 +167,7 @@ def structured_event(event: Event, source: str) -> dict[str, object]:
         structured["time"] = time
     if message.key is not None:
         structured["partitionkey"] = _utf8(message.key)
-    if is_json(event.content_type) and _parses_as_json(body):
+    if is_json(event.content_type) and is_json_text(body):
         # Embedded byte for byte: no re-serialisation, numbers keep their exact text.
         structured["data"] = orjson.Fragment(body)
     else:
@@ -156,12 +175,30 @@ def structured_event(event: Event, source: str) -> dict[str, object]:
     return structured
 
 
-def _parses_as_json(body: bytes) -> bool:
+# Validates without building the values: msgspec skips what it decodes into Raw (the
+# grammar is checked, strings' UTF-8 is not). About 5x cheaper than orjson.loads,
+# which builds every object (3 us per event in a batch of 100: a fifth of the proxy).
+_ANY_JSON = msgspec.json.Decoder(msgspec.Raw)
+_JSON_ARRAY = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+def is_json_text(body: bytes) -> bool:
+    """Whether ``body`` is one JSON text in UTF-8 (RFC 8259)."""
     # A payload labelled JSON that is not JSON would corrupt the whole batch array,
     # so it travels as base64 instead (its datacontenttype still says what it claims).
     try:
-        orjson.loads(body)
-    except orjson.JSONDecodeError:
+        _ANY_JSON.decode(body)
+    except msgspec.DecodeError:
+        return False
+    return _is_utf8(body)
+
+
+def _is_utf8(data: bytes) -> bool:
+    if data.isascii():
+        return True
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
         return False
     return True
 
@@ -171,46 +208,61 @@ def batch_body(events: Sequence[Event], source: str) -> bytes:
 
     Written as bytes directly rather than through ``structured_event`` and
     ``orjson.dumps``, with JSON payloads embedded unchanged; the whole body is
-    then parsed once to prove it is valid JSON (one call instead of one per
+    then checked once to prove it is valid JSON (one call instead of one per
     payload). Only when that fails is each payload checked, and the ones that
     are not JSON travel as base64.
     """
     source_json = _json_string(source)
-    body = b"[" + b",".join(_structured_bytes(e, source_json, True) for e in events) + b"]"
+    body = b"[%b]" % b",".join([_structured_bytes(e, source_json, True) for e in events])
     try:
-        orjson.loads(body)
-    except orjson.JSONDecodeError:
-        body = b"[" + b",".join(_structured_bytes(e, source_json, False) for e in events) + b"]"
+        _JSON_ARRAY.decode(body)
+    except msgspec.DecodeError:
+        valid = False
+    else:
+        valid = _is_utf8(body)
+    if not valid:
+        body = b"[%b]" % b",".join([_structured_bytes(e, source_json, False) for e in events])
     return body
+
+
+# One %-format per event: measured cheaper than joining a list of parts.
+_STRUCTURED = (
+    b'{"specversion":"1.0","id":%b,"source":%b,"type":%b,"datacontenttype":%b,"topic":%b,'
+    b'"partition":"%d","offset":"%d","attempt":"%d"%b%b%b'
+)
 
 
 def _structured_bytes(event: Event, source_json: bytes, trust_json: bool) -> bytes:
     message = event.message
     payload = event.body
-    parts = [
-        b'{"specversion":"1.0","id":',
-        orjson.dumps(_utf8(event.id)),
-        b',"source":',
-        source_json,
-        b',"type":',
-        _json_string(event.type),
-        b',"datacontenttype":',
-        _json_string(event.content_type),
-        b',"topic":',
-        _json_string(message.topic),
-        b',"partition":"%d","offset":"%d","attempt":"%d"'
-        % (message.partition, message.offset, event.attempt),
-    ]
+    content_type = event.content_type
     unix_s = message.created_at or message.written_at
-    if unix_s > 0:
-        parts += (b',"time":"', rfc3339(unix_s).encode("ascii"), b'"')
-    if message.key is not None:
-        parts += (b',"partitionkey":', orjson.dumps(_utf8(message.key)))
-    if _is_json_cached(event.content_type) and (trust_json or _parses_as_json(payload)):
-        parts += (b',"data":', payload, b"}")
+    key = message.key
+    if _is_json_cached(content_type) and (trust_json or is_json_text(payload)):
+        data = b',"data":%b}' % payload
     else:
-        parts += (b',"data_base64":"', base64.b64encode(payload), b'"}')
-    return b"".join(parts)
+        data = b',"data_base64":"%b"}' % base64.b64encode(payload)
+    return _STRUCTURED % (
+        orjson.dumps(_utf8(event.id)),
+        source_json,
+        _json_string(event.type),
+        _json_string(content_type),
+        _json_string(message.topic),
+        message.partition,
+        message.offset,
+        event.attempt,
+        b',"time":"%b"' % _rfc3339_bytes(unix_s) if unix_s > 0 else b"",
+        b"" if key is None else b',"partitionkey":%b' % orjson.dumps(_utf8(key)),
+        data,
+    )
+
+
+def _rfc3339_bytes(unix_s: float) -> bytes:
+    seconds, micros = divmod(int(unix_s * 1_000_000 + 0.5), 1_000_000)
+    text = _SECONDS.get(seconds)
+    if text is None:
+        text = _utc_second(seconds)
+    return b"%b.%06dZ" % (text.encode("ascii"), micros)
 
 
 @functools.lru_cache(maxsize=1024)

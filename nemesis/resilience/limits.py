@@ -127,6 +127,17 @@ class RateLimiter:
         else:
             self._tokens = min(self._tokens, self._cap())
 
+    def try_acquire(self, n: int = 1) -> bool:
+        """Takes ``n`` messages' leave if it is there now, without waiting; else takes nothing."""
+        if n < 0:
+            raise ValueError("cannot acquire a negative number of messages")
+        if self._rate is None or n == 0:
+            return True
+        if not self._queue and self._take(n):
+            self._acquired += n
+            return True
+        return False
+
     async def acquire(self, n: int = 1) -> float:
         """Waits until ``n`` messages may go; returns the seconds waited."""
         if n < 0:
@@ -239,6 +250,10 @@ class FlowLimits:
 
     def __getitem__(self, flow: Flow) -> RateLimiter:
         return self._limiters[flow]
+
+    def try_acquire(self, flow: Flow, n: int = 1) -> bool:
+        """Whether ``n`` messages of ``flow`` may go now (their leave is then taken)."""
+        return self._limiters[flow].try_acquire(n)
 
     async def acquire(self, flow: Flow, n: int = 1) -> float:
         """Waits until ``n`` messages of ``flow`` may go; returns the seconds waited."""

@@ -16,7 +16,7 @@ those messages again.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from nemesis.broker.port import Message, PartitionSession
@@ -27,14 +27,6 @@ SessionKey = tuple[str, int, int]  # topic, partition, session id
 def session_key(message: Message) -> SessionKey:
     session_id = message.session.id if message.session is not None else 0
     return (message.topic, message.partition, session_id)
-
-
-class _Entry:
-    __slots__ = ("done", "message")
-
-    def __init__(self, message: Message) -> None:
-        self.message = message
-        self.done = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,14 +40,19 @@ class PartitionStats:
 
 
 class PartitionAcks:
-    """The read-but-not-committed messages of one partition session, in read order."""
+    """The read-but-not-committed messages of one partition session, in read order.
 
-    __slots__ = ("_entries", "_index", "_unfinished", "session")
+    Kept as the messages themselves in a deque plus the set of done offsets:
+    adding a run of messages is one ``deque.extend`` and the commit point moves
+    with ``popleft``, with no per-message record (this runs for every message).
+    """
+
+    __slots__ = ("_done", "_pending", "_unfinished", "session")
 
     def __init__(self, session: PartitionSession | None) -> None:
         self.session = session
-        self._entries: deque[_Entry] = deque()
-        self._index: dict[int, _Entry] = {}
+        self._pending: deque[Message] = deque()
+        self._done: set[int] = set()  # offsets of done messages still in _pending
         self._unfinished = 0
 
     @property
@@ -65,53 +62,67 @@ class PartitionAcks:
     @property
     def outstanding(self) -> int:
         """Messages read and not yet committed (done ones waiting behind a gap included)."""
-        return len(self._entries)
+        return len(self._pending)
 
     @property
     def unfinished(self) -> int:
         return self._unfinished
 
     def add(self, message: Message) -> None:
-        if self._entries and message.offset <= self._entries[-1].message.offset:
-            raise ValueError(
-                f"offset {message.offset} read after {self._entries[-1].message.offset} "
-                f"in {message.topic}/{message.partition}"
-            )
-        entry = _Entry(message)
-        self._entries.append(entry)
-        self._index[message.offset] = entry
-        self._unfinished += 1
+        self.extend((message,))
+
+    def extend(self, messages: Sequence[Message]) -> None:
+        """Tracks a run of messages of this session, in increasing offset order."""
+        if not messages:
+            return
+        pending = self._pending
+        previous = pending[-1].offset if pending else -1
+        for message in messages:
+            # One comparison per message: offsets only ever grow within a session.
+            if message.offset <= previous:
+                raise ValueError(
+                    f"offset {message.offset} read after {previous} "
+                    f"in {message.topic}/{message.partition}"
+                )
+            previous = message.offset
+        pending.extend(messages)
+        self._unfinished += len(messages)
 
     def ack(self, message: Message) -> bool:
         """Marks a message done; False if it is not tracked (or was done already)."""
-        entry = self._index.get(message.offset)
-        if entry is None or entry.done:
+        offset, pending, done = message.offset, self._pending, self._done
+        # Tracked messages are exactly the pending ones; offsets between them that
+        # were never read (gaps) are never acknowledged by the runner.
+        if not pending or offset < pending[0].offset or offset > pending[-1].offset:
             return False
-        entry.done = True
+        if offset in done:
+            return False
+        done.add(offset)
         self._unfinished -= 1
         return True
 
     def take_committable(self) -> list[Message]:
         """Removes and returns the contiguous done prefix, in offset order."""
-        entries = self._entries
+        pending, done = self._pending, self._done
         taken: list[Message] = []
-        while entries and entries[0].done:
-            message = entries.popleft().message
-            del self._index[message.offset]
+        while pending and pending[0].offset in done:
+            message = pending.popleft()
+            done.discard(message.offset)
             taken.append(message)
         return taken
 
     def oldest_unfinished(self) -> Message | None:
-        for entry in self._entries:
-            if not entry.done:
-                return entry.message
+        done = self._done
+        for message in self._pending:
+            if message.offset not in done:
+                return message
         return None
 
     def clear(self) -> int:
         """Forgets everything; returns how many unfinished messages were dropped."""
         dropped = self._unfinished
-        self._entries.clear()
-        self._index.clear()
+        self._pending.clear()
+        self._done.clear()
         self._unfinished = 0
         return dropped
 
@@ -139,12 +150,16 @@ class AckTracker:
         return self._partitions.get(session_key(message))
 
     def add(self, message: Message) -> PartitionAcks:
-        key = session_key(message)
+        return self.extend((message,))
+
+    def extend(self, messages: Sequence[Message]) -> PartitionAcks:
+        """Tracks a run of messages of one partition session, in increasing offset order."""
+        key = session_key(messages[0])
         acks = self._partitions.get(key)
         if acks is None:
-            acks = self._partitions[key] = PartitionAcks(message.session)
-        acks.add(message)
-        self._unfinished += 1
+            acks = self._partitions[key] = PartitionAcks(messages[0].session)
+        acks.extend(messages)
+        self._unfinished += len(messages)
         return acks
 
     def ack(self, message: Message) -> bool:

@@ -49,11 +49,22 @@ class EventFactory:
         payload: bytes | None = None,
         content_type: str | None = None,
     ) -> Event:
+        metadata = message.metadata
+        if not metadata:
+            # Most messages carry no metadata: no lookups (this runs for every delivery).
+            return Event(
+                message,
+                f"{message.topic}:{message.partition}:{message.offset}",
+                DEFAULT_EVENT_TYPE,
+                attempt,
+                content_type or self._content_type,
+                payload,
+            )
         return Event(
             message=message,
             id=event_id(message),
-            type=self.message_type(message),
+            type=metadata.get(self._type_key) or DEFAULT_EVENT_TYPE,
             attempt=attempt,
-            content_type=content_type or message.metadata.get("content-type") or self._content_type,
+            content_type=content_type or metadata.get("content-type") or self._content_type,
             payload=payload,
         )

@@ -343,22 +343,25 @@ class IntegrationRunner:
     def _admit(self, messages: Sequence[Message]) -> None:
         admitted = 0
         main = self.flow.name == "main"
-        for message in messages:
-            if not message.alive:
+        # A read returns runs of one partition session each: tracked and queued a run at a time.
+        for run in _session_runs(messages):
+            session = run[0].session
+            if session is not None and not session.alive:
                 continue
-            self._tracker.add(message)
-            work = Work(message)
-            admitted += 1
+            self._tracker.extend(run)
+            admitted += len(run)
             if main:
-                self._scheduler.put(work)
+                self._scheduler.put_all(run)
                 continue
-            work.attempt = attempts_so_far(message) + 1
-            work.first_failure_at = first_failure_at(message)
-            wait_s = due_at(message) - self._clock.time() if self.flow.delayed else 0.0
-            if wait_s > 0:
-                self._scheduler.put_later(work, wait_s)
-            else:
-                self._scheduler.put(work)
+            for message in run:
+                work = Work(message)
+                work.attempt = attempts_so_far(message) + 1
+                work.first_failure_at = first_failure_at(message)
+                wait_s = due_at(message) - self._clock.time() if self.flow.delayed else 0.0
+                if wait_s > 0:
+                    self._scheduler.put_later(work, wait_s)
+                else:
+                    self._scheduler.put(work)
         self._messages_read += admitted
         self._last_read_at = self._clock.monotonic()
         self._m_read.inc(admitted)
@@ -400,24 +403,52 @@ class IntegrationRunner:
         if size == 1:
             return [first]
         batch = [first]
+        batch += self._scheduler.take(size - 1)
+        if len(batch) >= size:
+            return batch
         deadline = self._clock.monotonic() + settings.max_wait_ms / 1000
         while len(batch) < size:
-            work = self._scheduler.get_nowait()
-            if work is None:
-                remaining = deadline - self._clock.monotonic()
-                if remaining <= 0:
-                    break
-                # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
-                # that lands as the get completes, and the worker would never stop.
-                try:
-                    async with asyncio.timeout(remaining):
-                        work = await self._scheduler.get()
-                except TimeoutError:
-                    break
+            remaining = deadline - self._clock.monotonic()
+            if remaining <= 0:
+                break
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
+            # that lands as the get completes, and the worker would never stop.
+            try:
+                async with asyncio.timeout(remaining):
+                    work = await self._scheduler.get()
+            except TimeoutError:
+                break
             batch.append(work)
+            batch += self._scheduler.take(size - len(batch))
         return batch
 
     async def _process(self, batch: list[Work]) -> None:
+        live = batch if _all_alive(batch) else self._drop_stale(batch)
+        if not live:
+            return
+        live, events = await self._prepare(live)
+        if not live:
+            return
+        breaker = self._breaker
+        if breaker is None:
+            result = await self._deliver(live, events)
+        else:
+            permit = breaker.try_acquire() or await breaker.acquire()
+            try:
+                result = await self._deliver(live, events)
+                permit.record(is_healthy(result.outcome))
+            finally:
+                permit.release()  # a no-op once recorded
+        self._observe(result, len(live))
+        if result.outcome.done:
+            # Delivered or dropped: finished by the contract, nothing to decide.
+            self._finish_all(live)
+            return
+        failure = failure_of(result)
+        for work in live:
+            await self._settle(work, failure)
+
+    def _drop_stale(self, batch: list[Work]) -> list[Work]:
         live: list[Work] = []
         for work in batch:
             if work.message.alive:
@@ -426,30 +457,12 @@ class IntegrationRunner:
                 # Its partition now belongs to another reader, which delivers it again.
                 self._scheduler.done(work)
                 self._m_stale.inc()
-        if not live:
-            return
-        live, events = await self._prepare(live)
-        if not live:
-            return
-        if self._breaker is None:
-            result = await self._deliver(live, events)
-        else:
-            async with self._breaker.permit() as permit:
-                result = await self._deliver(live, events)
-                permit.record(is_healthy(result.outcome))
-        self._observe(result, len(live))
-        if result.outcome.done:
-            # Delivered or dropped: finished by the contract, nothing to decide.
-            for work in live:
-                self._finish(work)
-            return
-        failure = failure_of(result)
-        for work in live:
-            await self._settle(work, failure)
+        return live
 
     async def _deliver(self, live: list[Work], events: list[Event]) -> DeliveryResult:
-        if self._limits is not None:
-            await self._limits.acquire(self._limit_flow, len(live))
+        limits = self._limits
+        if limits is not None and not limits.try_acquire(self._limit_flow, len(live)):
+            await limits.acquire(self._limit_flow, len(live))
         self._in_flight += len(live)
         try:
             if len(events) == 1:
@@ -559,6 +572,15 @@ class IntegrationRunner:
         self._scheduler.done(work)
         self._progress.set()
 
+    def _finish_all(self, works: list[Work]) -> None:
+        ack, done = self._tracker.ack, self._scheduler.done
+        unordered = self._scheduler.unordered
+        for work in works:
+            ack(work.message)
+            if not unordered:
+                done(work)
+        self._progress.set()
+
     # --- commits ------------------------------------------------------------
 
     async def _commit_loop(self, reader: TopicReader) -> None:
@@ -605,6 +627,41 @@ class IntegrationRunner:
 
 def _same(message: Message) -> Message:
     return message
+
+
+def _session_runs(messages: Sequence[Message]) -> list[Sequence[Message]]:
+    """Splits a read into runs of consecutive messages of one partition session."""
+    if not messages:
+        return []
+    session = messages[0].session
+    # Readers return a partition's messages together: one session per read is common.
+    if session is not None and all(m.session is session for m in messages):
+        return [messages]
+    runs: list[Sequence[Message]] = []
+    start = 0
+    for index in range(1, len(messages)):
+        previous, message = messages[index - 1], messages[index]
+        if (
+            message.session is not previous.session
+            or message.partition != previous.partition
+            or message.topic != previous.topic
+        ):
+            runs.append(messages[start:index])
+            start = index
+    runs.append(messages[start:])
+    return runs
+
+
+def _all_alive(batch: list[Work]) -> bool:
+    """Whether every message of a batch still belongs to a live partition session."""
+    seen: PartitionSession | None = None
+    for work in batch:
+        session = work.message.session
+        if session is not seen and session is not None:
+            if not session.alive:
+                return False
+            seen = session
+    return True
 
 
 async def _first_of(waiting: Coroutine[Any, Any, None], event: asyncio.Event) -> None:

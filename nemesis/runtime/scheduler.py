@@ -14,10 +14,11 @@ queues here are bounded by that count.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Literal
 
 from nemesis.broker.port import Message
@@ -48,12 +49,21 @@ def ordering_key(ordering: Ordering, message: Message) -> Hashable | None:
 
 
 class Scheduler:
-    """Ready queue + per-key waiting lines + delayed retries."""
+    """Ready queue + per-key waiting lines + delayed retries.
+
+    The ready queue is a deque with a line of waiting workers rather than an
+    ``asyncio.Queue``: admitting a read batch is one ``extend`` and a worker
+    fills its batch with one ``take``. It keeps the one property of
+    ``asyncio.Queue.get`` the worker pool relies on: a worker cancelled in
+    ``get`` takes nothing with it, even when an item had already woken it (the
+    item stays, and the next waiter is woken for it).
+    """
 
     def __init__(self, ordering: Ordering, clock: Clock) -> None:
         self._ordering: Ordering = ordering
         self._clock = clock
-        self._ready: asyncio.Queue[Work] = asyncio.Queue()
+        self._ready: deque[Work] = deque()
+        self._getters: deque[asyncio.Future[None]] = deque()
         self._busy: set[Hashable] = set()
         self._waiting: dict[Hashable, deque[Work]] = {}
         self._delayed: list[tuple[float, int, Work]] = []
@@ -62,7 +72,7 @@ class Scheduler:
 
     @property
     def ready(self) -> int:
-        return self._ready.qsize()
+        return len(self._ready)
 
     @property
     def waiting(self) -> int:
@@ -72,16 +82,30 @@ class Scheduler:
     def delayed(self) -> int:
         return len(self._delayed)
 
+    @property
+    def unordered(self) -> bool:
+        """``ordering: none``: ``done`` has nothing to do and may be skipped."""
+        return self._ordering == "none"
+
     def put(self, work: Work) -> None:
         """Admits a newly read message."""
         key = ordering_key(self._ordering, work.message)
         if key is None:
-            self._ready.put_nowait(work)
+            self._push(work)
         elif key in self._busy:
             self._waiting.setdefault(key, deque()).append(work)
         else:
             self._busy.add(key)
-            self._ready.put_nowait(work)
+            self._push(work)
+
+    def put_all(self, messages: Sequence[Message]) -> None:
+        """Admits newly read messages (first attempts) in their order."""
+        if self._ordering != "none":
+            for message in messages:
+                self.put(Work(message))
+            return
+        self._ready.extend(map(Work, messages))
+        self._wake(len(messages))
 
     def put_later(self, work: Work, delay_s: float) -> None:
         """Re-queues a message after ``delay_s``; it keeps its key meanwhile."""
@@ -90,13 +114,36 @@ class Scheduler:
         self._delayed_changed.set()
 
     async def get(self) -> Work:
-        return await self._ready.get()
+        """The next ready message; waits for one."""
+        ready = self._ready
+        while not ready:
+            waiter = asyncio.get_running_loop().create_future()
+            self._getters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                waiter.cancel()  # no-op unless it is still waiting
+                with contextlib.suppress(ValueError):
+                    self._getters.remove(waiter)
+                if ready and not waiter.cancelled():
+                    # It had been woken for an item it now leaves: wake another for it.
+                    self._wake(1)
+                raise
+        return ready.popleft()
 
     def get_nowait(self) -> Work | None:
-        try:
-            return self._ready.get_nowait()
-        except asyncio.QueueEmpty:
-            return None
+        ready = self._ready
+        return ready.popleft() if ready else None
+
+    def take(self, limit: int) -> list[Work]:
+        """Up to ``limit`` ready messages at once, without waiting."""
+        ready = self._ready
+        count = min(limit, len(ready))
+        if count == len(ready):
+            taken = list(ready)
+            ready.clear()
+            return taken
+        return [ready.popleft() for _ in range(count)]
 
     def done(self, work: Work) -> None:
         """The message is finished (or abandoned): the next one of its key may run."""
@@ -105,7 +152,7 @@ class Scheduler:
             return
         line = self._waiting.get(key)
         if line:
-            self._ready.put_nowait(line.popleft())
+            self._push(line.popleft())
             if not line:
                 del self._waiting[key]
         else:
@@ -118,7 +165,7 @@ class Scheduler:
             now = self._clock.monotonic()
             while self._delayed and self._delayed[0][0] <= now:
                 _, _, work = heapq.heappop(self._delayed)
-                self._ready.put_nowait(work)
+                self._push(work)
             if not self._delayed:
                 await self._delayed_changed.wait()
                 continue
@@ -130,3 +177,16 @@ class Scheduler:
             finally:
                 sleeper.cancel()
                 changed.cancel()
+
+    def _push(self, work: Work) -> None:
+        self._ready.append(work)
+        self._wake(1)
+
+    def _wake(self, count: int) -> None:
+        """Wakes up to ``count`` waiting workers (each takes one item, or more for a batch)."""
+        getters = self._getters
+        while count > 0 and getters:
+            waiter = getters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                count -= 1
