@@ -354,6 +354,8 @@ async def test_binary_mode_headers(server: HandlerServer) -> None:
     assert entry.headers == {
         "host": f"127.0.0.1:{server.port}",
         "user-agent": f"nemesis/{__version__}",
+        "accept": "*/*",
+        "accept-encoding": "identity",
         "content-type": "application/json",
         "content-length": str(len(PAYLOAD)),
         "ce-specversion": "1.0",
