@@ -195,6 +195,8 @@ async def through_proxy(
                     first_at, first_count = now, events
                 if events >= expected:
                     break
+                if proxy.poll() is not None:
+                    raise RuntimeError(f"nemesis run exited with {proxy.returncode} (see above)")
                 await asyncio.sleep(0.02)
             rss = peak_rss_mb(proxy.pid)
         finally:

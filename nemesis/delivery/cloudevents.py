@@ -106,34 +106,36 @@ def source_for(integration: str) -> str:
 def binary_headers(event: Event, source: str) -> dict[str, str]:
     """The ``ce-*`` and content-type headers of one event in binary mode."""
     message = event.message
-    headers = {
+    return binary_headers_from(
+        constant_headers(source, event.type, message.topic, event.content_type), event
+    )
+
+
+def constant_headers(source: str, type_: str, topic: str, content_type: str) -> dict[str, str]:
+    """The headers that many events share: a transport keeps them by (type, topic, content type)."""
+    return {
         "ce-specversion": SPECVERSION,
-        "ce-id": encode_header_value(event.id),
-        # Sources, types, topics and content types repeat: each is encoded once.
-        "ce-source": _header_text(source),
-        "ce-type": _header_text(event.type),
-        "ce-topic": _header_text(message.topic),
-        "ce-partition": str(message.partition),
-        "ce-offset": str(message.offset),
-        "ce-attempt": str(event.attempt),
-        "content-type": _content_type_header(event.content_type),
+        "ce-source": encode_header_value(source),
+        "ce-type": encode_header_value(type_),
+        "ce-topic": encode_header_value(topic),
+        "content-type": safe_content_type(content_type),
     }
+
+
+def binary_headers_from(constant: dict[str, str], event: Event) -> dict[str, str]:
+    """``constant`` (from ``constant_headers`` for this event) plus the event's own headers."""
+    message = event.message
+    headers = constant.copy()
+    headers["ce-id"] = encode_header_value(event.id)
+    headers["ce-partition"] = str(message.partition)
+    headers["ce-offset"] = str(message.offset)
+    headers["ce-attempt"] = str(event.attempt)
     unix_s = message.created_at or message.written_at
     if unix_s > 0:
         headers["ce-time"] = rfc3339(unix_s)
     if message.key is not None:
         headers["ce-partitionkey"] = encode_header_value(message.key)
     return headers
-
-
-@functools.lru_cache(maxsize=1024)
-def _header_text(text: str) -> str:
-    return encode_header_value(text)
-
-
-@functools.lru_cache(maxsize=256)
-def _content_type_header(content_type: str) -> str:
-    return safe_content_type(content_type)
 
 
 def _utf8(text: str) -> str:

@@ -23,6 +23,9 @@ class Outcome(enum.Enum):
     RETRY = "retry"  # try again later; counts against the circuit breaker
     DEAD = "dead"  # message-level contract violation: dead-letter at once
 
+    # Members are singletons: identity hashing (C) instead of Enum's hash of the name (Python).
+    __hash__ = object.__hash__
+
     @property
     def done(self) -> bool:
         """Whether the message is finished and its offset may be committed."""
@@ -46,9 +49,9 @@ class Event:
         return self.message.value if self.payload is None else self.payload
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per request, and frozen ones cost 3x to make
 class DeliveryResult:
-    """The handler's answer, reduced to what the outcome table needs."""
+    """The handler's answer, reduced to what the outcome table needs (treat it as immutable)."""
 
     outcome: Outcome
     status: int | None = None  # HTTP status (gRPC code number for gRPC); None: no answer

@@ -311,6 +311,15 @@ class CircuitBreaker:
 
     # --- letting requests through ---------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        """Closed: requests go without a permit, their answers are given to ``record``."""
+        return self._state is _CLOSED
+
+    def record(self, healthy: bool) -> None:
+        """Reports the answer to a request sent while closed (what a non-probe permit reports)."""
+        self._record(self._epoch, False, healthy)
+
     def try_acquire(self) -> Permit | None:
         """A permit to send one request now, or None while open or with no probe slot free."""
         if self._state is _CLOSED:

@@ -162,6 +162,15 @@ class AckTracker:
         self._unfinished += len(messages)
         return acks
 
+    def acked(self, count: int) -> None:
+        """Counts ``count`` messages marked done through their ``PartitionAcks`` directly.
+
+        The runner keeps each message's ``PartitionAcks`` (``extend`` returns it)
+        and acknowledges there, then reports how many acks took (returned True).
+        A forgotten session's ``PartitionAcks`` is empty and refuses every ack.
+        """
+        self._unfinished -= count
+
     def ack(self, message: Message) -> bool:
         """Marks a message done; a message of a forgotten session is ignored."""
         acks = self._partitions.get(session_key(message))

@@ -200,6 +200,7 @@ class IntegrationRunner:
     def stop(self) -> None:
         """Asks the runner to drain and stop; ``run()`` returns when it has."""
         self._stopping.set()
+        self._progress.set()  # the intake may be waiting for room in the buffer
 
     def pause(self) -> None:
         """Stops reading new messages; what is in flight finishes."""
@@ -324,10 +325,15 @@ class IntegrationRunner:
             # Read every round: the buffer may be changed while running.
             buffer = self.config.delivery.buffer
             free = buffer - self._tracker.unfinished
-            if free <= 0:
+            if free < _refill_at(buffer, self._options.max_receive):
+                # Under load the buffer is refilled in reads of some size, not a read per
+                # finished message (each read is a trip to the broker). stop() sets
+                # _progress too, so a plain wait on it is enough.
                 self._progress.clear()
-                if self._tracker.unfinished >= buffer:
-                    await _first(self._progress, self._stopping)
+                if buffer - self._tracker.unfinished < _refill_at(
+                    buffer, self._options.max_receive
+                ):
+                    await self._progress.wait()
                 continue
             self._flow_control(reader)
             if self._breaker is not None and self._breaker.state is BreakerState.OPEN:
@@ -348,13 +354,13 @@ class IntegrationRunner:
             session = run[0].session
             if session is not None and not session.alive:
                 continue
-            self._tracker.extend(run)
+            acks = self._tracker.extend(run)
             admitted += len(run)
             if main:
-                self._scheduler.put_all(run)
+                self._scheduler.put_all(run, acks)
                 continue
             for message in run:
-                work = Work(message)
+                work = Work(message, acks)
                 work.attempt = attempts_so_far(message) + 1
                 work.first_failure_at = first_failure_at(message)
                 wait_s = due_at(message) - self._clock.time() if self.flow.delayed else 0.0
@@ -387,14 +393,19 @@ class IntegrationRunner:
     # --- workers ------------------------------------------------------------
 
     async def _worker(self, slot: WorkerSlot) -> None:
+        scheduler = self._scheduler
         while not slot.retiring:
-            slot.idle = True  # holding nothing: a shrinking pool may cancel it here
-            try:
-                first = await self._scheduler.get()
-            finally:
-                slot.idle = False
-            batch = await self._next_batch(first)
-            await self._process(batch)
+            first = scheduler.get_nowait()
+            if first is None:
+                slot.idle = True  # holding nothing: a shrinking pool may cancel it here
+                try:
+                    first = await scheduler.get()
+                finally:
+                    slot.idle = False
+            if self.config.delivery.batch.size == 1:
+                await self._process([first])
+            else:
+                await self._process(await self._next_batch(first))
 
     async def _next_batch(self, first: Work) -> list[Work]:
         # Read per batch: the batch settings may be changed while running.
@@ -426,21 +437,41 @@ class IntegrationRunner:
         live = batch if _all_alive(batch) else self._drop_stale(batch)
         if not live:
             return
-        live, events = await self._prepare(live)
-        if not live:
-            return
-        breaker = self._breaker
-        if breaker is None:
-            result = await self._deliver(live, events)
+        if self._disabled or not self._pipeline.is_empty:
+            live, events = await self._prepare(live)
+            if not live:
+                return
         else:
+            make_event, view = self._events, self._view
+            events = [make_event(view(work.message), work.attempt) for work in live]
+        # Delivery is awaited here, not in a helper coroutine: every frame between the
+        # worker's task and aiohttp is resumed again at each of a request's suspensions.
+        breaker, limits, count = self._breaker, self._limits, len(live)
+        permit = None
+        if breaker is not None and not breaker.closed:
+            # Half-open probes are counted out; while closed a request needs no permit.
             permit = breaker.try_acquire() or await breaker.acquire()
+        try:
+            if limits is not None and not limits.try_acquire(self._limit_flow, count):
+                await limits.acquire(self._limit_flow, count)
+            self._in_flight += count
             try:
-                result = await self._deliver(live, events)
-                permit.record(is_healthy(result.outcome))
+                if count == 1:
+                    result = await self._transport.deliver(events[0])
+                else:
+                    result = await self._transport.deliver_batch(events)
             finally:
-                permit.release()  # a no-op once recorded
-        self._observe(result, len(live))
-        if result.outcome.done:
+                self._in_flight -= count
+            if permit is not None:
+                permit.record(is_healthy(result.outcome))
+        finally:
+            if permit is not None:
+                permit.release()  # no answer (cancelled): give the probe slot back
+        outcome = result.outcome
+        if breaker is not None and permit is None:
+            breaker.record(is_healthy(outcome))
+        self._observe(result, count)
+        if outcome is Outcome.DELIVERED or outcome is Outcome.DROPPED:
             # Delivered or dropped: finished by the contract, nothing to decide.
             self._finish_all(live)
             return
@@ -458,18 +489,6 @@ class IntegrationRunner:
                 self._scheduler.done(work)
                 self._m_stale.inc()
         return live
-
-    async def _deliver(self, live: list[Work], events: list[Event]) -> DeliveryResult:
-        limits = self._limits
-        if limits is not None and not limits.try_acquire(self._limit_flow, len(live)):
-            await limits.acquire(self._limit_flow, len(live))
-        self._in_flight += len(live)
-        try:
-            if len(events) == 1:
-                return await self._transport.deliver(events[0])
-            return await self._transport.deliver_batch(events)
-        finally:
-            self._in_flight -= len(live)
 
     async def _prepare(self, batch: list[Work]) -> tuple[list[Work], list[Event]]:
         """Runs the pipeline: filtered messages finish here, dead ones go to the settler."""
@@ -568,16 +587,20 @@ class IntegrationRunner:
         counter.inc(count)
 
     def _finish(self, work: Work) -> None:
-        self._tracker.ack(work.message)
-        self._scheduler.done(work)
-        self._progress.set()
+        self._finish_all([work])
 
     def _finish_all(self, works: list[Work]) -> None:
-        ack, done = self._tracker.ack, self._scheduler.done
-        unordered = self._scheduler.unordered
+        acked = 0
         for work in works:
-            ack(work.message)
-            if not unordered:
+            acks = work.acks
+            if acks is None:
+                self._tracker.ack(work.message)  # counts itself
+            elif acks.ack(work.message):
+                acked += 1
+        self._tracker.acked(acked)
+        if not self._scheduler.unordered:
+            done = self._scheduler.done
+            for work in works:
                 done(work)
         self._progress.set()
 
@@ -627,6 +650,11 @@ class IntegrationRunner:
 
 def _same(message: Message) -> Message:
     return message
+
+
+def _refill_at(buffer: int, max_receive: int) -> int:
+    """The free room in the buffer at which the intake reads again: a quarter of it."""
+    return max(1, min(max_receive, buffer // 4))
 
 
 def _session_runs(messages: Sequence[Message]) -> list[Sequence[Message]]:

@@ -23,17 +23,23 @@ from typing import Literal
 
 from nemesis.broker.port import Message
 from nemesis.clock import Clock
+from nemesis.runtime.acks import PartitionAcks
 
 Ordering = Literal["none", "key", "partition"]
 
 
 class Work:
-    """One message on its way through the runner, with its retry state."""
+    """One message on its way through the runner, with its retry state.
 
-    __slots__ = ("attempt", "first_failure_at", "last_error", "message")
+    ``acks`` is where the message is tracked for commits (``AckTracker.extend``
+    returned it), so finishing it needs no lookup.
+    """
 
-    def __init__(self, message: Message) -> None:
+    __slots__ = ("acks", "attempt", "first_failure_at", "last_error", "message")
+
+    def __init__(self, message: Message, acks: PartitionAcks | None = None) -> None:
         self.message = message
+        self.acks = acks
         self.attempt = 1
         self.first_failure_at: float | None = None
         self.last_error: str | None = None
@@ -98,13 +104,13 @@ class Scheduler:
             self._busy.add(key)
             self._push(work)
 
-    def put_all(self, messages: Sequence[Message]) -> None:
+    def put_all(self, messages: Sequence[Message], acks: PartitionAcks | None = None) -> None:
         """Admits newly read messages (first attempts) in their order."""
         if self._ordering != "none":
             for message in messages:
-                self.put(Work(message))
+                self.put(Work(message, acks))
             return
-        self._ready.extend(map(Work, messages))
+        self._ready.extend([Work(message, acks) for message in messages])
         self._wake(len(messages))
 
     def put_later(self, work: Work, delay_s: float) -> None:
