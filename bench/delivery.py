@@ -329,7 +329,8 @@ async def latency(space: Workspace, rate: float, seconds: float, workers: int) -
                     )
                 while (await handler.stats(session))["events"] < total:
                     await asyncio.sleep(0.05)
-                proxied = (await handler.stats(session))["latencies_ms"]
+                stats = await handler.stats(session)
+                proxied, from_log = stats["latencies_ms"], stats["from_log_ms"]
                 await writer.close()
             finally:
                 await broker.close()
@@ -342,6 +343,8 @@ async def latency(space: Workspace, rate: float, seconds: float, workers: int) -
         "direct_p99": percentile(direct, 99),
         "proxy_p50": percentile(proxied, 50),
         "proxy_p99": percentile(proxied, 99),
+        "log_p50": percentile(from_log, 50),
+        "log_p99": percentile(from_log, 99),
     }
 
 

@@ -1,9 +1,11 @@
 """A minimal HTTP/1.1 keep-alive handler for benchmarks: answers 200 as fast as Python can.
 
 Runs in its own process so it never shares a core with what is measured.
-``GET /stats`` returns ``{"requests", "events", "latencies_ms"}``; ``POST /reset``
-clears them. With ``--latency``, each request body's JSON field ``ts`` (Unix
-seconds, set by whoever produced the message) is turned into a latency sample.
+``GET /stats`` returns ``{"requests", "events", "latencies_ms", "from_log_ms"}``;
+``POST /reset`` clears them. With ``--latency``, each request body's JSON field
+``ts`` (Unix seconds, set by whoever produced the message) is turned into a
+latency sample, and a ``ce-time`` header (the time the message was appended to
+the log, when the producer set no time of its own) into a ``from_log_ms`` one.
 A batch (``application/cloudevents-batch+json``) counts one event per element.
 """
 
@@ -13,6 +15,7 @@ import argparse
 import asyncio
 import json
 import time
+from datetime import datetime
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
 
@@ -22,6 +25,7 @@ class Stats:
         self.requests = 0
         self.events = 0
         self.latencies_ms: list[float] = []
+        self.from_log_ms: list[float] = []
 
 
 class HandlerProtocol(asyncio.Protocol):
@@ -61,6 +65,7 @@ class HandlerProtocol(asyncio.Protocol):
                     "requests": self._stats.requests,
                     "events": self._stats.events,
                     "latencies_ms": self._stats.latencies_ms,
+                    "from_log_ms": self._stats.from_log_ms,
                 }
             ).encode()
             self._transport.write(
@@ -82,6 +87,11 @@ class HandlerProtocol(asyncio.Protocol):
             self._stats.events += 1
             if self._latency:
                 self._stats.latencies_ms.append((now - json.loads(body)["ts"]) * 1000)
+                marker = head.find(b"ce-time:")
+                if marker >= 0:
+                    value = head[marker + 8 : head.find(b"\r\n", marker)].strip().decode()
+                    appended = datetime.fromisoformat(value.upper()).timestamp()
+                    self._stats.from_log_ms.append((now - appended) * 1000)
         self._transport.write(OK)
 
 

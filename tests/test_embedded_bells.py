@@ -18,7 +18,15 @@ from typing import Any
 import pytest
 
 from nemesis.broker.embedded import EmbeddedBroker, Wakeups, open_embedded
-from nemesis.broker.embedded.bells import MAX_PARTITIONS_PER_RING, REFRESH_S, decode, encode
+from nemesis.broker.embedded.bells import (
+    MAX_PARTITIONS_PER_RING,
+    REFRESH_S,
+    decode,
+    encode,
+    encode_rows,
+    read_ring,
+)
+from nemesis.broker.embedded.tail import ReadRow, TailCache
 from nemesis.broker.port import ConsumerSpec, Message, OutgoingMessage
 from nemesis.config.models import EmbeddedBackendConfig
 
@@ -253,6 +261,179 @@ async def test_a_reader_on_a_long_path_gets_an_abstract_bell(tmp_path: Path) -> 
 
 
 # --- the fallback and the clean-up ---------------------------------------------------------
+
+
+# A writer process that mixes small appends (their rings carry the rows) with
+# appends too big to carry (plain rings: the reader reads the file), with keys,
+# metadata and its own timestamps, so that what arrives can be compared field by field.
+MIXED_WRITER_SCRIPT = """
+import asyncio, sys
+from nemesis.broker.embedded import open_embedded
+from nemesis.broker.port import OutgoingMessage
+
+async def main(path, count):
+    broker = await open_embedded(path)
+    try:
+        writer = await broker.writer("t", producer_id="mixed")
+        for n in range(count):
+            big = n % 10 == 7
+            value = (b"%d " % n) + (b"x" * 40_000 if big else b"small")
+            await writer.write([OutgoingMessage(
+                value=value, key=f"k{n}", metadata={"n": str(n)}, partition=n % 4,
+                seqno=n + 1, created_at=1_700_000_000.0 + n)])
+            await asyncio.sleep(0.002)
+    finally:
+        await broker.close()
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+async def test_small_appends_reach_a_reader_in_another_process_without_a_file_read(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    reader = await broker.reader("t", "c")
+    await reader.receive(10, 0.05)  # caught up: the first read of the (empty) file
+    count = 200
+    writer = await run_script(
+        tmp_path, "writer", WRITER_SCRIPT, str(tmp_path / "n.db"), "t", str(count), "500", "-1"
+    )
+    got: list[Message] = []
+    try:
+        while len(got) < count:  # as the writer writes
+            batch = await reader.receive(500, 2.0)
+            assert batch, f"only {len(got)} of {count} arrived:\n{stderr_of(tmp_path)}"
+            got.extend(batch)
+    finally:
+        assert await writer.wait() == 0, stderr_of(tmp_path)
+    for partition in range(PARTITIONS):
+        mine = [int(m.value.split()[0]) for m in got if m.partition == partition]
+        assert mine == list(range(partition, count, PARTITIONS))
+    stats = reader.statistics()
+    # The rings carried the rows: apart from a file read per partition to start each
+    # cached run, the reader never went to the read thread (a ring per append).
+    assert stats.cache_reads > 0
+    assert stats.file_reads <= 2 * PARTITIONS + 2, stats
+    assert broker.bell_statistics().rows_received >= count - PARTITIONS
+
+
+async def test_rows_from_rings_are_what_the_file_holds(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    reader = await broker.reader("t", "c")
+    await reader.receive(10, 0.05)
+    count = 60
+    writer = await run_script(
+        tmp_path, "mixed", MIXED_WRITER_SCRIPT, str(tmp_path / "n.db"), str(count)
+    )
+    got: list[Message] = []
+    try:
+        while len(got) < count:
+            batch = await reader.receive(500, 5.0)
+            assert batch, f"only {len(got)} of {count} arrived:\n{stderr_of(tmp_path)}"
+            got.extend(batch)
+    finally:
+        assert await writer.wait() == 0, stderr_of(tmp_path)
+    # Read again, from the file alone, by a second consumer: field for field the same.
+    from_file = await open_embedded(backend(tmp_path / "n.db"), wakeups=Wakeups(bells=False))
+    try:
+        await from_file.admin.create_topic(
+            "t", partitions=PARTITIONS, consumers=[ConsumerSpec("again")], exist_ok=True
+        )
+        again_reader = await from_file.reader("t", "again")
+        again: list[Message] = []
+        while len(again) < count:
+            again.extend(await again_reader.receive(500, 2.0))
+        await again_reader.close()
+    finally:
+        await from_file.close()
+
+    def fields(m: Message) -> tuple[object, ...]:
+        return (
+            m.partition,
+            m.offset,
+            m.value,
+            m.key,
+            dict(m.metadata),
+            m.producer_id,
+            m.seqno,
+            m.created_at,
+            m.written_at,
+        )
+
+    assert sorted(map(fields, got)) == sorted(map(fields, again))
+    stats = reader.statistics()
+    # Both paths were taken.
+    assert stats.cache_reads > 0
+    assert stats.file_reads > 0
+
+
+async def test_rows_of_a_sender_that_cannot_be_vouched_for_are_not_taken(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    reader = await broker.reader("t", "c")
+    await reader.receive(10, 0.05)
+    bell = broker._bell  # the one switch this test needs
+    assert bell is not None
+    bell._credentials = False  # as on a system without SO_PASSCRED
+    writer = await run_script(
+        tmp_path, "writer", WRITER_SCRIPT, str(tmp_path / "n.db"), "t", "40", "500", "-1"
+    )
+    got: list[Message] = []
+    try:
+        while len(got) < 40:
+            batch = await reader.receive(500, 2.0)
+            assert batch
+            got.extend(batch)
+    finally:
+        assert await writer.wait() == 0, stderr_of(tmp_path)
+    assert sorted(int(m.value.split()[0]) for m in got) == list(range(40))
+    assert broker.bell_statistics().rows_received == 0
+    assert reader.statistics().cache_reads == 0  # every append was read from the file
+
+
+def test_a_ring_carries_small_appends_rows() -> None:
+    inserted = [
+        # log.append's layout: topic, partition, offset, written, created, seqno,
+        # producer, key, metadata, value
+        (1, 2, 10, 5.5, 5.0, 7, "p", "k", '{"a":"b"}', b"v1"),
+        (1, 2, 11, 5.5, 5.0, 8, "p", None, None, b"v2"),
+        (1, 0, 3, 5.5, 4.0, None, None, None, None, b""),
+    ]
+    ring = read_ring(encode_rows(9, inserted) or b"")
+    assert ring == (
+        9,
+        frozenset({0, 2}),
+        {
+            2: [
+                (10, b"v1", "k", '{"a":"b"}', "p", 7, 5.0, 5.5),
+                (11, b"v2", None, None, "p", 8, 5.0, 5.5),
+            ],
+            0: [(3, b"", None, None, None, None, 4.0, 5.5)],
+        },
+    )
+    too_big = [(1, 0, n, 1.0, 1.0, None, None, None, None, b"x" * 1024) for n in range(64)]
+    assert encode_rows(9, too_big) is None
+    # Cut short or damaged: still a ring, for every partition of the topic, without rows.
+    whole = encode_rows(9, inserted) or b""
+    assert read_ring(whole[:-3]) == (9, None, {})
+    assert read_ring(encode(7, {1})) == (7, frozenset({1}), {})
+    assert read_ring(b"short") is None
+
+
+def test_the_cache_takes_ring_rows_only_as_a_continuation() -> None:
+    tail = TailCache()
+
+    def row(offset: int) -> ReadRow:
+        return (offset, b"v", None, None, None, None, 1.0, 1.0)
+
+    assert tail.extend(1, 4, {0: [row(5), row(6)]}) == frozenset()  # nothing held: a file read
+    assert tail.extend(1, 4, {0: [row(7)]}) == frozenset({0})
+    assert [r[0] for r in tail.get(1, 0, 5, 10)] == [5, 6, 7]
+    # A gap (a lost ring, or an append too big to carry): a new run, and a file read.
+    assert tail.extend(1, 4, {0: [row(9)], 1: [row(0)]}) == frozenset()
+    assert tail.get(1, 0, 7, 10) == []
+    assert [r[0] for r in tail.get(1, 0, 9, 10)] == [9]
 
 
 async def test_a_lost_ring_costs_a_poll_never_a_message(tmp_path: Path) -> None:

@@ -10,11 +10,18 @@ to every bell of the topic: the topic id and the partitions it appended to.
 The bell's broker wakes its readers holding one of those partitions, and
 they read the file at once.
 
-A ring is a hint, never the data, and it is sent after the commit, so a
-woken reader always finds the rows. It may be lost: a full queue, a writer
-whose list of bells predates the reader, a socket the writer may not reach.
-Readers keep polling for that case, so a lost ring costs one poll interval,
-never a message. Sending never blocks and never fails the write.
+A ring is sent after the commit, so a woken reader always finds the rows.
+An append of up to ``MAX_ROWS_BYTES`` also carries its rows, exactly as the
+file now holds them: the receiving broker puts them in its tail cache
+(``tail``) and its readers take them from there, without the round trip to
+the read thread (most of the cross-process write-to-receive latency). Rows
+are taken only from a sender of this user (``SO_PASSCRED``: the same trust as
+write access to the file) and only when they continue what the cache holds;
+otherwise the ring is a plain hint and the reader reads the file. A ring may
+be lost: a full queue, a writer whose list of bells predates the reader, a
+socket the writer may not reach. Readers keep polling for that case, so a
+lost ring costs one poll interval, never a message. Sending never blocks and
+never fails the write.
 
 Addresses are ``<db>.bells/<pid>-<random>.sock``, unique per incarnation of a
 broker: a writer that finds nobody bound there (ECONNREFUSED) knows the
@@ -36,10 +43,14 @@ import socket
 import sqlite3
 import struct
 import sys
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import msgspec
+
+from nemesis.broker.embedded.tail import ReadRow
 from nemesis.clock import Clock
 
 logger = logging.getLogger(__name__)
@@ -57,12 +68,27 @@ MAX_PARTITIONS_PER_RING = 64
 MAX_DRAIN = 1024
 # sun_path holds 108 bytes, the terminating NUL included.
 MAX_PATH_BYTES = 107
+# An append carries its rows in its ring up to this many bytes of values;
+# a bigger one rings without them (a datagram is one buffer on both ends).
+MAX_ROWS_BYTES = 32 * 1024
 _TOPIC = struct.Struct("<q")
 _PARTITION = struct.Struct("<I")
-_RECV_BYTES = _TOPIC.size + MAX_PARTITIONS_PER_RING * _PARTITION.size
+# A ring with rows: this mark where a topic id would be, then the topic id,
+# then the rows by partition (msgpack).
+_ROWS_MARK = -1
+_ROWS_HEAD = struct.Struct("<qq")
+# Room for the rows, their keys and metadata, and the encoding.
+_RECV_BYTES = 4 * MAX_ROWS_BYTES
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_ROWS_ENCODER = msgspec.msgpack.Encoder()
+# tail.ReadRow, spelled out for the decoder (which checks every field's type).
+_ROW = tuple[int, bytes, str | None, str | None, str | None, int | None, float, float]
+_ROWS_DECODER = msgspec.msgpack.Decoder(list[tuple[int, list[_ROW]]])
 
 # Topic id -> the partitions rung, or None for every partition.
 Rings = Mapping[int, "frozenset[int] | None"]
+# Topic id -> partition -> the rows a ring carried, in offset order.
+RingRows = Mapping[int, Mapping[int, "list[ReadRow]"]]
 
 
 # --- the table --------------------------------------------------------------------------
@@ -113,6 +139,37 @@ def encode(topic_id: int, partitions: Collection[int]) -> bytes:
     if len(partitions) > MAX_PARTITIONS_PER_RING:
         return _TOPIC.pack(topic_id)
     return struct.pack(f"<q{len(partitions)}I", topic_id, *sorted(partitions))
+
+
+def encode_rows(topic_id: int, inserted: Sequence[tuple[Any, ...]]) -> bytes | None:
+    """A ring that carries the rows of an append (``log.append``'s layout), or None if too big."""
+    size = 0
+    by_partition: dict[int, list[ReadRow]] = {}
+    for row in inserted:
+        size += len(row[9])
+        if size > MAX_ROWS_BYTES:
+            return None
+        rows = by_partition.get(row[1])
+        if rows is None:
+            rows = by_partition[row[1]] = []
+        # As log.read fetches it (see tail.ReadRow).
+        rows.append((row[2], row[9], row[7], row[8], row[6], row[5], row[4], row[3]))
+    payload = _ROWS_ENCODER.encode(list(by_partition.items()))
+    return _ROWS_HEAD.pack(_ROWS_MARK, topic_id) + payload
+
+
+def read_ring(data: bytes) -> tuple[int, frozenset[int] | None, dict[int, list[ReadRow]]] | None:
+    """(topic id, partitions or None for all, rows carried by partition), or None if no ring."""
+    if len(data) >= _ROWS_HEAD.size and _TOPIC.unpack_from(data)[0] == _ROWS_MARK:
+        _, topic_id = _ROWS_HEAD.unpack_from(data)
+        try:
+            pages = _ROWS_DECODER.decode(data[_ROWS_HEAD.size :])
+        except msgspec.DecodeError:
+            return topic_id, None, {}  # damaged or cut short: still a ring for the whole topic
+        rows = {partition: page for partition, page in pages if page}
+        return topic_id, frozenset(rows), rows
+    plain = decode(data)
+    return None if plain is None else (*plain, {})
 
 
 def decode(data: bytes) -> tuple[int, frozenset[int] | None] | None:
@@ -186,18 +243,22 @@ class Bell:
     """A broker's bound datagram socket; rings wake its readers through ``on_ring``."""
 
     def __init__(
-        self, sock: socket.socket, address: bytes, on_ring: Callable[[Rings], None]
+        self, sock: socket.socket, address: bytes, on_ring: Callable[[Rings, RingRows], None]
     ) -> None:
         self._socket = sock
         self.address = address
         self._on_ring = on_ring
+        self._uid = os.getuid()
+        # Who sent a datagram (its credentials) decides whether its rows are taken.
+        self._credentials = _enable_credentials(sock)
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(sock.fileno(), self._drain)
         self.rings_received = 0
+        self.rows_received = 0
         self.wakes = 0
 
     @classmethod
-    def open(cls, db_path: Path, on_ring: Callable[[Rings], None]) -> Bell:
+    def open(cls, db_path: Path, on_ring: Callable[[Rings, RingRows], None]) -> Bell:
         """Binds a new bell for ``db_path`` on the running loop; OSError if none can be bound."""
         address = new_address(db_path)
         if address is None:
@@ -219,19 +280,25 @@ class Bell:
         # All pending rings are taken at once and merged, so a burst of appends
         # costs each reader one wake, not one per datagram.
         rings: dict[int, frozenset[int] | None] = {}
+        carried: dict[int, dict[int, list[ReadRow]]] = {}
         for _ in range(MAX_DRAIN):
             try:
-                data = self._socket.recv(_RECV_BYTES)
+                data, trusted = self._receive()
             except BlockingIOError:
                 break
             except OSError as exc:
                 logger.warning("bell %r: receive failed: %s", self.address, exc)
                 break
-            ring = decode(data)
+            ring = read_ring(data)
             if ring is None:
                 continue
             self.rings_received += 1
-            topic_id, partitions = ring
+            topic_id, partitions, rows = ring
+            if rows and trusted:
+                self.rows_received += 1
+                pages = carried.setdefault(topic_id, {})
+                for partition, page in rows.items():
+                    pages.setdefault(partition, []).extend(page)
             if topic_id in rings:
                 known = rings[topic_id]
                 rings[topic_id] = (
@@ -241,7 +308,22 @@ class Bell:
                 rings[topic_id] = partitions
         if rings:
             self.wakes += 1
-            self._on_ring(rings)
+            self._on_ring(rings, carried)
+
+    def _receive(self) -> tuple[bytes, bool]:
+        """One datagram, and whether its sender runs as this user."""
+        if not self._credentials:
+            return self._socket.recv(_RECV_BYTES), False
+        data, ancillary, flags, _ = self._socket.recvmsg(
+            _RECV_BYTES, socket.CMSG_SPACE(_CREDENTIALS.size)
+        )
+        if flags & socket.MSG_TRUNC:
+            return data, False
+        for level, kind, value in ancillary:
+            if level == socket.SOL_SOCKET and kind == _SCM_CREDENTIALS:
+                _, uid, _ = _CREDENTIALS.unpack_from(value)
+                return data, uid == self._uid
+        return data, False
 
     def close(self) -> None:
         """Stops listening and removes the socket file."""
@@ -252,6 +334,21 @@ class Bell:
         if not self.address.startswith(b"\0"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.address)
+
+
+_SCM_CREDENTIALS: int | None = getattr(socket, "SCM_CREDENTIALS", None)
+
+
+def _enable_credentials(sock: socket.socket) -> bool:
+    """Asks the kernel to attach each sender's credentials (Linux); False where it cannot."""
+    option = getattr(socket, "SO_PASSCRED", None)
+    if option is None or _SCM_CREDENTIALS is None:
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, option, 1)
+    except OSError:
+        return False
+    return True
 
 
 # --- the sending end ----------------------------------------------------------------------
@@ -294,11 +391,18 @@ class Ringer:
         self._dead_removed = 0
         self._refreshes = 0
 
-    def ring(self, conn: sqlite3.Connection, topic_id: int, partitions: Iterable[int]) -> None:
+    def ring(
+        self,
+        conn: sqlite3.Connection,
+        topic_id: int,
+        partitions: Iterable[int],
+        inserted: Sequence[tuple[Any, ...]] = (),
+    ) -> None:
         """Rings every live bell of ``topic_id``: call it after the append committed.
 
         ``partitions`` (those appended to, repeats allowed) is only consumed
-        when there is a bell to ring.
+        when there is a bell to ring; so are ``inserted``, the committed rows
+        in ``log.append``'s layout, which the ring carries when they are small.
         """
         now = self._clock.monotonic()
         bells = self._topics.get(topic_id)
@@ -310,7 +414,9 @@ class Ringer:
         if sock is None:
             sock = self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             sock.setblocking(False)
-        payload = encode(topic_id, set(partitions))
+        payload = encode_rows(topic_id, inserted) if inserted else None
+        if payload is None:
+            payload = encode(topic_id, set(partitions))
         gone: list[bytes] = []
         for address in bells.addresses:
             try:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nemesis.broker.embedded import log
-from nemesis.broker.embedded.bells import Bell, Ringer, RingerStatistics, Rings
+from nemesis.broker.embedded.bells import Bell, Ringer, RingerStatistics, RingRows, Rings
 from nemesis.broker.embedded.db import Database, checkpoint
 from nemesis.broker.embedded.reader import EmbeddedReader, Wakeups
 from nemesis.broker.embedded.tail import TailCache
@@ -144,7 +144,7 @@ class EmbeddedWriter:
             if appended.rows:
                 # Rung from the write thread right after the commit, so readers
                 # elsewhere start reading while this result travels to the loop.
-                ringer.ring(conn, target.topic.id, (row[1] for row in appended.rows))
+                ringer.ring(conn, target.topic.id, (row[1] for row in appended.rows), appended.rows)
             return appended
 
         appended = await broker.db.writer.run(append, timeout_s=timeout_s)
@@ -166,6 +166,7 @@ class BellStatistics:
     rings_received: int
     wakes: int  # rings arrive in bursts; each burst wakes the readers once
     rung: RingerStatistics
+    rows_received: int = 0  # rings that carried their append's rows (taken into the cache)
 
 
 class EmbeddedBroker:
@@ -275,10 +276,22 @@ class EmbeddedBroker:
                 self.ringer.own_address = self._bell.address
         return self._bell
 
-    def _on_rings(self, rings: Rings) -> None:
+    def _on_rings(self, rings: Rings, carried: RingRows) -> None:
         for topic_id, partitions in rings.items():
-            for reader in self._readers.get(topic_id, ()):
-                reader.ring(partitions)
+            readers = self._readers.get(topic_id)
+            if not readers:
+                continue
+            rows = carried.get(topic_id)
+            fed: frozenset[int] = frozenset()
+            if rows:
+                fed = self._tail.extend(topic_id, next(iter(readers)).partition_count, rows)
+            # Partitions whose rows are not all in the cache now: the file must be read.
+            unfed = None if partitions is None else partitions - fed
+            for reader in readers:
+                if fed:
+                    reader.fed(fed)
+                if unfed is None or unfed:
+                    reader.ring(unfed)
 
     def bell_statistics(self) -> BellStatistics:
         """What this broker's bell received and its writers rang."""
@@ -286,6 +299,7 @@ class EmbeddedBroker:
         return BellStatistics(
             address=None if bell is None else bell.address,
             rings_received=0 if bell is None else bell.rings_received,
+            rows_received=0 if bell is None else bell.rows_received,
             wakes=0 if bell is None else bell.wakes,
             rung=self.ringer.statistics(),
         )

@@ -138,6 +138,8 @@ class ReaderStatistics:
     closed: bool
     rings: int  # rings from other processes' writers that woke this reader
     belled: bool  # other processes' writers can ring it (it polls less often)
+    file_reads: int = 0  # reads that went to the file (on the read thread)
+    cache_reads: int = 0  # reads answered from the tail cache (in the loop)
 
 
 class EmbeddedReader:
@@ -184,11 +186,18 @@ class EmbeddedReader:
         self._poll_min_s = wakeups.poll_min_s
         self._poll_max_s = wakeups.belled_poll_max_s if bell else wakeups.poll_max_s
         self._poll_s = self._poll_min_s
+        # How long the tail cache may answer before the file is read anyway. Without
+        # a bell, other processes' appends show up only there; with one, they ring
+        # (with their rows, or to have the file read), so only a lost ring is left to
+        # catch, and that is allowed a poll interval.
+        self._tail_window_s = wakeups.belled_poll_max_s if bell else TAIL_WINDOW_S
         self._dirty = False  # set by wake(): something may be readable now
         # Set by ring(): another process appended, so the file has rows the
         # tail cache cannot have.
         self._rung = False
         self._rings = 0
+        self._file_reads = 0
+        self._cache_reads = 0
         # The last read reached the end of every partition it read, at this loop time.
         self._drained = False
         self._read_at = 0.0
@@ -281,7 +290,9 @@ class EmbeddedReader:
         sessions = sessions[self._turn :] + sessions[: self._turn]
         from_tail = self._read_tail(sessions, max_messages)
         if from_tail is not None:
+            self._cache_reads += 1
             return from_tail
+        self._file_reads += 1
         # Cleared before the read: a ring that comes while it runs may announce
         # rows it does not see, and must cause another read.
         self._rung = False
@@ -303,14 +314,16 @@ class EmbeddedReader:
         """Messages straight from the tail cache, or None when the file must be read.
 
         The file is read instead when a partition may have a backlog there
-        (it was not caught up at the last file read), and at least every
-        TAIL_WINDOW_S while the cache keeps answering, since writers in
-        other processes only show up in the file; and at once after a ring.
+        (it was not caught up at the last file read), at once after a ring
+        that carried no rows (or rows the cache could not continue with), and
+        at least every tail window while the cache keeps answering: a poll
+        interval with a bell (for a lost ring), TAIL_WINDOW_S without one
+        (writers in other processes only show up in the file then).
         """
         if self._rung:
             return None
         now = asyncio.get_running_loop().time()
-        if self._tail_since is not None and now - self._tail_since > TAIL_WINDOW_S:
+        if self._tail_since is not None and now - self._tail_since > self._tail_window_s:
             return None
         tail, topic_id = self._tail, self._topic.id
         covered = []
@@ -369,6 +382,18 @@ class EmbeddedReader:
         waiter = self._waiter
         if waiter is not None:
             _resolve(waiter)
+
+    @property
+    def partition_count(self) -> int:
+        """The topic's partitions (this reader may hold fewer)."""
+        return self._topic.partitions
+
+    def fed(self, partitions: frozenset[int]) -> None:
+        """Another process appended to ``partitions`` and its ring put the rows in the cache."""
+        if self._sessions.keys().isdisjoint(partitions):
+            return
+        self._rings += 1
+        self.wake()
 
     def ring(self, partitions: frozenset[int] | None) -> None:
         """Another process appended to ``partitions`` (None: any) and rang this reader's bell."""
@@ -490,6 +515,8 @@ class EmbeddedReader:
             closed=self._closed,
             rings=self._rings,
             belled=self._bell is not None,
+            file_reads=self._file_reads,
+            cache_reads=self._cache_reads,
         )
 
     # --- leases ---------------------------------------------------------------------------

@@ -4,8 +4,9 @@ A reader that has caught up waits for the next append. When that append
 comes through a writer of the same broker, the rows are already in memory:
 handing them over directly saves the round trip to the read thread, which
 is most of the in-process write-to-receive latency. Writes from other
-processes reach readers through the file: their ring (``bells``) tells the
-reader to read it, and polling catches a ring that was lost.
+processes come with their rows in their ring when they are small (``bells``)
+and are added here too; bigger ones ring and are read from the file, and
+polling catches a ring that was lost.
 
 The cache only ever holds a *contiguous* run of offsets per partition, the
 latest ones this broker wrote: an append that does not continue the run
@@ -15,7 +16,7 @@ is exactly what the file holds at those offsets.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,33 @@ class TailCache:
             touched.add(run)
         for run in touched:
             run.trim(self._max_rows, max_bytes)
+
+    def extend(
+        self, topic_id: int, partitions: int, rows: Mapping[int, Sequence[ReadRow]]
+    ) -> frozenset[int]:
+        """Records rows another process committed (its ring carried them), by partition.
+
+        Returns the partitions whose rows continued the run held for them: a
+        reader positioned in such a run finds there exactly what the file
+        holds. Rows that start a run (nothing held yet, or a gap: a write
+        whose ring carried no rows, or was lost) are kept as well, but the
+        reader must read the file for what came before them.
+        """
+        max_bytes = max(MIN_BYTES_PER_PARTITION, self._max_bytes_per_topic // partitions)
+        continued = []
+        for partition, page in rows.items():
+            if not page:
+                continue
+            key = (topic_id, partition)
+            run = self._runs.get(key)
+            if run is None:
+                run = self._runs[key] = _Run()
+            if run.rows and page[0][0] == run.base + len(run.rows):
+                continued.append(partition)
+            for row in page[-self._max_rows :]:
+                run.add(row)
+            run.trim(self._max_rows, max_bytes)
+        return frozenset(continued)
 
     def get(self, topic_id: int, partition: int, position: int, limit: int) -> list[ReadRow]:
         """Up to ``limit`` rows from ``position`` on; empty unless the run holds ``position``."""
