@@ -149,3 +149,23 @@ def test_a_run_that_goes_backwards_is_refused_whole() -> None:
     with pytest.raises(ValueError, match="offset 3 read after 4"):
         acks.extend([message(4), message(3)])
     assert acks.outstanding == 2  # nothing of the refused run was taken
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_ack_all_is_ack_of_each(data: st.DataObject) -> None:
+    session = FakeSession()
+    offsets = sorted(data.draw(st.sets(st.integers(0, 60), min_size=1, max_size=30)))
+    one_by_one, at_once = PartitionAcks(session), PartitionAcks(session)
+    for acks in (one_by_one, at_once):
+        acks.extend([message(o, session=session) for o in offsets])
+    # Tracked and untracked offsets, repeats included, in rounds with commits between.
+    for _ in range(data.draw(st.integers(1, 3))):
+        chosen = data.draw(st.lists(st.integers(-2, 63), max_size=40))
+        batch = [message(o, session=session) for o in chosen]
+        expected = sum(one_by_one.ack(m) for m in batch)
+        assert at_once.ack_all(batch) == expected
+        assert at_once.unfinished == one_by_one.unfinished
+        assert [m.offset for m in at_once.take_committable()] == [
+            m.offset for m in one_by_one.take_committable()
+        ]

@@ -630,13 +630,20 @@ def test_http_transport_needs_an_http_url() -> None:
     type_=st.text(min_size=1, max_size=12),
     payload=st.sampled_from([b'{"a": 1}', b"[1, 2]", b"not json", b"\xff\x00", b" 3 ", b""]),
     content_type=st.sampled_from(["application/json", "text/plain", "application/x+json"]),
+    created_at=st.sampled_from([1764482352.25, 1764482352.9999996, 0.0]),
 )
 def test_batch_body_bytes_match_the_structured_events(
-    ids: list[str], key: str | None, type_: str, payload: bytes, content_type: str
+    ids: list[str],
+    key: str | None,
+    type_: str,
+    payload: bytes,
+    content_type: str,
+    created_at: float,
 ) -> None:
+    # With a time the batch is written in one format, without one event by event.
     events = [
         Event(
-            Message("orders", 3, 10 + n, payload, key=key, created_at=1764482352.25),
+            Message("orders", 3, 10 + n, payload, key=key, created_at=created_at),
             id=event_id,
             type=type_,
             attempt=n + 1,

@@ -215,7 +215,9 @@ def batch_body(events: Sequence[Event], source: str) -> bytes:
     are not JSON travel as base64.
     """
     source_json = _json_string(source)
-    body = b"[%b]" % b",".join([_structured_bytes(e, source_json, True) for e in events])
+    body = _batch_in_one_format(events, source_json)
+    if body is None:
+        body = b"[%b]" % b",".join([_structured_bytes(e, source_json, True) for e in events])
     try:
         _JSON_ARRAY.decode(body)
     except msgspec.DecodeError:
@@ -225,6 +227,83 @@ def batch_body(events: Sequence[Event], source: str) -> bytes:
     if not valid:
         body = b"[%b]" % b",".join([_structured_bytes(e, source_json, False) for e in events])
     return body
+
+
+# An event of a batch as one %-format: the shared head (see _event_head), then the
+# id, partition, offset, attempt, time (second, microseconds), key part, data key and data.
+_BATCH_EVENT = b'%b,"id":%b,"partition":"%d","offset":"%d","attempt":"%d","time":"%b%06dZ"%b%b%b}'
+_DATA = b',"data":'
+_DATA_BASE64 = b',"data_base64":"'
+# (type, content type, topic, source) -> (the event's head, whether its data is JSON)
+_EVENT_HEADS: dict[tuple[str, str, str, bytes], tuple[bytes, bool]] = {}
+_SECOND_HEADS: dict[int, bytes] = {}
+_KEPT = 1024
+
+
+def _batch_in_one_format(events: Sequence[Event], source_json: bytes) -> bytes | None:
+    """The batch body in a single %-format over every event's parts (payloads trusted).
+
+    About twice as fast as formatting event by event (``_structured_bytes``),
+    which remains the general path: None when an event carries no time.
+    """
+    parts: list[object] = []
+    add = parts.extend
+    dumps, heads, seconds = orjson.dumps, _EVENT_HEADS, _SECOND_HEADS
+    for event in events:
+        message = event.message
+        unix_s = message.created_at or message.written_at
+        if unix_s <= 0:
+            return None
+        content_type = event.content_type
+        shared = (event.type, content_type, message.topic, source_json)
+        known = heads.get(shared)
+        head, json_data = _event_head(shared) if known is None else known
+        micros = int(unix_s * 1_000_000 + 0.5)
+        second = micros // 1_000_000
+        second_head = seconds.get(second)
+        if second_head is None:
+            second_head = _second_head(second)
+        key = message.key
+        if json_data:
+            data_key, data = _DATA, event.body
+        else:
+            data_key, data = _DATA_BASE64, base64.b64encode(event.body) + b'"'
+        add(
+            (
+                head,
+                dumps(_utf8(event.id)),
+                message.partition,
+                message.offset,
+                event.attempt,
+                second_head,
+                micros - second * 1_000_000,
+                b"" if key is None else b',"partitionkey":' + dumps(_utf8(key)),
+                data_key,
+                data,
+            )
+        )
+    return b"[" + b",".join([_BATCH_EVENT] * len(events)) % tuple(parts) + b"]"
+
+
+def _event_head(shared: tuple[str, str, str, bytes]) -> tuple[bytes, bool]:
+    type_, content_type, topic, source_json = shared
+    if len(_EVENT_HEADS) >= _KEPT:
+        _EVENT_HEADS.clear()
+    head = b'{"specversion":"1.0","source":%b,"type":%b,"datacontenttype":%b,"topic":%b' % (
+        source_json,
+        _json_string(type_),
+        _json_string(content_type),
+        _json_string(topic),
+    )
+    known = _EVENT_HEADS[shared] = (head, is_json(content_type))
+    return known
+
+
+def _second_head(second: int) -> bytes:
+    if len(_SECOND_HEADS) >= _KEPT:
+        _SECOND_HEADS.clear()
+    head = _SECOND_HEADS[second] = _utc_second(second).encode("ascii") + b"."
+    return head
 
 
 # One %-format per event: measured cheaper than joining a list of parts.

@@ -101,6 +101,18 @@ class PartitionAcks:
         self._unfinished -= 1
         return True
 
+    def ack_all(self, messages: Sequence[Message]) -> int:
+        """Marks messages done, as ``ack`` would each; returns how many were newly done."""
+        pending = self._pending
+        if not pending:
+            return 0
+        low, high, done = pending[0].offset, pending[-1].offset, self._done
+        before = len(done)
+        done.update([m.offset for m in messages if low <= m.offset <= high])
+        acked = len(done) - before
+        self._unfinished -= acked
+        return acked
+
     def take_committable(self) -> list[Message]:
         """Removes and returns the contiguous done prefix, in offset order."""
         pending, done = self._pending, self._done

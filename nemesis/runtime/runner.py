@@ -441,6 +441,9 @@ class IntegrationRunner:
             live, events = await self._prepare(live)
             if not live:
                 return
+        elif self._view is _same:
+            make_event = self._events
+            events = [make_event(work.message, work.attempt) for work in live]
         else:
             make_event, view = self._events, self._view
             events = [make_event(view(work.message), work.attempt) for work in live]
@@ -590,14 +593,19 @@ class IntegrationRunner:
         self._finish_all([work])
 
     def _finish_all(self, works: list[Work]) -> None:
-        acked = 0
-        for work in works:
-            acks = work.acks
-            if acks is None:
-                self._tracker.ack(work.message)  # counts itself
-            elif acks.ack(work.message):
-                acked += 1
-        self._tracker.acked(acked)
+        first = works[0].acks
+        if first is not None and len(works) > 1 and all(w.acks is first for w in works):
+            # A batch from one partition, the usual case: one call for all of it.
+            self._tracker.acked(first.ack_all([w.message for w in works]))
+        else:
+            acked = 0
+            for work in works:
+                acks = work.acks
+                if acks is None:
+                    self._tracker.ack(work.message)  # counts itself
+                elif acks.ack(work.message):
+                    acked += 1
+            self._tracker.acked(acked)
         if not self._scheduler.unordered:
             done = self._scheduler.done
             for work in works:
