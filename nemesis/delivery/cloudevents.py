@@ -38,6 +38,7 @@ FALLBACK_CONTENT_TYPE = "application/octet-stream"
 # Printable ASCII except '"' and '%': the characters a header value may carry unencoded.
 _UNENCODED = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"%')
 _NEEDS_NO_ENCODING = re.compile(r"[!#$&-~]*")
+_is_header_safe = _NEEDS_NO_ENCODING.fullmatch
 # A media type with parameters: visible ASCII, spaces and tabs, nothing that ends a header line.
 _SAFE_CONTENT_TYPE = re.compile(r"[\t\x20-\x7e]+")
 
@@ -126,7 +127,8 @@ def binary_headers_from(constant: dict[str, str], event: Event) -> dict[str, str
     """``constant`` (from ``constant_headers`` for this event) plus the event's own headers."""
     message = event.message
     headers = constant.copy()
-    headers["ce-id"] = encode_header_value(event.id)
+    event_id = event.id
+    headers["ce-id"] = event_id if _is_header_safe(event_id) else encode_header_value(event_id)
     headers["ce-partition"] = str(message.partition)
     headers["ce-offset"] = str(message.offset)
     headers["ce-attempt"] = str(event.attempt)

@@ -189,7 +189,7 @@ class HttpTransport:
         constant = self._constant_headers.get(shared)
         if constant is None:
             constant = self._constant_for(shared)
-        body = event.body
+        body = event.message.value if event.payload is None else event.payload  # event.body
         return self._post(body, binary_headers_from(constant, event), (body,))
 
     def _constant_for(self, shared: tuple[str, str, str]) -> dict[str, str]:
