@@ -20,9 +20,10 @@ from nemesis.errors import BrokerError, TopicNotFound
 
 logger = logging.getLogger(__name__)
 
-# While the tail cache keeps serving in-process appends, the file is still
-# read this often: an append from another process whose ring was lost (see
-# ``bells``) shows up only there.
+# While the tail cache keeps answering, a reader without a bell still reads
+# the file this often: appends from other processes show up only there. A
+# belled reader is rung for those (see ``bells``) and allows a lost ring a
+# poll interval instead.
 TAIL_WINDOW_S = 0.01
 # A read that has started may finish after the caller's wait budget ran out;
 # one that takes longer than this means the read thread is stuck.
