@@ -9,6 +9,7 @@ import os
 import sqlite3
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from nemesis.broker.embedded import (
     open_embedded,
     partition_for_key,
 )
+from nemesis.broker.embedded.db import BACKGROUND_NICENESS
 from nemesis.broker.port import (
     Broker,
     ConsumerSpec,
@@ -848,3 +850,15 @@ def test_a_single_reader_gets_every_message_once_in_partition_order(
 
     with tempfile.TemporaryDirectory() as directory:
         asyncio.run(scenario(directory))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="threads have their own niceness on Linux only")
+async def test_maintenance_runs_at_a_lower_priority_than_the_loop(broker: EmbeddedBroker) -> None:
+    def niceness(_: sqlite3.Connection) -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    loop_niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    checkpoints = await broker.db.maintenance.run(niceness, timeout_s=5)
+    writes = await broker.db.writer.run(niceness, timeout_s=5)
+    assert writes == loop_niceness
+    assert checkpoints == min(19, loop_niceness + BACKGROUND_NICENESS)

@@ -15,7 +15,11 @@ writers serialize on ``BEGIN IMMEDIATE`` and wait up to the busy timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import sqlite3
+import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -153,16 +157,41 @@ def read_transaction(conn: sqlite3.Connection) -> Iterator[None]:
         conn.execute("COMMIT")
 
 
+# Niceness of the maintenance thread (Linux schedules threads on their own): a checkpoint
+# copying the WAL should not take CPU from the event loop on a busy core. With
+# bench/delivery.py (e), the latency p99 moved by less than the run-to-run noise (six runs
+# each way: 1.3-2.0 ms added with it, 1.5-1.8 ms without); kept because it cannot hurt the loop.
+BACKGROUND_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """Lowers the calling thread's scheduling priority, where the system allows it."""
+    if sys.platform != "linux":
+        return  # elsewhere the niceness is the whole process's
+    with contextlib.suppress(OSError):
+        tid = threading.get_native_id()
+        os.setpriority(
+            os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICENESS
+        )
+
+
 class SqliteThread:
     """One sqlite3 connection owned by one thread; jobs run there one at a time."""
 
     def __init__(
-        self, path: Path, name: str, *, busy_timeout_s: float, pragmas: Sequence[str] = ()
+        self,
+        path: Path,
+        name: str,
+        *,
+        busy_timeout_s: float,
+        pragmas: Sequence[str] = (),
+        background: bool = False,
     ) -> None:
         self._path = path
         self._name = name
         self._busy_timeout_s = busy_timeout_s
         self._pragmas = tuple(pragmas)
+        self._background = background
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nemesis-{name}")
         self._conn: sqlite3.Connection | None = None
         self._closed = False
@@ -219,6 +248,8 @@ class SqliteThread:
     def _connect(self) -> None:
         if self._conn is not None:
             return
+        if self._background:
+            _lower_priority()
         conn = sqlite3.connect(
             self._path,
             timeout=self._busy_timeout_s,
@@ -270,7 +301,9 @@ class Database:
         self.reader = SqliteThread(
             path, "sqlite-read", busy_timeout_s=busy_timeout_s, pragmas=("query_only=ON",)
         )
-        self.maintenance = SqliteThread(path, "sqlite-maintenance", busy_timeout_s=busy_timeout_s)
+        self.maintenance = SqliteThread(
+            path, "sqlite-maintenance", busy_timeout_s=busy_timeout_s, background=True
+        )
 
     async def open(self, timeout_s: float) -> None:
         """Opens every connection and creates (or checks) the schema."""
