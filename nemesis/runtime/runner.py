@@ -153,6 +153,10 @@ class IntegrationRunner:
         self._events = EventFactory(config)
         self._type_key = config.source.type_key
         self._disabled = frozenset(config.flags.disabled_types)
+        self._batch_size = config.delivery.batch.size
+        # Nothing to do between reading and delivering: no pipeline, no disabled types,
+        # messages shown as they were read (the main flow). Kept current by apply().
+        self._plain = not self._disabled and self._pipeline.is_empty and self._view is _same
         self._log = logs.bind(log, integration=config.name, flow=self.flow.name)
         self._tracker = AckTracker()
         self._scheduler = Scheduler(config.delivery.ordering, clock)
@@ -221,6 +225,8 @@ class IntegrationRunner:
             raise ValueError(f"runner {self.name} cannot take the settings of {config.name}")
         self.config = config
         self._disabled = frozenset(config.flags.disabled_types)
+        self._batch_size = config.delivery.batch.size
+        self._plain = not self._disabled and self._pipeline.is_empty and self._view is _same
         if self._pool is not None and not self._stopping.is_set():
             # Not while draining: the workers are leaving on purpose.
             self._pool.resize(config.delivery.workers)
@@ -402,7 +408,7 @@ class IntegrationRunner:
                     first = await scheduler.get()
                 finally:
                     slot.idle = False
-            if self.config.delivery.batch.size == 1:
+            if self._batch_size == 1:
                 await self._process([first])
             else:
                 await self._process(await self._next_batch(first))
@@ -437,13 +443,16 @@ class IntegrationRunner:
         live = batch if _all_alive(batch) else self._drop_stale(batch)
         if not live:
             return
-        if self._disabled or not self._pipeline.is_empty:
+        if self._plain:
+            make_event = self._events
+            if len(live) == 1:
+                events = [make_event(live[0].message, live[0].attempt)]
+            else:
+                events = [make_event(work.message, work.attempt) for work in live]
+        elif self._disabled or not self._pipeline.is_empty:
             live, events = await self._prepare(live)
             if not live:
                 return
-        elif self._view is _same:
-            make_event = self._events
-            events = [make_event(work.message, work.attempt) for work in live]
         else:
             make_event, view = self._events, self._view
             events = [make_event(view(work.message), work.attempt) for work in live]
@@ -594,7 +603,9 @@ class IntegrationRunner:
 
     def _finish_all(self, works: list[Work]) -> None:
         first = works[0].acks
-        if first is not None and len(works) > 1 and all(w.acks is first for w in works):
+        if first is not None and len(works) == 1:
+            self._tracker.acked(first.ack(works[0].message))
+        elif first is not None and all(w.acks is first for w in works):
             # A batch from one partition, the usual case: one call for all of it.
             self._tracker.acked(first.ack_all([w.message for w in works]))
         else:
@@ -690,6 +701,9 @@ def _session_runs(messages: Sequence[Message]) -> list[Sequence[Message]]:
 
 def _all_alive(batch: list[Work]) -> bool:
     """Whether every message of a batch still belongs to a live partition session."""
+    if len(batch) == 1:
+        session = batch[0].message.session
+        return session is None or session.alive
     seen: PartitionSession | None = None
     for work in batch:
         session = work.message.session
