@@ -526,3 +526,21 @@ def test_the_breaker_agrees_with_a_naive_model(
                 assert change.failures / size > open_above
             else:
                 assert (change.failures + size - change.requests) / size < close_below
+
+
+def test_answers_recorded_without_a_permit_while_closed_count_like_permitted_ones() -> None:
+    # The runner sends without a permit while the breaker is closed and reports with record().
+    clock = FakeClock()
+    breaker = CircuitBreaker(config(), clock=clock)
+    assert breaker.closed
+    for healthy in [True] * 6 + [False] * 6:  # 6 of 12: 50%, not above
+        breaker.record(healthy)
+    assert breaker.closed
+    assert (breaker.statistics().window_requests, breaker.statistics().window_failures) == (12, 6)
+    breaker.record(False)  # 7 of 13: 54%
+    assert not breaker.closed
+    assert breaker.state is OPEN
+    assert breaker.statistics().transitions == {(CLOSED, OPEN): 1}
+    # An answer that comes back after the breaker opened is not evidence for a probe round.
+    breaker.record(False)
+    assert breaker.statistics().ignored_answers == 1
