@@ -342,10 +342,10 @@ def _structured_bytes(event: Event, source_json: bytes, trust_json: bool) -> byt
 
 def _rfc3339_bytes(unix_s: float) -> bytes:
     seconds, micros = divmod(int(unix_s * 1_000_000 + 0.5), 1_000_000)
-    text = _SECONDS.get(seconds)
-    if text is None:
-        text = _utc_second(seconds)
-    return b"%b.%06dZ" % (text.encode("ascii"), micros)
+    head = _SECOND_HEADS.get(seconds)
+    if head is None:
+        head = _second_head(seconds)
+    return b"%b%06dZ" % (head, micros)
 
 
 @functools.lru_cache(maxsize=1024)

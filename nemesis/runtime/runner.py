@@ -152,11 +152,7 @@ class IntegrationRunner:
         self._options = options
         self._events = EventFactory(config)
         self._type_key = config.source.type_key
-        self._disabled = frozenset(config.flags.disabled_types)
-        self._batch_size = config.delivery.batch.size
-        # Nothing to do between reading and delivering: no pipeline, no disabled types,
-        # messages shown as they were read (the main flow). Kept current by apply().
-        self._plain = not self._disabled and self._pipeline.is_empty and self._view is _same
+        self._take_live_settings(config)
         self._log = logs.bind(log, integration=config.name, flow=self.flow.name)
         self._tracker = AckTracker()
         self._scheduler = Scheduler(config.delivery.ordering, clock)
@@ -224,9 +220,7 @@ class IntegrationRunner:
         if config.name != self.name:
             raise ValueError(f"runner {self.name} cannot take the settings of {config.name}")
         self.config = config
-        self._disabled = frozenset(config.flags.disabled_types)
-        self._batch_size = config.delivery.batch.size
-        self._plain = not self._disabled and self._pipeline.is_empty and self._view is _same
+        self._take_live_settings(config)
         if self._pool is not None and not self._stopping.is_set():
             # Not while draining: the workers are leaving on purpose.
             self._pool.resize(config.delivery.workers)
@@ -236,6 +230,13 @@ class IntegrationRunner:
             self.resume()
         # The intake may be waiting for room under the old buffer bound.
         self._progress.set()
+
+    def _take_live_settings(self, config: IntegrationConfig) -> None:
+        self._disabled = frozenset(config.flags.disabled_types)
+        self._batch_size = config.delivery.batch.size
+        # Nothing to do between reading and delivering: no pipeline, no disabled types,
+        # messages shown as they were read (the main flow).
+        self._plain = not self._disabled and self._pipeline.is_empty and self._view is _same
 
     def statistics(self) -> RunnerStats:
         """A snapshot of the queues, the workers and the counters."""
@@ -331,14 +332,13 @@ class IntegrationRunner:
             # Read every round: the buffer may be changed while running.
             buffer = self.config.delivery.buffer
             free = buffer - self._tracker.unfinished
-            if free < _refill_at(buffer, self._options.max_receive):
+            refill = _refill_at(buffer, self._options.max_receive)
+            if free < refill:
                 # Under load the buffer is refilled in reads of some size, not a read per
                 # finished message (each read is a trip to the broker). stop() sets
                 # _progress too, so a plain wait on it is enough.
                 self._progress.clear()
-                if buffer - self._tracker.unfinished < _refill_at(
-                    buffer, self._options.max_receive
-                ):
+                if buffer - self._tracker.unfinished < refill:
                     await self._progress.wait()
                 continue
             self._flow_control(reader)

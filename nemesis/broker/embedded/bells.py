@@ -50,7 +50,7 @@ from typing import Any
 
 import msgspec
 
-from nemesis.broker.embedded.tail import ReadRow
+from nemesis.broker.embedded.tail import ReadRow, read_row
 from nemesis.clock import Clock
 
 logger = logging.getLogger(__name__)
@@ -152,8 +152,7 @@ def encode_rows(topic_id: int, inserted: Sequence[tuple[Any, ...]]) -> bytes | N
         rows = by_partition.get(row[1])
         if rows is None:
             rows = by_partition[row[1]] = []
-        # As log.read fetches it (see tail.ReadRow).
-        rows.append((row[2], row[9], row[7], row[8], row[6], row[5], row[4], row[3]))
+        rows.append(read_row(row))
     payload = _ROWS_ENCODER.encode(list(by_partition.items()))
     return _ROWS_HEAD.pack(_ROWS_MARK, topic_id) + payload
 

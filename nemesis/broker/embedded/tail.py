@@ -24,6 +24,21 @@ from typing import Any
 # (offset, value, key, metadata JSON, producer_id, seqno, created_at, written_at).
 ReadRow = tuple[int, bytes, "str | None", "str | None", "str | None", "int | None", float, float]
 
+
+def read_row(inserted: Sequence[Any]) -> ReadRow:
+    """A row in ``log.append``'s insert layout, as ``log.read`` would fetch it back."""
+    return (
+        inserted[2],
+        inserted[9],
+        inserted[7],
+        inserted[8],
+        inserted[6],
+        inserted[5],
+        inserted[4],
+        inserted[3],
+    )
+
+
 MAX_ROWS_PER_PARTITION = 1024
 MAX_BYTES_PER_TOPIC = 8 * 1024 * 1024
 MIN_BYTES_PER_PARTITION = 64 * 1024
@@ -77,7 +92,7 @@ class TailCache:
             run = self._runs.get(key)
             if run is None:
                 run = self._runs[key] = _Run()
-            run.add((row[2], row[9], row[7], row[8], row[6], row[5], row[4], row[3]))
+            run.add(read_row(row))
             touched.add(run)
         for run in touched:
             run.trim(self._max_rows, max_bytes)
