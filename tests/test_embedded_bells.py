@@ -317,6 +317,37 @@ async def test_small_appends_reach_a_reader_in_another_process_without_a_file_re
     assert broker.bell_statistics().rows_received >= count - PARTITIONS
 
 
+async def test_a_reader_fed_by_rings_does_not_poll_the_file_between_them(tmp_path: Path) -> None:
+    # The default wakeups: a poll soon after data. Appends 10 ms apart leave that
+    # poll time to run between every two rings, if announced data set it off.
+    opened = await open_embedded(backend(tmp_path / "n.db"))
+    try:
+        await opened.admin.create_topic("t", partitions=PARTITIONS, consumers=[ConsumerSpec("c")])
+        reader = await opened.reader("t", "c")
+        await reader.receive(10, 0.05)
+        count = 100
+        writer = await run_script(
+            tmp_path, "writer", WRITER_SCRIPT, str(tmp_path / "n.db"), "t", str(count), "100", "-1"
+        )
+        got: list[Message] = []
+        try:
+            while len(got) < count:
+                batch = await reader.receive(500, 2.0)
+                assert batch, f"only {len(got)} of {count} arrived:\n{stderr_of(tmp_path)}"
+                got.extend(batch)
+        finally:
+            assert await writer.wait() == 0, stderr_of(tmp_path)
+        assert sorted(int(m.value.split()[0]) for m in got) == list(range(count))
+        stats = reader.statistics()
+        # Reads to start each partition's cached run, one per tail window (a second
+        # of appends, 0.2 s windows) in case a ring was lost, and the idle polls
+        # before the first ring (17 when written): not one or two per gap (over 200).
+        assert stats.file_reads <= 30, stats
+        await reader.close()
+    finally:
+        await opened.close()
+
+
 async def test_rows_from_rings_are_what_the_file_holds(
     broker: EmbeddedBroker, tmp_path: Path
 ) -> None:

@@ -313,13 +313,11 @@ class Bell:
         """One datagram, and whether its sender runs as this user."""
         if not self._credentials:
             return self._socket.recv(_RECV_BYTES), False
-        data, ancillary, flags, _ = self._socket.recvmsg(
-            _RECV_BYTES, socket.CMSG_SPACE(_CREDENTIALS.size)
-        )
-        if flags & socket.MSG_TRUNC:
+        data, ancillary, flags, _ = self._socket.recvmsg(_RECV_BYTES, _ANCILLARY_BYTES)
+        if flags & _MSG_TRUNC:
             return data, False
         for level, kind, value in ancillary:
-            if level == socket.SOL_SOCKET and kind == _SCM_CREDENTIALS:
+            if level == _SOL_SOCKET and kind == _SCM_CREDENTIALS:
                 _, uid, _ = _CREDENTIALS.unpack_from(value)
                 return data, uid == self._uid
         return data, False
@@ -336,6 +334,11 @@ class Bell:
 
 
 _SCM_CREDENTIALS: int | None = getattr(socket, "SCM_CREDENTIALS", None)
+# Plain ints: the socket module's are enum members, and their `&` and `==` cost a
+# call into the enum machinery for every ring received.
+_MSG_TRUNC = int(socket.MSG_TRUNC)
+_SOL_SOCKET = int(socket.SOL_SOCKET)
+_ANCILLARY_BYTES = socket.CMSG_SPACE(_CREDENTIALS.size) if hasattr(socket, "CMSG_SPACE") else 0
 
 
 def _enable_credentials(sock: socket.socket) -> bool:

@@ -262,13 +262,18 @@ class EmbeddedReader:
             )
             while not self._closed:
                 if read_now:
+                    announced = self._dirty and self._bell is not None
                     self._dirty = False
                     self._read_at = loop.time()
                     batch = await self._read(
                         max_messages, max(deadline - loop.time(), READ_TIMEOUT_S)
                     )
                     if batch:
-                        self._poll_s = self._poll_min_s
+                        # Data no ring announced: more may follow unannounced, so poll
+                        # soon. Announced data says nothing about lost rings: polling
+                        # soon after it would read the file between rings for nothing.
+                        if not announced:
+                            self._poll_s = self._poll_min_s
                         return batch
                     self._raise_if_failed()
                 remaining = deadline - loop.time()
