@@ -351,6 +351,9 @@ class IntegrationRunner:
             )
             if messages:
                 self._admit(messages)
+                # The workers this woke start their requests first: the intake's round
+                # back to the reader would otherwise delay each of them by its length.
+                await asyncio.sleep(0)
 
     def _admit(self, messages: Sequence[Message]) -> None:
         admitted = 0
