@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import sqlite3
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from nemesis.broker.embedded import EmbeddedBroker, open_embedded
+from nemesis.broker.embedded import EmbeddedBroker, leases, open_embedded
+from nemesis.broker.embedded.reader import EmbeddedSession
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage
 from nemesis.config.models import EmbeddedBackendConfig
 
@@ -274,3 +276,53 @@ async def test_acknowledged_writes_survive_kill_9(broker: EmbeddedBroker, tmp_pa
     writer = await broker.writer("t", producer_id="w")
     results = await writer.write([OutgoingMessage(value=b"again", seqno=acknowledged - 1)])
     assert results[0].status.value == "duplicate"
+
+
+async def test_a_commit_is_fenced_by_the_lease_and_never_moves_back(tmp_path: Path) -> None:
+    path = tmp_path / "n.db"
+    broker = await open_embedded(EmbeddedBackendConfig(path=str(path), lease_s=30))
+    try:
+        await broker.admin.create_topic("t", partitions=1, consumers=[ConsumerSpec("c")])
+        reader = await broker.reader("t", "c")
+        [session] = reader.sessions()
+        assert isinstance(session, EmbeddedSession)
+        topic_id = reader.topic_id
+        conn = sqlite3.connect(path, isolation_level=None)
+        try:
+
+            def commit(
+                offset: int, generation: int = session.id, owner: str = session.holder
+            ) -> bool:
+                return leases.commit_offset(
+                    conn,
+                    topic_id=topic_id,
+                    consumer="c",
+                    partition=0,
+                    owner=owner,
+                    generation=generation,
+                    offset=offset,
+                    now=time.time(),
+                )
+
+            def committed() -> int | None:
+                row = conn.execute(
+                    "SELECT committed FROM offsets WHERE topic_id = ? AND partition_id = 0",
+                    (topic_id,),
+                ).fetchone()
+                return None if row is None else int(row[0])
+
+            assert commit(5)
+            assert committed() == 5
+            assert commit(3)  # the lease holds; the offset stays where it was
+            assert committed() == 5
+            assert commit(9)
+            assert committed() == 9
+            assert not commit(12, generation=session.id + 1)  # a lease taken over
+            assert not commit(12, owner="someone-else")
+            assert committed() == 9
+            assert not conn.in_transaction  # committed on its own, nothing left open
+        finally:
+            conn.close()
+        await reader.close()
+    finally:
+        await broker.close()

@@ -218,19 +218,30 @@ def commit_offset(
     takes it over later reads the committed offset in its own transaction,
     after this one.
     """
-    with write_transaction(conn):
-        fence = conn.execute(
-            "SELECT 1 FROM leases WHERE topic_id = ? AND consumer = ? AND partition_id = ?"
-            " AND owner = ? AND generation = ?",
-            (topic_id, consumer, partition, owner, generation),
-        ).fetchone()
-        if fence is None:
-            return False
-        conn.execute(
-            "INSERT INTO offsets (topic_id, consumer, partition_id, committed, committed_at)"
-            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic_id, consumer, partition_id) DO UPDATE"
-            " SET committed = excluded.committed, committed_at = excluded.committed_at"
-            " WHERE excluded.committed > offsets.committed",
-            (topic_id, consumer, partition, offset, now),
-        )
-    return True
+    # One statement, committed on its own: the write lock is held only while SQLite
+    # runs it. As a transaction of several statements it was also held while this
+    # thread waited for the GIL between them, and an append in another process
+    # that found it taken slept a whole millisecond in SQLite's busy handler.
+    # The update always writes a fenced row, so a row count of 1 means the lease held.
+    cursor = conn.execute(
+        "INSERT INTO offsets (topic_id, consumer, partition_id, committed, committed_at)"
+        " SELECT ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM leases WHERE topic_id = ?"
+        " AND consumer = ? AND partition_id = ? AND owner = ? AND generation = ?)"
+        " ON CONFLICT (topic_id, consumer, partition_id) DO UPDATE"
+        " SET committed = max(offsets.committed, excluded.committed),"
+        " committed_at = CASE WHEN excluded.committed > offsets.committed"
+        " THEN excluded.committed_at ELSE offsets.committed_at END",
+        (
+            topic_id,
+            consumer,
+            partition,
+            offset,
+            now,
+            topic_id,
+            consumer,
+            partition,
+            owner,
+            generation,
+        ),
+    )
+    return cursor.rowcount == 1
