@@ -50,6 +50,7 @@ from typing import Any
 
 import msgspec
 
+from nemesis.broker.embedded.db import when_unlocked
 from nemesis.broker.embedded.tail import ReadRow, read_row
 from nemesis.clock import Clock
 
@@ -122,9 +123,11 @@ def remove(conn: sqlite3.Connection, *, topic_id: int, member_id: str) -> None:
 
 def lookup(conn: sqlite3.Connection, topic_id: int, now: float) -> list[bytes]:
     """The live bell addresses of a topic, each once."""
+    # Read on the write connection, which polls for locks (see db.poll_for_locks).
     return [
         bytes(row[0])
-        for row in conn.execute(
+        for row in when_unlocked(
+            conn,
             "SELECT DISTINCT address FROM bells WHERE topic_id = ? AND expires_at >= ?",
             (topic_id, now),
         )

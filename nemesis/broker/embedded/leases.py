@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from nemesis.broker.embedded import bells
-from nemesis.broker.embedded.db import write_transaction
+from nemesis.broker.embedded.db import when_unlocked, write_transaction
 from nemesis.errors import TopicNotFound
 
 
@@ -223,7 +223,8 @@ def commit_offset(
     # thread waited for the GIL between them, and an append in another process
     # that found it taken slept a whole millisecond in SQLite's busy handler.
     # The update always writes a fenced row, so a row count of 1 means the lease held.
-    cursor = conn.execute(
+    cursor = when_unlocked(
+        conn,
         "INSERT INTO offsets (topic_id, consumer, partition_id, committed, committed_at)"
         " SELECT ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM leases WHERE topic_id = ?"
         " AND consumer = ? AND partition_id = ? AND owner = ? AND generation = ?)"
