@@ -27,7 +27,7 @@ from nemesis.broker.embedded.bells import (
     read_ring,
 )
 from nemesis.broker.embedded.tail import ReadRow, TailCache
-from nemesis.broker.port import ConsumerSpec, Message, OutgoingMessage
+from nemesis.broker.port import ConsumerSpec, Message, OutgoingMessage, TopicReader
 from nemesis.config.models import EmbeddedBackendConfig
 
 PARTITIONS = 4
@@ -159,6 +159,25 @@ async def broker(tmp_path: Path) -> AsyncIterator[EmbeddedBroker]:
 
 def stderr_of(tmp_path: Path) -> str:
     return "".join(p.read_text() for p in tmp_path.glob("*.stderr"))
+
+
+async def receive_while_writing(
+    reader: TopicReader,
+    count: int,
+    writer: asyncio.subprocess.Process,
+    tmp_path: Path,
+    timeout_s: float = 2.0,
+) -> list[Message]:
+    """The ``count`` messages a writer process appends, received as it writes them."""
+    got: list[Message] = []
+    try:
+        while len(got) < count:
+            batch = await reader.receive(500, timeout_s)
+            assert batch, f"only {len(got)} of {count} arrived:\n{stderr_of(tmp_path)}"
+            got.extend(batch)
+    finally:
+        assert await writer.wait() == 0, stderr_of(tmp_path)
+    return got
 
 
 def socket_file_exists(address: bytes) -> bool:
@@ -298,14 +317,7 @@ async def test_small_appends_reach_a_reader_in_another_process_without_a_file_re
     writer = await run_script(
         tmp_path, "writer", WRITER_SCRIPT, str(tmp_path / "n.db"), "t", str(count), "500", "-1"
     )
-    got: list[Message] = []
-    try:
-        while len(got) < count:  # as the writer writes
-            batch = await reader.receive(500, 2.0)
-            assert batch, f"only {len(got)} of {count} arrived:\n{stderr_of(tmp_path)}"
-            got.extend(batch)
-    finally:
-        assert await writer.wait() == 0, stderr_of(tmp_path)
+    got = await receive_while_writing(reader, count, writer, tmp_path)
     for partition in range(PARTITIONS):
         mine = [int(m.value.split()[0]) for m in got if m.partition == partition]
         assert mine == list(range(partition, count, PARTITIONS))
@@ -329,14 +341,7 @@ async def test_a_reader_fed_by_rings_does_not_poll_the_file_between_them(tmp_pat
         writer = await run_script(
             tmp_path, "writer", WRITER_SCRIPT, str(tmp_path / "n.db"), "t", str(count), "100", "-1"
         )
-        got: list[Message] = []
-        try:
-            while len(got) < count:
-                batch = await reader.receive(500, 2.0)
-                assert batch, f"only {len(got)} of {count} arrived:\n{stderr_of(tmp_path)}"
-                got.extend(batch)
-        finally:
-            assert await writer.wait() == 0, stderr_of(tmp_path)
+        got = await receive_while_writing(reader, count, writer, tmp_path)
         assert sorted(int(m.value.split()[0]) for m in got) == list(range(count))
         stats = reader.statistics()
         # Reads to start each partition's cached run, one per tail window (a second
@@ -357,14 +362,7 @@ async def test_rows_from_rings_are_what_the_file_holds(
     writer = await run_script(
         tmp_path, "mixed", MIXED_WRITER_SCRIPT, str(tmp_path / "n.db"), str(count)
     )
-    got: list[Message] = []
-    try:
-        while len(got) < count:
-            batch = await reader.receive(500, 5.0)
-            assert batch, f"only {len(got)} of {count} arrived:\n{stderr_of(tmp_path)}"
-            got.extend(batch)
-    finally:
-        assert await writer.wait() == 0, stderr_of(tmp_path)
+    got = await receive_while_writing(reader, count, writer, tmp_path, 5.0)
     # Read again, from the file alone, by a second consumer: field for field the same.
     from_file = await open_embedded(backend(tmp_path / "n.db"), wakeups=Wakeups(bells=False))
     try:
@@ -410,14 +408,7 @@ async def test_rows_of_a_sender_that_cannot_be_vouched_for_are_not_taken(
     writer = await run_script(
         tmp_path, "writer", WRITER_SCRIPT, str(tmp_path / "n.db"), "t", "40", "500", "-1"
     )
-    got: list[Message] = []
-    try:
-        while len(got) < 40:
-            batch = await reader.receive(500, 2.0)
-            assert batch
-            got.extend(batch)
-    finally:
-        assert await writer.wait() == 0, stderr_of(tmp_path)
+    got = await receive_while_writing(reader, 40, writer, tmp_path)
     assert sorted(int(m.value.split()[0]) for m in got) == list(range(40))
     assert broker.bell_statistics().rows_received == 0
     assert reader.statistics().cache_reads == 0  # every append was read from the file
