@@ -26,9 +26,11 @@ from nemesis.broker.embedded.bells import (
     encode_rows,
     read_ring,
 )
+from nemesis.broker.embedded.reader import EmbeddedReader
 from nemesis.broker.embedded.tail import ReadRow, TailCache
 from nemesis.broker.port import ConsumerSpec, Message, OutgoingMessage, TopicReader
 from nemesis.config.models import EmbeddedBackendConfig
+from tests.operability import wait_until_true
 
 PARTITIONS = 4
 # Polling alone would find an append after 250 ms on average: anything much
@@ -351,6 +353,34 @@ async def test_a_reader_fed_by_rings_does_not_poll_the_file_between_them(tmp_pat
         await reader.close()
     finally:
         await opened.close()
+
+
+async def test_rows_in_the_cache_go_out_before_the_file_is_looked_at(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    reader = await broker.reader("t", "c")
+    assert isinstance(reader, EmbeddedReader)
+    await reader.receive(10, 0.05)
+    writer = await run_script(
+        tmp_path, "writer", WRITER_SCRIPT, str(tmp_path / "n.db"), "t", "8", "200", "-1"
+    )
+    await receive_while_writing(reader, 8, writer, tmp_path)
+    writer = await run_script(
+        tmp_path, "writer", WRITER_SCRIPT, str(tmp_path / "n.db"), "t", "4", "200", "-1"
+    )
+    assert await writer.wait() == 0, stderr_of(tmp_path)
+    await wait_until_true(lambda: broker.bell_statistics().rows_received >= 12)
+    before = reader.statistics()
+    assert reader._tail_since is not None  # the one switch this test needs
+    reader._tail_since -= 1.0  # the tail window (0.5 s here) is over: the file is due a look
+    assert len(await reader.receive(500, 1.0)) == 4
+    after = reader.statistics()
+    # Served from the cache, with no trip to the read thread first...
+    assert (after.cache_reads, after.file_reads) == (before.cache_reads + 1, before.file_reads)
+    # ...and the look comes at once with the next receive, not at the next poll: one
+    # that may not wait at all still reads the file.
+    assert not await reader.receive(500, 0.0)
+    assert reader.statistics().file_reads == before.file_reads + 1
 
 
 async def test_rows_from_rings_are_what_the_file_holds(

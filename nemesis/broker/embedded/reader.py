@@ -194,7 +194,8 @@ class EmbeddedReader:
         self._tail_window_s = wakeups.belled_poll_max_s if bell else TAIL_WINDOW_S
         self._dirty = False  # set by wake(): something may be readable now
         # Set by ring(): another process appended, so the file has rows the
-        # tail cache cannot have.
+        # tail cache cannot have; and when the tail window is over. The next
+        # read goes to the file.
         self._rung = False
         self._rings = 0
         self._file_reads = 0
@@ -320,17 +321,18 @@ class EmbeddedReader:
         """Messages straight from the tail cache, or None when the file must be read.
 
         The file is read instead when a partition may have a backlog there
-        (it was not caught up at the last file read), at once after a ring
-        that carried no rows (or rows the cache could not continue with), and
-        at least every tail window while the cache keeps answering: a poll
-        interval with a bell (for a lost ring), TAIL_WINDOW_S without one
-        (writers in other processes only show up in the file then).
+        (it was not caught up at the last file read), and at once after a ring
+        that carried no rows (or rows the cache could not continue with). It
+        is also read at least every tail window while the cache keeps
+        answering: a poll interval with a bell (for a lost ring), TAIL_WINDOW_S
+        without one (writers in other processes only show up in the file
+        then); the rows the cache holds go out first, and the next receive
+        reads the file at once, so that this look is not on their way.
         """
         if self._rung:
             return None
         now = asyncio.get_running_loop().time()
-        if self._tail_since is not None and now - self._tail_since > self._tail_window_s:
-            return None
+        look_due = self._tail_since is not None and now - self._tail_since > self._tail_window_s
         tail, topic_id = self._tail, self._topic.id
         covered = []
         for session in sessions:
@@ -340,7 +342,9 @@ class EmbeddedReader:
                 return None
         if not covered:
             return None
-        if self._tail_since is None:
+        if look_due:
+            self._rung = self._dirty = True  # the file next, at once
+        elif self._tail_since is None:
             self._tail_since = now
         requests = [log.ReadRequest(s, s.position) for s in covered]
         log.fill(self._topic.name, requests, max_messages, partial(tail.get, topic_id))
