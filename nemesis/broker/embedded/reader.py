@@ -258,6 +258,7 @@ class EmbeddedReader:
             # poll is due (for a lost ring). Without one, every receive reads.
             read_now = (
                 self._dirty
+                or self._rung
                 or not (self._bell and self._drained)
                 or loop.time() - self._read_at >= self._poll_s
             )
@@ -343,7 +344,8 @@ class EmbeddedReader:
         if not covered:
             return None
         if look_due:
-            self._rung = self._dirty = True  # the file next, at once
+            # The file next, at once (not as announced data: what it finds, no ring told of).
+            self._rung = True
         elif self._tail_since is None:
             self._tail_since = now
         requests = [log.ReadRequest(s, s.position) for s in covered]
