@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,44 +24,61 @@ def holder(tmp_path: Path) -> Iterator[sqlite3.Connection]:
     conn.close()
 
 
-def test_a_writer_waits_in_short_steps_for_a_lock_held_elsewhere(
-    holder: sqlite3.Connection, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+WRITER = "waiting-writer"
+
+
+def write_while_locked(
+    holder: sqlite3.Connection, tmp_path: Path, write: Callable[[db.Connection], None]
 ) -> None:
-    writer_thread: list[threading.Thread] = []
-    pauses: list[float] = []
-    real_sleep = time.sleep
+    """``write`` on its own thread and polling connection, while ``holder`` holds the write lock.
 
-    def recording_sleep(seconds: float) -> None:
-        if threading.current_thread() in writer_thread:
-            pauses.append(seconds)
-        real_sleep(seconds)
-
-    monkeypatch.setattr(time, "sleep", recording_sleep)
+    Checks that it waits, then frees the lock and checks that it finished.
+    """
     connected, written = threading.Event(), threading.Event()
-    timeout_after: list[tuple[int]] = []
 
-    def write() -> None:  # a connection lives on the thread that made it
+    def run() -> None:  # a connection lives on the thread that made it
         ours = db.connect(tmp_path / "n.db", busy_timeout_s=5.0)
         db.poll_for_locks(ours)
         connected.set()
-        with db.write_transaction(ours):
-            ours.execute("INSERT INTO t VALUES (1)")
-        written.set()
-        timeout_after.append(ours.execute("PRAGMA busy_timeout").fetchone())
-        ours.close()
+        try:
+            write(ours)
+            written.set()
+        finally:
+            ours.close()
 
     holder.execute("BEGIN IMMEDIATE")
-    thread = threading.Thread(target=write)
-    writer_thread.append(thread)
+    thread = threading.Thread(target=run, name=WRITER)
     try:
         thread.start()
         assert connected.wait(5)
-        real_sleep(0.05)
-        assert not written.is_set()  # the lock is held: it waits
+        time.sleep(0.05)
+        assert not written.is_set()  # the lock is held: it waits (without that, fails at once)
     finally:
         holder.execute("COMMIT")
         thread.join(5)
     assert written.is_set()
+
+
+def test_a_writer_waits_in_short_steps_for_a_lock_held_elsewhere(
+    holder: sqlite3.Connection, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pauses: list[float] = []
+    real_sleep = time.sleep
+
+    def recording_sleep(seconds: float) -> None:
+        if threading.current_thread().name == WRITER:
+            pauses.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", recording_sleep)
+    timeout_after: list[tuple[int]] = []
+
+    def write(ours: db.Connection) -> None:
+        with db.write_transaction(ours):
+            ours.execute("INSERT INTO t VALUES (1)")
+        timeout_after.append(ours.execute("PRAGMA busy_timeout").fetchone())
+
+    write_while_locked(holder, tmp_path, write)
     assert holder.execute("SELECT n FROM t").fetchall() == [(1,)]
     # From 50 us, doubling, never above 1 ms: SQLite's own first sleep is 1 ms.
     assert pauses[:5] == pytest.approx([50e-6, 100e-6, 200e-6, 400e-6, 800e-6])
@@ -114,21 +131,10 @@ def test_a_single_statement_waits_for_the_lock_too(
     holder: sqlite3.Connection, tmp_path: Path
 ) -> None:
     done: list[int] = []
-
-    def write() -> None:
-        ours = db.connect(tmp_path / "n.db", busy_timeout_s=5.0)
-        db.poll_for_locks(ours)
-        done.append(db.when_unlocked(ours, "INSERT INTO t VALUES (?)", (4,)).rowcount)
-        ours.close()
-
-    holder.execute("BEGIN IMMEDIATE")
-    thread = threading.Thread(target=write)
-    try:
-        thread.start()
-        time.sleep(0.05)
-        assert not done  # without waiting it would have failed at once: busy timeout 0
-    finally:
-        holder.execute("COMMIT")
-        thread.join(5)
+    write_while_locked(
+        holder,
+        tmp_path,
+        lambda ours: done.append(db.when_unlocked(ours, "INSERT INTO t VALUES (?)", (4,)).rowcount),
+    )
     assert done == [1]
     assert holder.execute("SELECT n FROM t").fetchall() == [(4,)]
