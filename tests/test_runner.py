@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import defaultdict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,14 @@ import orjson
 import pytest
 
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
+from nemesis.broker.embedded.reader import EmbeddedReader
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
 from nemesis.delivery.http import http_transport
+from nemesis.delivery.port import DeliveryResult, Event, Outcome
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions
 from nemesis.testing import HandlerServer, LedgerEntry
+from tests.operability import wait_until_true
 
 FAST = RunnerOptions(receive_timeout_s=0.05, commit_interval_s=0.02, shutdown_grace_s=5)
 
@@ -232,3 +235,56 @@ async def test_revoked_partitions_are_not_committed_by_the_old_owner(
     assert len(moved) == 2
     assert redelivered == {(p, o) for p in moved for o in range(10)}
     assert await committed(broker) == {p: 10 for p in range(4)}
+
+
+class _WritesInATask:
+    """A transport that sends each request in a task of its own, as aiohttp does on Python 3.11."""
+
+    def __init__(self, log: list[str]) -> None:
+        self._log = log
+
+    async def deliver(self, event: Event) -> DeliveryResult:
+        await asyncio.create_task(self._send(event))
+        return DeliveryResult(Outcome.DELIVERED, status=200)
+
+    async def _send(self, event: Event) -> None:
+        self._log.append(f"sent {event.message.offset}")
+
+    async def deliver_batch(self, events: Sequence[Event]) -> DeliveryResult:
+        raise AssertionError("not batching")
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_woken_worker_sends_before_the_intake_reads_again(
+    broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Latency: the intake's round back to the reader must not sit between a
+    # message's admission and its request going out.
+    log: list[str] = []
+    receive = EmbeddedReader.receive
+
+    async def logged_receive(self: EmbeddedReader, max_messages: int, timeout_s: float) -> Any:
+        log.append("receive")
+        got = await receive(self, max_messages, timeout_s)
+        log.extend(f"read {m.offset}" for m in got)
+        return got
+
+    monkeypatch.setattr(EmbeddedReader, "receive", logged_receive)
+    await publish(broker, 0, partitions=1)
+    cfg = config("http://127.0.0.1:9/", delivery={"workers": 4})
+    runner = IntegrationRunner(cfg, broker, _WritesInATask(log), options=FAST)
+    task = asyncio.create_task(runner.run())
+    try:
+        writer = await broker.writer("orders")
+        for n in range(3):
+            await writer.write([OutgoingMessage(value=orjson.dumps({"n": n}), partition=0)])
+            await wait_until_true(lambda n=n: f"sent {n}" in log, timeout_s=10)
+        await writer.close()
+    finally:
+        runner.stop()
+        await task
+    for n in range(3):
+        read = log.index(f"read {n}")
+        assert log[read + 1 : read + 3] == [f"sent {n}", "receive"], log[read - 1 : read + 4]
