@@ -181,6 +181,31 @@ async def test_append_read_commit(broker: EmbeddedBroker) -> None:
     assert await reader.receive(10, 0.05) == ()
 
 
+async def test_the_broker_time_is_read_once_the_write_lock_is_held(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    # A log-append time: an append that waited for another writer is stamped
+    # after it, so written_at follows the offsets of a partition.
+    await broker.admin.create_topic("t", partitions=1, consumers=[ConsumerSpec("c")])
+    writer = await broker.writer("t")
+    await writer.write([OutgoingMessage(value=b"before")])
+    holder = sqlite3.connect(tmp_path / "nemesis.db", isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        waiting = asyncio.create_task(writer.write([OutgoingMessage(value=b"waited")]))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # it waits for the lock
+        freed_at = time.time()
+        holder.execute("COMMIT")
+        await waiting
+    finally:
+        holder.close()
+    reader = await broker.reader("t", "c")
+    before, waited = await receive_all(reader, 2)
+    assert before.written_at < freed_at <= waited.written_at
+    assert waited.created_at == waited.written_at  # no time of the producer's: the broker's
+
+
 async def test_restart_redelivers_from_the_committed_offset(tmp_path: Path) -> None:
     config = backend(tmp_path / "nemesis.db")
     first = await open_embedded(config)

@@ -139,8 +139,8 @@ class EmbeddedWriter:
         batch, target, clock, ringer = tuple(messages), self._target, broker.clock, broker.ringer
 
         def append(conn: sqlite3.Connection) -> log.Appended:
-            # The time is read when the transaction runs, not when it was queued.
-            appended = log.append(conn, target, batch, clock.time())
+            # The time is read under the write lock, not when the write was queued.
+            appended = log.append(conn, target, batch, clock.time)
             if appended.rows:
                 # Rung from the write thread right after the commit, so readers
                 # elsewhere start reading while this result travels to the loop.

@@ -240,17 +240,22 @@ def append(
     conn: sqlite3.Connection,
     target: AppendTarget,
     messages: Sequence[OutgoingMessage],
-    now: float,
+    clock: Callable[[], float],
 ) -> Appended:
     """Appends a batch in one transaction, skipping duplicates by producer seqno.
 
     De-duplication follows YDB: per topic and producer, a message whose
     seqno is not above the last written one is a duplicate (also within the
     batch); a message without seqno is always written.
+
+    ``written_at`` is read from ``clock`` once the write lock is held, as a
+    broker's log-append time is: appends to a partition are stamped in the
+    order they are written, whichever writer waited longer for the lock.
     """
     topic = target.topic
     partitions = [_choose_partition(target, m) for m in messages]
     with write_transaction(conn):
+        now = clock()
         ends: dict[int, int] = dict(
             conn.execute(
                 "SELECT partition_id, end_offset FROM partitions WHERE topic_id = ?", (topic.id,)
