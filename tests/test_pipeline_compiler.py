@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -16,6 +17,7 @@ from nemesis.pipeline import (
     PipelineChecker,
     Verdict,
     build_integration_pipeline,
+    changed_sources,
     compile_file,
     load_pipeline,
 )
@@ -320,6 +322,45 @@ def test_an_integration_names_a_pipeline_and_passes_a_live_flags_holder(tmp_path
     disabled[0] = ["order.created"]
     assert pipeline.process(message({"city": "msk"})).stage == "0-route_by_type"
     assert metrics.stage_meter("orders", "0-route_by_type").filtered == 1
+
+
+def test_a_pipeline_knows_the_files_it_was_built_from(tmp_path: Path) -> None:
+    descriptor_pb2: Any = pytest.importorskip("google.protobuf.descriptor_pb2")
+    files = descriptor_pb2.FileDescriptorSet()
+    proto = files.file.add(name="shop/order.proto", package="shop.v1", syntax="proto3")
+    order = proto.message_type.add(name="Order")
+    kinds = descriptor_pb2.FieldDescriptorProto
+    order.field.add(name="city", number=1, type=kinds.TYPE_STRING, label=kinds.LABEL_OPTIONAL)
+    pipelines = tmp_path / "pipelines"
+    pipelines.mkdir()
+    descriptors = pipelines / "orders.pb"
+    descriptors.write_bytes(files.SerializeToString())
+    named = write(
+        pipelines,
+        "cities.yaml",
+        "stages:\n  - decode: {format: protobuf, descriptor_set: orders.pb,"
+        " message_type: shop.v1.Order}\n  - filter: {match: {city: msk}}\n",
+    )
+    path = write(tmp_path, "orders.yaml", INTEGRATION.format(name="orders") + "pipeline: cities\n")
+    pipeline = build_integration_pipeline(
+        load_integration_file(path, env={}), pipelines_dir=pipelines
+    )
+    assert set(pipeline.sources) == {descriptors, named}
+    assert changed_sources(pipeline.sources) == []
+    named.write_text(named.read_text() + "# a comment is a change too\n")
+    assert changed_sources(pipeline.sources) == [named]
+    descriptors.unlink()
+    assert set(changed_sources(pipeline.sources)) == {descriptors, named}
+    # Inline stages: the integration file is compared as configuration, not as a source.
+    inline = write(
+        tmp_path,
+        "inline.yaml",
+        INTEGRATION.format(name="inline") + "pipeline:\n  - filter: {match: {city: msk}}\n",
+    )
+    built = build_integration_pipeline(
+        load_integration_file(inline, env={}), pipelines_dir=pipelines, integration_file=inline
+    )
+    assert built.sources == {}
 
 
 def test_without_a_holder_the_flags_of_the_config_are_used(tmp_path: Path) -> None:

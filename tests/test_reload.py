@@ -56,13 +56,17 @@ async def reloading(reloader: ConfigReloader) -> AsyncIterator[ConfigReloader]:
 
 
 def proxy_from(
-    broker: EmbeddedBroker, directory: Path, metrics: Metrics | None = None
+    broker: EmbeddedBroker,
+    directory: Path,
+    metrics: Metrics | None = None,
+    pipelines_dir: Path | None = None,
 ) -> tuple[Proxy, ConfigReloader]:
     """A proxy started from a directory the way ``nemesis run`` starts it, and its reloader."""
     integrations, problems = load_integrations(directory)
     proxy = Proxy(
         broker,
         integrations,
+        pipelines_dir=pipelines_dir or directory.parent / "pipelines",
         integration_files={name: directory / f"{name}.yaml" for name in integrations},
         metrics=metrics,
         runner_options=FAST,
@@ -198,6 +202,84 @@ async def test_a_file_whose_pipeline_does_not_build_is_reported_and_not_started(
         assert report.restarted == {}
         assert report.kept == ["alpha"]
         assert [p.field for p in alpha.problems] == ["pipeline"]
+
+
+def numbers_filter(bounds: str) -> str:
+    """A pipeline file passing the messages ``{"n": n}`` whose n is within ``bounds``."""
+    return f"description: some numbers\nstages:\n  - filter:\n      match:\n        n: {bounds}\n"
+
+
+def delivered_numbers(handler: HandlerServer) -> set[int]:
+    return {json.loads(entry.body)["n"] for entry in handler.ledger if entry.done}
+
+
+async def test_a_changed_pipeline_file_restarts_the_integrations_that_use_it(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    await publish(broker, 200, consumers=["alpha", "beta"])
+    directory = tmp_path / "integrations"
+    directory.mkdir()
+    pipelines = tmp_path / "pipelines"
+    pipelines.mkdir()
+    numbers = pipelines / "numbers.yaml"
+    numbers.write_text(numbers_filter("{lt: 50}"))
+    async with HandlerServer() as alpha_handler, HandlerServer() as beta_handler:
+        (directory / "alpha.yaml").write_text(
+            integration_yaml("alpha", alpha_handler.url, extra="pipeline: numbers\n")
+        )
+        (directory / "beta.yaml").write_text(integration_yaml("beta", beta_handler.url))
+        proxy, reloader = proxy_from(broker, directory, pipelines_dir=pipelines)
+        async with running(proxy), reloading(reloader):
+            await alpha_handler.ledger.wait_for(50, timeout_s=30)
+            await beta_handler.ledger.wait_for(200, timeout_s=30)
+            alpha, beta = proxy.groups["alpha"], proxy.groups["beta"]
+            await wait_until_true(lambda: alpha.runners["main"].statistics().unfinished == 0)
+
+            # The pipelines directory is watched: an edit restarts alpha alone, on the new file.
+            numbers.write_text(numbers_filter("{gte: 150}"))
+            await wait_until_true(lambda: proxy.groups["alpha"] is not alpha, timeout_s=10)
+            assert reloader.last is not None
+            assert reloader.last.trigger == "watch"
+            assert reloader.last.restarted == {"alpha": [str(numbers)]}
+            assert proxy.groups["beta"] is beta
+            await publish(broker, 100, start=200)
+            await alpha_handler.ledger.wait_for(150, timeout_s=30)
+            assert delivered_numbers(alpha_handler) == set(range(50)) | set(range(200, 300))
+            for _ in range(200):  # the filtered ones are committed too
+                if await committed(broker, "alpha") == 300:
+                    break
+                await asyncio.sleep(0.05)
+            assert await committed(broker, "alpha") == 300
+
+            # A pipeline file that no longer builds is reported with its line and field;
+            # alpha runs on with the pipeline it has.
+            restarted = proxy.groups["alpha"]
+            numbers.write_text(numbers_filter("{gte: 150, near: 3}"))
+            await wait_until_true(lambda: bool(restarted.problems), timeout_s=10)
+            assert proxy.groups["alpha"] is restarted
+            [problem] = restarted.problems
+            assert (problem.file, problem.line) == (str(numbers), 5)
+            assert "near" in problem.message
+            assert reloader.last is not None
+            assert reloader.last.kept == ["alpha"]
+            assert reloader.last.restarted == {}
+            await publish(broker, 10, start=300)
+            await alpha_handler.ledger.wait_for(160, timeout_s=30)
+
+            # Fixed, it is picked up; a reload with nothing changed restarts nothing.
+            numbers.write_text(numbers_filter("{gte: 1000}"))
+            await wait_until_true(lambda: proxy.groups["alpha"] is not restarted, timeout_s=10)
+            assert proxy.groups["alpha"].problems == []
+            report = await reloader.reload("api")
+            assert (report.restarted, report.applied, report.added) == ({}, {}, [])
+            await publish(broker, 10, start=310)
+            await publish(broker, 1, start=1000)  # within the new bounds
+            await alpha_handler.ledger.wait_for(161, timeout_s=30)
+            await asyncio.sleep(0.3)
+            assert delivered_numbers(alpha_handler) == (
+                set(range(50)) | set(range(200, 310)) | {1000}
+            )
+    assert beta_handler.ledger.duplicates() == {}
 
 
 async def test_an_integration_waiting_for_its_topic_says_so(

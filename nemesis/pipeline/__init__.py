@@ -45,6 +45,7 @@ from nemesis.pipeline.stage import (
     StageConfig,
     StageConfigError,
     StageFailure,
+    changed_sources,
 )
 from nemesis.pipeline.testing import PipelineTestReport, check_test_file, run_pipeline_tests
 
@@ -72,6 +73,7 @@ __all__ = [
     "StageType",
     "Verdict",
     "build_integration_pipeline",
+    "changed_sources",
     "check_test_file",
     "compile_file",
     "compile_pattern",

@@ -23,6 +23,7 @@ import enum
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from time import perf_counter
 from typing import Final, NamedTuple
 
@@ -124,11 +125,14 @@ _new_result = tuple.__new__
 class Pipeline:
     """Stages compiled once, run per message by ``process``."""
 
-    __slots__ = ("_filtered", "_steps", "name", "stages")
+    __slots__ = ("_filtered", "_steps", "name", "sources", "stages")
 
     def __init__(self, stages: Sequence[CompiledStage] = (), *, name: str = "") -> None:
         self.name = name
         self.stages = tuple(stages)
+        # The files it was built from (its pipeline file, descriptor sets) and the digest
+        # of each as read: see BuildContext.sources. Set by build_integration_pipeline.
+        self.sources: Mapping[Path, str] = {}
         self._steps = tuple(
             (compiled.stage.process, compiled.meter, compiled.label) for compiled in self.stages
         )

@@ -22,6 +22,7 @@ are tests (``nemesis.pipeline.testing``), not pipelines.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import re
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
@@ -38,7 +39,7 @@ from nemesis.errors import ConfigError, ConfigProblem
 from nemesis.metrics import Metrics, StageMeter
 from nemesis.pipeline.compiled import CompiledStage, Pipeline
 from nemesis.pipeline.registry import StageRegistry, default_registry
-from nemesis.pipeline.stage import BuildContext, Stage, StageConfig, StageConfigError
+from nemesis.pipeline.stage import BuildContext, Stage, StageConfig, StageConfigError, digest
 from nemesis.pipeline.stages.decode import decode_json
 
 AUTO_DECODE = "auto-decode"
@@ -373,7 +374,13 @@ def build_integration_pipeline(
                 [ConfigProblem(where, _line(integration_file, env), "pipeline", message)]
             )
         context = BuildContext(found.parent, integration.source.type_key, holder)
-        return load_pipeline(found, registry=registry, context=context, meters=meters, env=env)
+        with contextlib.suppress(OSError):  # unreadable: load_pipeline says so
+            # Before the build: a change made meanwhile makes the next reload rebuild
+            # once more, never miss it.
+            context.sources[found] = digest(found.read_bytes())
+        named = load_pipeline(found, registry=registry, context=context, meters=meters, env=env)
+        named.sources = context.sources
+        return named
     document = YamlDocument(where, data={"pipeline": reference})
     base_dir = Path()
     if integration_file is not None:
@@ -393,6 +400,7 @@ def build_integration_pipeline(
     )
     if pipeline is None:
         raise ConfigError(sort_problems(problems))
+    pipeline.sources = context.sources
     return pipeline
 
 

@@ -13,6 +13,7 @@ the ``nemesis.errors`` tree.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,6 +112,36 @@ class BuildContext:
     type_key: str = "type"
     # The integration's flags.disabled_types as they are *now*: called per message.
     disabled_types: Callable[[], Collection[str]] = _no_types
+    # The files the build read, each with the digest of what was read: a reload
+    # rebuilds the integration when one of them has changed (see ``read``).
+    sources: dict[Path, str] = field(default_factory=dict)
+
+    def read(self, path: Path) -> bytes:
+        """The bytes of a file a stage is built from (a descriptor set); kept in ``sources``."""
+        data = path.read_bytes()
+        self.sources[path] = digest(data)
+        return data
+
+
+def digest(data: bytes) -> str:
+    """What ``BuildContext.sources`` keeps of a file's content."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def changed_sources(sources: Mapping[Path, str]) -> list[Path]:
+    """The files among ``sources`` whose content is no longer what was read (or that are gone).
+
+    Blocking (it reads every file): call it from a thread when on the event loop.
+    """
+    changed = []
+    for path, known in sources.items():
+        try:
+            now = digest(path.read_bytes())
+        except OSError:
+            now = None
+        if now != known:
+            changed.append(path)
+    return changed
 
 
 @dataclass(frozen=True, slots=True)

@@ -179,6 +179,11 @@ class Proxy:
         return self._groups
 
     @property
+    def pipelines_dir(self) -> Path:
+        """Where named pipelines (``pipeline: <name>``) are found."""
+        return Path(self._pipelines_dir)
+
+    @property
     def runners(self) -> Mapping[str, IntegrationRunner]:
         """The main-flow runner of every integration that has started."""
         return {

@@ -11,13 +11,19 @@ start, and brings the running integrations in line with it:
   restarts that integration alone: the new configuration is built first, the
   old one drains (its in-flight messages finish and are committed), then the
   new one starts;
+* so does a change in a file its pipeline was built from: the named
+  pipeline's ``pipelines/<name>.yaml`` or a descriptor set a ``decode`` stage
+  reads (each integration using it restarts; a pipeline file that no longer
+  builds is reported, and they run on as they were);
 * a removed file drains and stops its integration;
 * a file that does not validate (or whose pipeline does not build) is
   reported, with file, line and field, in the log and the admin API, and
   ignored: its integration keeps running on the last good configuration.
 
-What triggers a reload: a change in the directory (``reload.watch``, through
-``watchfiles``: inotify, or polling with ``reload.force_polling``), SIGHUP
+What triggers a reload: a change in the directory or in the pipelines
+directory (``reload.watch``, through ``watchfiles``: inotify, or polling with
+``reload.force_polling``; a descriptor set elsewhere is compared at every
+reload but not watched), SIGHUP
 (``kill -HUP <pid>``), or ``POST /config/reload`` on the admin API. Reloads
 never overlap; requests that arrive during one are folded into one more.
 Kubernetes updates a mounted ConfigMap by swapping a symlink in the
@@ -39,6 +45,7 @@ from nemesis.config.loader import YAML_SUFFIXES, load_integrations
 from nemesis.config.models import IntegrationConfig
 from nemesis.config.problems import sort_problems
 from nemesis.errors import ConfigError, ConfigProblem
+from nemesis.pipeline import changed_sources
 from nemesis.runtime import overrides as live
 from nemesis.runtime.app import Proxy
 
@@ -161,6 +168,10 @@ class ConfigReloader:
         problems = list(problems)
         by_name = _problems_by_file(problems, directory)
         proxy = self._proxy
+        # Pipeline files (and descriptor sets) that changed since their integration was built.
+        stale = await asyncio.to_thread(
+            _stale_sources, {name: group.pipeline.sources for name, group in proxy.groups.items()}
+        )
         added: list[str] = []
         applied: dict[str, list[str]] = {}
         restarts: dict[str, tuple[IntegrationConfig, list[str]]] = {}
@@ -173,8 +184,8 @@ class ConfigReloader:
                 if group is None:
                     proxy.add_integration(config, file)
                     added.append(name)
-                elif config != group.yaml:
-                    restart = live.needs_restart(group.yaml, config)
+                elif config != group.yaml or name in stale:
+                    restart = [*live.needs_restart(group.yaml, config), *stale.get(name, ())]
                     if restart:
                         restarts[name] = (config, restart)
                     else:
@@ -260,12 +271,16 @@ class ConfigReloader:
                 directory,
             )
             return
+        watched = [directory]
+        pipelines = self._proxy.pipelines_dir
+        if pipelines.is_dir() and pipelines.resolve() != directory.resolve():
+            watched.append(pipelines)
         while True:
             try:
                 # Every change counts (no filter): a ConfigMap update is a symlink swap of
                 # dot-named entries, and a reload of an unchanged directory changes nothing.
                 async for _ in awatch(
-                    directory,
+                    *watched,
                     watch_filter=None,
                     debounce=self._debounce_ms,
                     recursive=False,
@@ -304,6 +319,16 @@ class ConfigReloader:
         if self._last_success_at is not None:
             success.add_metric([], self._last_success_at)
         return [reloads, invalid, success]
+
+
+def _stale_sources(sources: Mapping[str, Mapping[Path, str]]) -> dict[str, list[str]]:
+    """Integration -> the files its pipeline was built from that have changed since (blocking)."""
+    stale: dict[str, list[str]] = {}
+    for name, files in sources.items():
+        changed = changed_sources(files)
+        if changed:
+            stale[name] = [str(path) for path in changed]
+    return stale
 
 
 def _file_names(directory: Path) -> set[str]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from pathlib import Path
 from typing import Any, Literal
 
 import orjson
@@ -71,13 +70,13 @@ def build_decode(config: DecodeConfig, context: BuildContext) -> Stage:
             )
         process: StageFunction = decode_json
     else:
-        process = _protobuf_decoder(config, context.base_dir)
+        process = _protobuf_decoder(config, context)
     if config.on_error == "drop":
         process = dropping_failures(process)
     return Stage(process, decodes=True)
 
 
-def _protobuf_decoder(config: DecodeConfig, base_dir: Path) -> StageFunction:
+def _protobuf_decoder(config: DecodeConfig, context: BuildContext) -> StageFunction:
     issues = [
         ConfigIssue((name,), "required with format: protobuf")
         for name in ("descriptor_set", "message_type")
@@ -102,9 +101,9 @@ def _protobuf_decoder(config: DecodeConfig, base_dir: Path) -> StageFunction:
             ]
         ) from None
     decode_error: type[Exception] = message_module.DecodeError
-    path = base_dir / config.descriptor_set
+    path = context.base_dir / config.descriptor_set
     try:
-        data = path.read_bytes()
+        data = context.read(path)
     except OSError as exc:
         raise StageConfigError(
             [ConfigIssue(("descriptor_set",), f"cannot read {path}: {exc.strerror or exc}")]
