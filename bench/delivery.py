@@ -3,7 +3,8 @@
 Prints, on this machine:
   (a) messages/s through `nemesis run` (a subprocess) to a fast local handler,
   (b) the same handler driven by a bare loop of the same client (aiohttp) at the
-      same concurrency, and the ratio a/b (target >= 0.8),
+      same concurrency, and the ratio a/b (target >= 0.8); also the loop without
+      aiohttp's per-request timeout, and a against that,
   (c) (a) with batches of 100 per request (target >= 50,000 msg/s),
   (d) embedded log append and read rates,
   (e) p50/p99 latency added by the proxy at 1,000 msg/s (target p99 <= 1.2 ms),
@@ -213,8 +214,13 @@ async def through_proxy(
     return (expected - first_count) * scale / (now - first_at), rss
 
 
-async def bare_client(handler: Handler, count: int, concurrency: int) -> float:
-    """Requests/s of a plain aiohttp loop: same payload, headers and concurrency."""
+async def bare_client(handler: Handler, count: int, concurrency: int, timed: bool = True) -> float:
+    """Requests/s of a plain aiohttp loop: same payload, headers and concurrency.
+
+    With aiohttp's default timeout, as a loop written for the job would have;
+    ``timed=False`` takes it away (no deadline at all), for comparison with
+    the proxy, which keeps its deadlines with one timer (nemesis.delivery.deadlines).
+    """
     headers = {
         "content-type": "application/json",
         "ce-specversion": "1.0",
@@ -228,7 +234,9 @@ async def bare_client(handler: Handler, count: int, concurrency: int) -> float:
         "ce-attempt": "1",
     }
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    no_timeout = aiohttp.ClientTimeout(total=None, sock_connect=None)
+    timeout = aiohttp.client.DEFAULT_TIMEOUT if timed else no_timeout
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         remaining = count
 
         done, mark, started = 0, count // WARM_UP, time.perf_counter()
@@ -425,16 +433,16 @@ async def delivery_part(space: Workspace, args: argparse.Namespace) -> None:
     handler = Handler()
     try:
         proxy_rates, rss = [], []
-        bare_rates = []
+        bare_rates, untimed_rates = [], []
         for _ in range(args.repeat):
             rate, peak = await through_proxy(
                 space, handler, f"single{_}", args.messages, args.workers, 1
             )
             proxy_rates.append(rate)
             rss.append(peak)
-            bare_rates.append(
-                run_pinned("bare", str(handler.port), str(args.messages), str(args.workers))
-            )
+            loop_args = (str(handler.port), str(args.messages), str(args.workers))
+            bare_rates.append(run_pinned("bare", *loop_args))
+            untimed_rates.append(run_pinned("bare-untimed", *loop_args))
         batched, batched_rss = await through_proxy(
             space, handler, "batched", args.messages * 5, 8, 100
         )
@@ -449,6 +457,11 @@ async def delivery_part(space: Workspace, args: argparse.Namespace) -> None:
     )
     print(f"  (b) bare aiohttp loop, same concurrency:  {b:>10,.0f} req/s  {fmt(bare_rates)}")
     print(f"      ratio a/b:                            {a / b:>10.2f}   (target >= 0.8)")
+    untimed = statistics.median(untimed_rates)
+    print(
+        f"      (b) with no timeout at all:           {untimed:>10,.0f} req/s  {fmt(untimed_rates)}"
+    )
+    print(f"      ratio a / that:                       {a / untimed:>10.2f}")
     print(
         f"  (c) nemesis run, batches of 100:          {batched:>10,.0f} msg/s  (target >= 50,000)"
     )
@@ -501,11 +514,12 @@ def child(name: str, args: Sequence[str]) -> None:
     if name == "direct":
         _run(direct_client(int(args[0]), float(args[1]), float(args[2])))
         print("null")
-    if name == "bare":
+    if name in ("bare", "bare-untimed"):
         port, count, concurrency = (int(a) for a in args)
         handler = Handler.__new__(Handler)
         handler.url = f"http://127.0.0.1:{port}/"
-        print(json.dumps(_run(bare_client(handler, count, concurrency))))
+        rate = _run(bare_client(handler, count, concurrency, timed=name == "bare"))
+        print(json.dumps(rate))
 
 
 def _run(coroutine: Any) -> Any:

@@ -268,6 +268,66 @@ async def test_hung_handler_times_out(server: HandlerServer) -> None:
     assert (result.outcome, result.error) == (Outcome.RETRY, "timeout after 0.1s")
 
 
+async def test_each_delivery_times_out_at_its_own_deadline(server: HandlerServer) -> None:
+    """One timer serves the transport (nemesis.delivery.deadlines): none is cut early.
+
+    With one pooled connection the later ones wait for it, and that wait counts.
+    """
+    server.hang()
+    delivering = http_transport(
+        target(server, timeout_s=0.3), integration=INTEGRATION, max_connections=1
+    )
+    try:
+        deliveries = []
+        for n in range(3):
+            deliveries.append(asyncio.create_task(delivering.deliver(make_event(f"e{n}"))))
+            await asyncio.sleep(0.1)
+        results = await asyncio.gather(*deliveries)
+    finally:
+        await delivering.close()
+        server.release()
+    for result in results:
+        assert (result.outcome, result.error) == (Outcome.RETRY, "timeout after 0.3s")
+        assert 0.3 <= result.duration_s < 1.0
+    assert delivering.statistics().in_flight == 0
+
+
+async def test_a_delivery_answered_in_time_leaves_its_task_alone(
+    server: HandlerServer,
+) -> None:
+    delivering = http_transport(
+        target(server, timeout_s=0.1), integration=INTEGRATION, max_connections=1
+    )
+    try:
+        result = await delivering.deliver(make_event())
+        await asyncio.sleep(0.3)  # past the deadline the delivery had
+    finally:
+        await delivering.close()
+    assert result.outcome is Outcome.DELIVERED
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0
+
+
+async def test_a_cancelled_delivery_is_cancelled_not_timed_out(server: HandlerServer) -> None:
+    server.hang()
+    delivering = http_transport(
+        target(server, timeout_s=5.0), integration=INTEGRATION, max_connections=2
+    )
+    try:
+        delivery = asyncio.create_task(delivering.deliver(make_event()))
+        await server.ledger.wait_until(lambda ledger: ledger.requests == 1, timeout_s=2.0)
+        delivery.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await delivery
+        assert delivering.statistics().in_flight == 0
+        server.release()
+        assert (await delivering.deliver(make_event("next"))).outcome is Outcome.DELIVERED
+    finally:
+        await delivering.close()
+        server.release()
+
+
 async def test_connection_refused_is_retry(server: HandlerServer, transport: HttpTransport) -> None:
     await server.refuse_connections()
 

@@ -13,6 +13,7 @@ per CPU second (research/perf-baseline.md).
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import errno
 import re
@@ -33,6 +34,7 @@ from nemesis.delivery.cloudevents import (
     constant_headers,
     source_for,
 )
+from nemesis.delivery.deadlines import Deadlines
 from nemesis.delivery.port import DeliveryResult, Event, Outcome
 from nemesis.errors import ConfigError, ConfigProblem
 
@@ -49,6 +51,9 @@ DRAIN_LIMIT_BYTES: Final = 256 * 1024
 KEEPALIVE_S: Final = 4.0
 # Sets of shared headers a transport keeps (one per event type and topic it delivers).
 _CONSTANT_HEADER_SETS: Final = 256
+_NO_TIMEOUT: Final = aiohttp.ClientTimeout(
+    total=None, connect=None, sock_read=None, sock_connect=None
+)
 
 _DEAD_STATUSES: Final = frozenset({400, 409, 410, 413, 415, 422})
 _COME_BACK_LATER_STATUSES: Final = frozenset({408, 425, 429})
@@ -156,6 +161,7 @@ class HttpTransport:
             raise ValueError("max_connections must be at least 1")
         self._url = target.url
         self._timeout_s = target.timeout_s
+        self._deadlines = Deadlines(target.timeout_s)
         self._max_connections = max_connections
         self._clock = clock
         self._source = source_for(integration)
@@ -213,6 +219,7 @@ class HttpTransport:
         self._closed = True
         if self._session is not None:
             await self._session.close()
+        self._deadlines.close()
 
     def statistics(self) -> HttpTransportStatistics:
         """A snapshot of the counters."""
@@ -228,7 +235,9 @@ class HttpTransport:
         return aiohttp.ClientSession(
             connector=connector,
             cookie_jar=aiohttp.DummyCookieJar(),
-            timeout=aiohttp.ClientTimeout(total=self._timeout_s),
+            # No timeout of aiohttp's own: _post keeps target.timeout_s with Deadlines
+            # (one timer per transport instead of one per request; see that module).
+            timeout=_NO_TIMEOUT,
             raise_for_status=False,
             # The body is drained unread: decompressing it is waste.
             auto_decompress=False,
@@ -245,35 +254,42 @@ class HttpTransport:
         session = self._session
         started = self._clock.monotonic()
         self._in_flight += 1
+        # target.timeout_s, from here to the end of the answer: the wait for a pooled
+        # connection and a resend included.
+        deadlines = self._deadlines
+        deadline = deadlines.start()
+        timed_out = False
         try:
-            timeout = session.timeout
             resent = False
             while True:
                 self._requests += 1
                 try:
                     async with session.post(
-                        self._url,
-                        data=body,
-                        headers=headers,
-                        allow_redirects=False,
-                        timeout=timeout,
+                        self._url, data=body, headers=headers, allow_redirects=False
                     ) as response:
                         kept = await _drain(response)
                         return self._answered(response, kept, sent, started)
-                except TimeoutError:
-                    return self._failed(f"timeout after {self._timeout_s}s", started)
                 except (aiohttp.ClientError, OSError) as exc:
-                    remaining = self._timeout_s - (self._clock.monotonic() - started)
-                    if not resent and _died_under_us(exc) and not self._closed and remaining > 0:
+                    if (
+                        not resent
+                        and _died_under_us(exc)
+                        and not self._closed
+                        and deadlines.left(deadline) > 0
+                    ):
                         # The pooled connection was closed by the handler as we reused it
                         # (an idle-timeout race). Sending again at once beats a trip through
                         # the retry tiers; the handler de-duplicates by ce-id anyway.
                         self._resends += 1
                         resent = True
-                        timeout = aiohttp.ClientTimeout(total=remaining)
                         continue
                     return self._failed(_describe(exc), started)
+        except asyncio.CancelledError:
+            if deadline.timed_out():
+                timed_out = True
+                return self._failed(f"timeout after {self._timeout_s}s", started)
+            raise
         finally:
+            deadlines.finish(deadline, timed_out=timed_out)
             self._in_flight -= 1
 
     def _answered(
