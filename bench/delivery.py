@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,13 @@ async def fill(db: Path, topic: str, count: int, partitions: int = 4, make: Any 
         await broker.close()
 
 
+@dataclass(frozen=True)
+class ProxyRun:
+    rate: float  # messages/s
+    rss_mb: float  # peak RSS of the proxy process
+    cpu_us: float  # CPU of the proxy process (every thread) per message, microseconds
+
+
 async def through_proxy(
     space: Workspace,
     handler: Handler,
@@ -177,8 +185,8 @@ async def through_proxy(
     workers: int,
     batch: int,
     pipeline: str = "",
-) -> tuple[float, float]:
-    """(messages/s, peak RSS MB) of `nemesis run` delivering `count` pre-published messages.
+) -> ProxyRun:
+    """Rate, peak RSS and CPU per message of `nemesis run` delivering `count` pre-published messages.
 
     With a pipeline that filters, the rate counts every message read (filtered
     ones included): the proxy is done when the handler has the passing quarter.
@@ -193,29 +201,39 @@ async def through_proxy(
         proxy = space.start_proxy()
         try:
             first_at = first_count = None
+            first_cpu = 0.0
             while True:
                 events = (await handler.stats(session))["events"]
                 now = time.perf_counter()
                 # Timed from a tenth of the way in, as the bare loop is: start-up
                 # (the admin API and the viewer start beside the runners) is not the rate.
                 if first_at is None and events >= expected // WARM_UP:
-                    first_at, first_count = now, events
+                    first_at, first_count, first_cpu = now, events, cpu_seconds(proxy.pid)
                 if events >= expected:
                     break
                 if proxy.poll() is not None:
                     raise RuntimeError(f"nemesis run exited with {proxy.returncode} (see above)")
                 await asyncio.sleep(0.02)
+            cpu = cpu_seconds(proxy.pid) - first_cpu
             rss = peak_rss_mb(proxy.pid)
         finally:
             proxy.send_signal(signal.SIGTERM)
             proxy.wait(30)
     assert first_at is not None and first_count is not None
-    scale = count / expected
-    return (expected - first_count) * scale / (now - first_at), rss
+    read = (expected - first_count) * count / expected
+    return ProxyRun(read / (now - first_at), rss, cpu / read * 1e6)
 
 
-async def bare_client(handler: Handler, count: int, concurrency: int, timed: bool = True) -> float:
-    """Requests/s of a plain aiohttp loop: same payload, headers and concurrency.
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def bare_client(
+    handler: Handler, count: int, concurrency: int, timed: bool = True
+) -> tuple[float, float]:
+    """(requests/s, CPU us per request) of a plain aiohttp loop: same payload, headers, concurrency.
 
     With aiohttp's default timeout, as a loop written for the job would have;
     ``timed=False`` takes it away (no deadline at all), for comparison with
@@ -240,9 +258,10 @@ async def bare_client(handler: Handler, count: int, concurrency: int, timed: boo
         remaining = count
 
         done, mark, started = 0, count // WARM_UP, time.perf_counter()
+        cpu_started = time.process_time()
 
         async def worker() -> None:
-            nonlocal remaining, done, started
+            nonlocal remaining, done, started, cpu_started
             while remaining > 0:
                 remaining -= 1
                 async with session.post(handler.url, data=PAYLOAD, headers=headers) as response:
@@ -250,9 +269,11 @@ async def bare_client(handler: Handler, count: int, concurrency: int, timed: boo
                 done += 1
                 if done == mark:
                     started = time.perf_counter()  # a tenth of the way in, as for (a)
+                    cpu_started = time.process_time()
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return (count - mark) / (time.perf_counter() - started)
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        return (count - mark) / elapsed, cpu / (count - mark) * 1e6
 
 
 def run_pinned(coroutine_name: str, *args: str) -> Any:
@@ -432,44 +453,60 @@ async def delivery_part(space: Workspace, args: argparse.Namespace) -> None:
     """(a), (b), (c), (g) and (f): throughput through the proxy against the bare loop."""
     handler = Handler()
     try:
-        proxy_rates, rss = [], []
-        bare_rates, untimed_rates = [], []
+        runs: list[ProxyRun] = []
+        bare: list[tuple[float, float]] = []
+        untimed: list[tuple[float, float]] = []
         for _ in range(args.repeat):
-            rate, peak = await through_proxy(
-                space, handler, f"single{_}", args.messages, args.workers, 1
+            runs.append(
+                await through_proxy(space, handler, f"single{_}", args.messages, args.workers, 1)
             )
-            proxy_rates.append(rate)
-            rss.append(peak)
             loop_args = (str(handler.port), str(args.messages), str(args.workers))
-            bare_rates.append(run_pinned("bare", *loop_args))
-            untimed_rates.append(run_pinned("bare-untimed", *loop_args))
-        batched, batched_rss = await through_proxy(
-            space, handler, "batched", args.messages * 5, 8, 100
-        )
-        filtered, _ = await through_proxy(
+            bare.append(tuple(run_pinned("bare", *loop_args)))
+            untimed.append(tuple(run_pinned("bare-untimed", *loop_args)))
+        batched = await through_proxy(space, handler, "batched", args.messages * 5, 8, 100)
+        filtered = await through_proxy(
             space, handler, "filtered", args.messages * 2, args.workers, 1, "city-filter"
         )
     finally:
         handler.close()
-    a, b = statistics.median(proxy_rates), statistics.median(bare_rates)
+    proxy_rates = [run.rate for run in runs]
+    a, b = statistics.median(proxy_rates), statistics.median(r for r, _ in bare)
+    b_untimed = statistics.median(r for r, _ in untimed)
+    # Per CPU second: the machine is shared, and a neighbour's load moves the rates
+    # of (a) and (b), measured one after the other, more than what each one costs.
+    a_cpu = statistics.median(run.cpu_us for run in runs)
+    b_cpu = statistics.median(c for _, c in bare)
+    untimed_cpu = statistics.median(c for _, c in untimed)
     print(
         f"  (a) nemesis run, 1 msg/request, {args.workers} workers: {a:>10,.0f} msg/s  {fmt(proxy_rates)}"
     )
-    print(f"  (b) bare aiohttp loop, same concurrency:  {b:>10,.0f} req/s  {fmt(bare_rates)}")
+    print(
+        f"  (b) bare aiohttp loop, same concurrency:  {b:>10,.0f} req/s  {fmt([r for r, _ in bare])}"
+    )
     print(f"      ratio a/b:                            {a / b:>10.2f}   (target >= 0.8)")
-    untimed = statistics.median(untimed_rates)
     print(
-        f"      (b) with no timeout at all:           {untimed:>10,.0f} req/s  {fmt(untimed_rates)}"
-    )
-    print(f"      ratio a / that:                       {a / untimed:>10.2f}")
-    print(
-        f"  (c) nemesis run, batches of 100:          {batched:>10,.0f} msg/s  (target >= 50,000)"
+        f"      per CPU second: (a) {1e6 / a_cpu:,.0f} msg ({a_cpu:.0f} us each),"
+        f" (b) {1e6 / b_cpu:,.0f} req ({b_cpu:.0f} us each): ratio {b_cpu / a_cpu:.2f}"
     )
     print(
-        f"  (g) city-filter pipeline dropping 75%:    {filtered:>10,.0f} msg/s read  ({filtered / a:.1f}x (a))"
+        f"      (b) with no timeout at all:           {b_untimed:>10,.0f} req/s"
+        f"  {fmt([r for r, _ in untimed])}"
     )
     print(
-        f"  (f) peak RSS of the proxy: {max(rss):.0f} MB (single), {batched_rss:.0f} MB (batched)"
+        f"      ratio a / that:                       {a / b_untimed:>10.2f}"
+        f"   (per CPU second: {untimed_cpu / a_cpu:.2f})"
+    )
+    print(
+        f"  (c) nemesis run, batches of 100:          {batched.rate:>10,.0f} msg/s"
+        f"  ({1e6 / batched.cpu_us:,.0f} per CPU second; target >= 50,000)"
+    )
+    print(
+        f"  (g) city-filter pipeline dropping 75%:    {filtered.rate:>10,.0f} msg/s read"
+        f"  ({filtered.rate / a:.1f}x (a))"
+    )
+    print(
+        f"  (f) peak RSS of the proxy: {max(run.rss_mb for run in runs):.0f} MB (single),"
+        f" {batched.rss_mb:.0f} MB (batched)"
     )
 
 
@@ -518,8 +555,7 @@ def child(name: str, args: Sequence[str]) -> None:
         port, count, concurrency = (int(a) for a in args)
         handler = Handler.__new__(Handler)
         handler.url = f"http://127.0.0.1:{port}/"
-        rate = _run(bare_client(handler, count, concurrency, timed=name == "bare"))
-        print(json.dumps(rate))
+        print(json.dumps(_run(bare_client(handler, count, concurrency, timed=name == "bare"))))
 
 
 def _run(coroutine: Any) -> Any:
