@@ -511,6 +511,42 @@ async def test_a_lost_ring_costs_a_poll_never_a_message(tmp_path: Path) -> None:
         await broker.close()
 
 
+async def test_an_idle_belled_reader_reads_the_file_only_when_a_poll_is_due(
+    tmp_path: Path,
+) -> None:
+    """Receives that time out between polls end without a trip to the file."""
+    polling = Wakeups(poll_min_s=0.4, poll_max_s=0.4, belled_poll_max_s=0.4)
+    broker = await open_embedded(backend(tmp_path / "n.db"), wakeups=polling)
+    other = await open_embedded(backend(tmp_path / "n.db"))
+    try:
+        await broker.admin.create_topic("t", partitions=1, consumers=[ConsumerSpec("c")])
+        reader = await broker.reader("t", "c")
+        assert reader.statistics().belled
+        started = time.monotonic()
+        for _ in range(10):
+            assert await reader.receive(10, 0.05) == ()
+        elapsed = time.monotonic() - started
+        reads = reader.statistics().file_reads
+        # The first receive reads (nothing was read yet), then one poll per 0.4 s: ten
+        # reads if each receive ended with one.
+        assert reads <= 1 + elapsed / 0.4 + 1, (reads, elapsed)
+        # What no ring announced is still found when a poll comes due.
+        address = broker.bell_statistics().address
+        assert address is not None
+        os.unlink(address)  # so the ring is lost
+        writer = await other.writer("t")
+        await writer.write([OutgoingMessage(value=b"unannounced")])
+        got: list[Message] = []
+        for _ in range(30):
+            got.extend(await reader.receive(10, 0.05))
+            if got:
+                break
+        assert [m.value for m in got] == [b"unannounced"]
+    finally:
+        await other.close()
+        await broker.close()
+
+
 async def test_a_reader_asked_without_waiting_still_polls(tmp_path: Path) -> None:
     polling = Wakeups(poll_min_s=0.02, poll_max_s=0.02, belled_poll_max_s=0.02)
     broker = await open_embedded(backend(tmp_path / "n.db"), wakeups=polling)

@@ -37,17 +37,23 @@ class Wakeups:
     A reader polls the file soon after data (the next message is likely
     close behind), doubling the interval while nothing comes, up to a cap.
     With a bell, rings carry the fast path and a poll only catches a lost
-    ring or a writer that has not seen the bell yet, so the cap is higher.
+    ring or a writer that has not seen the bell yet, so the cap is higher:
+    a topic nobody writes to is looked at once a second. While rings keep
+    a belled reader's tail cache answering, the file is still read every
+    ``belled_tail_window_s`` (a ring lost while data flows).
     """
 
     bells: bool = True
     poll_min_s: float = 0.002
     poll_max_s: float = 0.05
-    belled_poll_max_s: float = 0.2
+    belled_poll_max_s: float = 1.0
+    belled_tail_window_s: float = 0.2
 
     def __post_init__(self) -> None:
         if not 0 < self.poll_min_s <= min(self.poll_max_s, self.belled_poll_max_s):
             raise ValueError("poll intervals must be positive, the minimum below the maximums")
+        if self.belled_tail_window_s <= 0:
+            raise ValueError("the tail window must be positive")
 
 
 class EmbeddedSession:
@@ -190,8 +196,8 @@ class EmbeddedReader:
         # How long the tail cache may answer before the file is read anyway. Without
         # a bell, other processes' appends show up only there; with one, they ring
         # (with their rows, or to have the file read), so only a lost ring is left to
-        # catch, and that is allowed a poll interval.
-        self._tail_window_s = wakeups.belled_poll_max_s if bell else TAIL_WINDOW_S
+        # catch, and that is allowed a while.
+        self._tail_window_s = wakeups.belled_tail_window_s if bell else TAIL_WINDOW_S
         self._dirty = False  # set by wake(): something may be readable now
         # Set by ring(): another process appended, so the file has rows the
         # tail cache cannot have; and when the tail window is over. The next
@@ -283,8 +289,19 @@ class EmbeddedReader:
                     break
                 read_now = True
                 if not self._dirty:
-                    await self._wait(min(remaining, self._poll_s))
-                    self._poll_s = min(self._poll_s * 2, self._poll_max_s)
+                    poll_s = self._poll_s
+                    await self._wait(min(remaining, poll_s))
+                    self._poll_s = min(poll_s * 2, self._poll_max_s)
+                    if (
+                        self._bell
+                        and self._drained
+                        and not (self._dirty or self._rung)
+                        and loop.time() - self._read_at < poll_s
+                    ):
+                        # The time is up before the next poll is due, and nothing was
+                        # announced: nothing to read. (Reading anyway made every idle
+                        # receive end with a trip to the file.)
+                        break
         return ()
 
     async def _read(self, max_messages: int, timeout_s: float) -> list[Message]:
