@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ import pytest
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.broker.embedded.reader import EmbeddedReader
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage
+from nemesis.clock import SystemClock
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
 from nemesis.delivery.http import http_transport
 from nemesis.delivery.port import DeliveryResult, Event, Outcome
@@ -203,6 +204,42 @@ async def test_graceful_stop_commits_what_finished_and_nothing_more(
     await task
     assert len(handler.ledger.duplicates()) == 0  # drained: nothing was left in flight
     assert await committed(broker) == {p: 500 for p in range(4)}
+
+
+class _CountingClock(SystemClock):
+    """The system clock, counting the sleeps of each length."""
+
+    def __init__(self) -> None:
+        self.sleeps: Counter[float] = Counter()
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps[seconds] += 1
+        await super().sleep(seconds)
+
+
+async def test_an_idle_flow_commits_nothing_until_it_reads_again(
+    broker: EmbeddedBroker, handler: HandlerServer
+) -> None:
+    await publish(broker, 100)
+    clock = _CountingClock()
+    cfg = config(handler.url)
+    transport = http_transport(cfg.target, integration=cfg.name, max_connections=4)
+    runner = IntegrationRunner(cfg, broker, transport, options=FAST, clock=clock)
+    task = asyncio.create_task(runner.run())
+    try:
+        await handler.ledger.wait_for(100, timeout_s=30)
+        await wait_until_true(lambda: runner.statistics().outstanding == 0)
+        ticks = clock.sleeps[FAST.commit_interval_s]
+        await asyncio.sleep(0.5)  # 25 commit intervals with nothing to commit
+        assert clock.sleeps[FAST.commit_interval_s] <= ticks + 1
+        # The next read wakes the commits up again.
+        await publish(broker, 40)
+        await handler.ledger.wait_for(140, timeout_s=30)
+        await wait_until_true(lambda: runner.statistics().outstanding == 0)
+    finally:
+        runner.stop()
+        await task
+    assert sum((await committed(broker)).values()) == 140
 
 
 async def test_revoked_partitions_are_not_committed_by_the_old_owner(

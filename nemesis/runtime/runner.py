@@ -162,6 +162,7 @@ class IntegrationRunner:
         if not config.paused:
             self._resumed.set()
         self._progress = asyncio.Event()  # set whenever a message finishes or a session is dropped
+        self._admitted = asyncio.Event()  # set by every read that admitted messages
         self._commit_lock = asyncio.Lock()
         self._paused_sessions: dict[tuple[str, int, int], PartitionSession] = {}
         self._pool: WorkerPool | None = None
@@ -384,6 +385,7 @@ class IntegrationRunner:
         self._messages_read += admitted
         self._last_read_at = self._clock.monotonic()
         self._m_read.inc(admitted)
+        self._admitted.set()
 
     def _flow_control(self, reader: TopicReader) -> None:
         """Pauses partitions with too much uncommitted behind a slow message; resumes drained."""
@@ -633,12 +635,19 @@ class IntegrationRunner:
     # --- commits ------------------------------------------------------------
 
     async def _commit_loop(self, reader: TopicReader) -> None:
+        tracker = self._tracker
         while True:
             await self._clock.sleep(self._options.commit_interval_s)
             # Shielded: the runs are taken from the tracker before they are sent, so a
             # cancelled commit would lose them; the final commit waits for this one.
             await asyncio.shield(self._commit(reader))
             self._flow_control(reader)
+            if tracker.outstanding == 0 and not self._paused_sessions:
+                # Nothing read and not yet committed, nothing paused: nothing to do until
+                # the next read. (An idle flow, such as a retry tier, ticked ten times a
+                # second: 43% of an idle proxy's CPU with one integration.)
+                self._admitted.clear()
+                await self._admitted.wait()
 
     async def _commit(self, reader: TopicReader) -> None:
         async with self._commit_lock:
