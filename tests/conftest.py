@@ -10,7 +10,7 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 
@@ -141,3 +141,20 @@ def integration_yaml(
         f"delivery: {{workers: {workers}, buffer: {buffer}}}\n"
         f"retry: {{tiers: [{', '.join(tiers)}]}}\n" + extra
     )
+
+
+def order_descriptor_set(directory: Path) -> Path:
+    """``directory/orders.pb``: a descriptor set of ``shop.v1.Order`` (city, amount_kop, paid)."""
+    descriptor_pb2: Any = pytest.importorskip("google.protobuf.descriptor_pb2")
+    files = descriptor_pb2.FileDescriptorSet()
+    proto = files.file.add(name="shop/order.proto", package="shop.v1", syntax="proto3")
+    order = proto.message_type.add(name="Order")
+    kinds = descriptor_pb2.FieldDescriptorProto
+    for number, (name, kind) in enumerate(
+        [("city", kinds.TYPE_STRING), ("amount_kop", kinds.TYPE_INT64), ("paid", kinds.TYPE_BOOL)],
+        start=1,
+    ):
+        order.field.add(name=name, number=number, type=kind, label=kinds.LABEL_OPTIONAL)
+    path = directory / "orders.pb"
+    path.write_bytes(files.SerializeToString())
+    return path

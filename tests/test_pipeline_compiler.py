@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
 import orjson
 import pytest
@@ -21,6 +20,7 @@ from nemesis.pipeline import (
     compile_file,
     load_pipeline,
 )
+from tests.conftest import order_descriptor_set
 
 
 def write(directory: Path, name: str, text: str) -> Path:
@@ -325,16 +325,9 @@ def test_an_integration_names_a_pipeline_and_passes_a_live_flags_holder(tmp_path
 
 
 def test_a_pipeline_knows_the_files_it_was_built_from(tmp_path: Path) -> None:
-    descriptor_pb2: Any = pytest.importorskip("google.protobuf.descriptor_pb2")
-    files = descriptor_pb2.FileDescriptorSet()
-    proto = files.file.add(name="shop/order.proto", package="shop.v1", syntax="proto3")
-    order = proto.message_type.add(name="Order")
-    kinds = descriptor_pb2.FieldDescriptorProto
-    order.field.add(name="city", number=1, type=kinds.TYPE_STRING, label=kinds.LABEL_OPTIONAL)
     pipelines = tmp_path / "pipelines"
     pipelines.mkdir()
-    descriptors = pipelines / "orders.pb"
-    descriptors.write_bytes(files.SerializeToString())
+    descriptors = order_descriptor_set(pipelines)
     named = write(
         pipelines,
         "cities.yaml",

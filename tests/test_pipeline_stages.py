@@ -29,6 +29,7 @@ from nemesis.pipeline import (
     default_registry,
 )
 from nemesis.pipeline.compiler import metrics_meters
+from tests.conftest import order_descriptor_set
 
 
 def build(
@@ -429,24 +430,8 @@ def test_protobuf_without_the_package_is_a_clear_config_problem(
     ]
 
 
-def _descriptor_set(tmp_path: Path) -> Path:
-    descriptor_pb2: Any = pytest.importorskip("google.protobuf.descriptor_pb2")
-    files = descriptor_pb2.FileDescriptorSet()
-    proto = files.file.add(name="shop/order.proto", package="shop.v1", syntax="proto3")
-    order = proto.message_type.add(name="Order")
-    kinds = descriptor_pb2.FieldDescriptorProto
-    for number, (name, kind) in enumerate(
-        [("city", kinds.TYPE_STRING), ("amount_kop", kinds.TYPE_INT64), ("paid", kinds.TYPE_BOOL)],
-        start=1,
-    ):
-        order.field.add(name=name, number=number, type=kind, label=kinds.LABEL_OPTIONAL)
-    path = tmp_path / "orders.pb"
-    path.write_bytes(files.SerializeToString())
-    return path
-
-
 def test_protobuf_payloads_are_decoded_so_filters_work_on_them(tmp_path: Path) -> None:
-    descriptors = _descriptor_set(tmp_path)
+    descriptors = order_descriptor_set(tmp_path)
     message_factory: Any = pytest.importorskip("google.protobuf.message_factory")
     pool_module: Any = pytest.importorskip("google.protobuf.descriptor_pool")
     descriptor_pb2: Any = pytest.importorskip("google.protobuf.descriptor_pb2")
@@ -479,7 +464,7 @@ def test_protobuf_payloads_are_decoded_so_filters_work_on_them(tmp_path: Path) -
 
 
 def test_protobuf_config_problems_name_the_field(tmp_path: Path) -> None:
-    _descriptor_set(tmp_path)
+    order_descriptor_set(tmp_path)
     (tmp_path / "junk.pb").write_bytes(b"\xff\xff")
     cases = {
         "missing.pb": ("descriptor_set", "cannot read"),
