@@ -46,6 +46,7 @@ from nemesis.pipeline.stage import (
     StageConfigError,
     StageFailure,
     changed_sources,
+    file_digests,
 )
 from nemesis.pipeline.testing import PipelineTestReport, check_test_file, run_pipeline_tests
 
@@ -81,6 +82,7 @@ __all__ = [
     "default_registry",
     "dry_run",
     "dry_run_file",
+    "file_digests",
     "find_pipeline",
     "load_pipeline",
     "pipeline_files",

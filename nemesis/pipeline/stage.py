@@ -14,7 +14,7 @@ the ``nemesis.errors`` tree.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Final
@@ -128,20 +128,31 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def changed_sources(sources: Mapping[Path, str]) -> list[Path]:
-    """The files among ``sources`` whose content is no longer what was read (or that are gone).
+def file_digests(paths: Iterable[Path]) -> dict[Path, str | None]:
+    """The digest of each file as it is now (None: unreadable or gone), each read once.
 
     Blocking (it reads every file): call it from a thread when on the event loop.
     """
-    changed = []
-    for path, known in sources.items():
-        try:
-            now = digest(path.read_bytes())
-        except OSError:
-            now = None
-        if now != known:
-            changed.append(path)
-    return changed
+    digests: dict[Path, str | None] = {}
+    for path in paths:
+        if path not in digests:
+            try:
+                digests[path] = digest(path.read_bytes())
+            except OSError:
+                digests[path] = None
+    return digests
+
+
+def changed_sources(
+    sources: Mapping[Path, str], now: Mapping[Path, str | None] | None = None
+) -> list[Path]:
+    """The files among ``sources`` whose content is no longer what was read (or that are gone).
+
+    ``now`` is ``file_digests`` of them when already at hand (several pipelines
+    built from one file); otherwise the files are read (blocking).
+    """
+    current = file_digests(sources) if now is None else now
+    return [path for path, known in sources.items() if current.get(path) != known]
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ from nemesis.config.loader import YAML_SUFFIXES, load_integrations
 from nemesis.config.models import IntegrationConfig
 from nemesis.config.problems import sort_problems
 from nemesis.errors import ConfigError, ConfigProblem
-from nemesis.pipeline import changed_sources
+from nemesis.pipeline import changed_sources, file_digests
 from nemesis.runtime import overrides as live
 from nemesis.runtime.app import Proxy
 
@@ -322,10 +322,14 @@ class ConfigReloader:
 
 
 def _stale_sources(sources: Mapping[str, Mapping[Path, str]]) -> dict[str, list[str]]:
-    """Integration -> the files its pipeline was built from that have changed since (blocking)."""
+    """Integration -> the files its pipeline was built from that have changed since (blocking).
+
+    Each file is read once, however many integrations share it.
+    """
+    now = file_digests(path for files in sources.values() for path in files)
     stale: dict[str, list[str]] = {}
     for name, files in sources.items():
-        changed = changed_sources(files)
+        changed = changed_sources(files, now)
         if changed:
             stale[name] = [str(path) for path in changed]
     return stale
