@@ -23,7 +23,7 @@ async def _wait_past(deadlines: Deadlines, seconds: float) -> tuple[bool, float]
             raise
         timed_out = True
     finally:
-        deadlines.finish(deadline, timed_out=timed_out)
+        deadlines.finish(deadline)
     return timed_out, loop.time() - started
 
 

@@ -23,13 +23,14 @@ import asyncio
 class Deadline:
     """One request's deadline (loop time), and whether it was reached."""
 
-    __slots__ = ("at", "cancelling", "expired", "task")
+    __slots__ = ("at", "cancelling", "consumed", "expired", "task")
 
     def __init__(self, task: asyncio.Task[object], at: float) -> None:
         self.task = task
         self.at = at
         self.cancelling = task.cancelling()  # cancellations already asked of the task
         self.expired = False
+        self.consumed = False  # its cancellation was taken back by timed_out()
 
     def timed_out(self) -> bool:
         """In ``except CancelledError``: True if the cancellation was this deadline's alone.
@@ -37,7 +38,10 @@ class Deadline:
         It is then consumed (the task is no longer being cancelled) and the
         caller reports a timeout instead of raising.
         """
-        return self.expired and self.task.uncancel() <= self.cancelling
+        if not self.expired or self.consumed:
+            return False
+        self.consumed = True
+        return self.task.uncancel() <= self.cancelling
 
 
 class Deadlines:
@@ -69,16 +73,16 @@ class Deadlines:
             self._timer = loop.call_at(deadline.at, self._expire, loop)
         return deadline
 
-    def finish(self, deadline: Deadline, *, timed_out: bool = False) -> None:
+    def finish(self, deadline: Deadline) -> None:
         """Forgets ``deadline``: its task is never cancelled for it from now on.
 
-        ``timed_out``: the caller consumed the cancellation (``Deadline.timed_out``).
-        Otherwise a deadline that expired had its cancellation swallowed on the
-        way (the request ended normally): the task's count of cancellations
-        asked is put back, as if it had never been asked.
+        A deadline that expired without ``Deadline.timed_out`` taking its
+        cancellation back had it swallowed on the way (the request ended
+        normally): the task's count of cancellations asked is put back, as if
+        it had never been asked.
         """
         del self._running[deadline]
-        if deadline.expired and not timed_out:
+        if deadline.expired and not deadline.consumed:
             deadline.task.uncancel()
 
     def left(self, deadline: Deadline) -> float:

@@ -258,7 +258,6 @@ class HttpTransport:
         # connection and a resend included.
         deadlines = self._deadlines
         deadline = deadlines.start()
-        timed_out = False
         try:
             resent = False
             while True:
@@ -285,11 +284,10 @@ class HttpTransport:
                     return self._failed(_describe(exc), started)
         except asyncio.CancelledError:
             if deadline.timed_out():
-                timed_out = True
                 return self._failed(f"timeout after {self._timeout_s}s", started)
             raise
         finally:
-            deadlines.finish(deadline, timed_out=timed_out)
+            deadlines.finish(deadline)
             self._in_flight -= 1
 
     def _answered(
