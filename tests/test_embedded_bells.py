@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -11,7 +12,7 @@ import sqlite3
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -511,16 +512,37 @@ async def test_a_lost_ring_costs_a_poll_never_a_message(tmp_path: Path) -> None:
         await broker.close()
 
 
+@contextlib.asynccontextmanager
+async def reader_and_other_writer(
+    tmp_path: Path, wakeups: Wakeups
+) -> AsyncIterator[tuple[EmbeddedReader, Callable[[], Awaitable[None]]]]:
+    """A belled reader of a one-partition topic, and a write to it from another broker
+    whose ring is lost (the reader's bell is gone): only a poll can find it."""
+    broker = await open_embedded(backend(tmp_path / "n.db"), wakeups=wakeups)
+    other = await open_embedded(backend(tmp_path / "n.db"))
+    try:
+        await broker.admin.create_topic("t", partitions=1, consumers=[ConsumerSpec("c")])
+        reader = await broker.reader("t", "c")
+
+        async def write_unannounced() -> None:
+            address = broker.bell_statistics().address
+            assert address is not None
+            os.unlink(address)  # so the ring is lost
+            writer = await other.writer("t")
+            await writer.write([OutgoingMessage(value=b"unannounced")])
+
+        yield reader, write_unannounced
+    finally:
+        await other.close()
+        await broker.close()
+
+
 async def test_an_idle_belled_reader_reads_the_file_only_when_a_poll_is_due(
     tmp_path: Path,
 ) -> None:
     """Receives that time out between polls end without a trip to the file."""
     polling = Wakeups(poll_min_s=0.4, poll_max_s=0.4, belled_poll_max_s=0.4)
-    broker = await open_embedded(backend(tmp_path / "n.db"), wakeups=polling)
-    other = await open_embedded(backend(tmp_path / "n.db"))
-    try:
-        await broker.admin.create_topic("t", partitions=1, consumers=[ConsumerSpec("c")])
-        reader = await broker.reader("t", "c")
+    async with reader_and_other_writer(tmp_path, polling) as (reader, write_unannounced):
         assert reader.statistics().belled
         started = time.monotonic()
         for _ in range(10):
@@ -531,43 +553,25 @@ async def test_an_idle_belled_reader_reads_the_file_only_when_a_poll_is_due(
         # reads if each receive ended with one.
         assert reads <= 1 + elapsed / 0.4 + 1, (reads, elapsed)
         # What no ring announced is still found when a poll comes due.
-        address = broker.bell_statistics().address
-        assert address is not None
-        os.unlink(address)  # so the ring is lost
-        writer = await other.writer("t")
-        await writer.write([OutgoingMessage(value=b"unannounced")])
+        await write_unannounced()
         got: list[Message] = []
         for _ in range(30):
             got.extend(await reader.receive(10, 0.05))
             if got:
                 break
         assert [m.value for m in got] == [b"unannounced"]
-    finally:
-        await other.close()
-        await broker.close()
 
 
 async def test_a_reader_asked_without_waiting_still_polls(tmp_path: Path) -> None:
     polling = Wakeups(poll_min_s=0.02, poll_max_s=0.02, belled_poll_max_s=0.02)
-    broker = await open_embedded(backend(tmp_path / "n.db"), wakeups=polling)
-    other = await open_embedded(backend(tmp_path / "n.db"))
-    try:
-        await broker.admin.create_topic("t", partitions=1, consumers=[ConsumerSpec("c")])
-        reader = await broker.reader("t", "c")
+    async with reader_and_other_writer(tmp_path, polling) as (reader, write_unannounced):
         assert await reader.receive(10, 0) == ()  # drained: the next read waits for a ring
-        address = broker.bell_statistics().address
-        assert address is not None
-        os.unlink(address)  # so the ring is lost
-        writer = await other.writer("t")
-        await writer.write([OutgoingMessage(value=b"unannounced")])
+        await write_unannounced()
         deadline = time.monotonic() + 2.0
         while not (got := await reader.receive(10, 0)):
             assert time.monotonic() < deadline, "a due poll never happened"
             await asyncio.sleep(0.005)
         assert [m.value for m in got] == [b"unannounced"]
-    finally:
-        await other.close()
-        await broker.close()
 
 
 async def test_a_killed_reader_leaves_a_bell_that_writers_clean_up(
