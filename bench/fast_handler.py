@@ -1,11 +1,13 @@
 """A minimal HTTP/1.1 keep-alive handler for benchmarks: answers 200 as fast as Python can.
 
 Runs in its own process so it never shares a core with what is measured.
-``GET /stats`` returns ``{"requests", "events", "latencies_ms", "from_log_ms"}``;
-``POST /reset`` clears them. With ``--latency``, each request body's JSON field
-``ts`` (Unix seconds, set by whoever produced the message) is turned into a
-latency sample, and a ``ce-time`` header (the time the message was appended to
-the log, when the producer set no time of its own) into a ``from_log_ms`` one.
+``GET /stats`` returns ``{"requests", "events", "latencies_ms", "from_log_ms"}``,
+``GET /count`` only ``{"events"}`` (cheap to poll: the samples stay here, and
+dumping them would hold up a delivery); ``POST /reset`` clears them. With
+``--latency``, each request body's JSON field ``ts`` (Unix seconds, set by
+whoever produced the message) is turned into a latency sample, and a
+``ce-time`` header (the time the message was appended to the log, when the
+producer set no time of its own) into a ``from_log_ms`` one.
 A batch (``application/cloudevents-batch+json``) counts one event per element.
 """
 
@@ -68,12 +70,10 @@ class HandlerProtocol(asyncio.Protocol):
                     "from_log_ms": self._stats.from_log_ms,
                 }
             ).encode()
-            self._transport.write(
-                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                + str(len(payload)).encode()
-                + b"\r\n\r\n"
-                + payload
-            )
+            self._write_json(payload)
+            return
+        if head.startswith(b"get /count"):
+            self._write_json(b'{"events": %d}' % self._stats.events)
             return
         if head.startswith(b"post /reset"):
             self._stats.__init__()  # type: ignore[misc]
@@ -93,6 +93,15 @@ class HandlerProtocol(asyncio.Protocol):
                     appended = datetime.fromisoformat(value.upper()).timestamp()
                     self._stats.from_log_ms.append((now - appended) * 1000)
         self._transport.write(OK)
+
+    def _write_json(self, payload: bytes) -> None:
+        assert self._transport is not None
+        self._transport.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(payload)).encode()
+            + b"\r\n\r\n"
+            + payload
+        )
 
 
 async def serve(port: int, latency: bool) -> None:
