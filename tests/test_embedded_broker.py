@@ -21,10 +21,12 @@ from hypothesis import strategies as st
 from nemesis.broker.embedded import (
     EmbeddedBroker,
     EmbeddedReader,
+    db,
     fair_share,
     open_embedded,
     partition_for_key,
 )
+from nemesis.broker.embedded import broker as embedded_broker
 from nemesis.broker.embedded.db import BACKGROUND_NICENESS
 from nemesis.broker.port import (
     Broker,
@@ -39,6 +41,10 @@ from nemesis.broker.port import (
 )
 from nemesis.config.models import EmbeddedBackendConfig
 from nemesis.errors import BrokerError, BrokerTimeout, TopicExists, TopicNotFound
+
+# A WAL this long (frames) is restarted under appends that never pause; the broker's is
+# 16,384 by default (64 MB), too much to write in a test.
+RESTART_WAL_FRAMES = 1024
 
 # A long lease keeps the background heartbeats out of the way: tests that
 # rebalance call reader.heartbeat() or rely on in-process pokes.
@@ -506,7 +512,63 @@ async def test_checkpoints_copy_the_wal_into_the_database(broker: EmbeddedBroker
     for _ in range(20):
         await writer.write([OutgoingMessage(value=b"x" * 1000)] * 10)
     # Appends leave checkpoints to housekeeping, so the WAL holds every page.
-    assert await broker.checkpoint() > 20
+    done = await broker.checkpoint()
+    assert done.copied > 20
+    assert done.copied == done.wal_frames
+
+
+async def test_the_wal_restarts_under_a_steady_stream_of_appends(
+    broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Appends that never pause land during every checkpoint of the maintenance thread,
+    # so without the write thread copying what it left behind, the WAL never restarts
+    # and grows by every append (to the backstop: hundreds of megabytes).
+    monkeypatch.setattr(embedded_broker, "RESTART_WAL_FRAMES", RESTART_WAL_FRAMES)
+    await broker.admin.create_topic("t", partitions=1)
+    writer = await broker.writer("t")
+    value = b"x" * 10_000  # three overflow pages: at least three frames per message
+    for _ in range(2 * RESTART_WAL_FRAMES // 3 // 20 + 1):
+        await writer.write([OutgoingMessage(value=value)] * 20)
+    streaming = True
+
+    async def stream() -> None:
+        while streaming:
+            await writer.write([OutgoingMessage(value=value)])
+
+    task = asyncio.create_task(stream())
+    try:
+        await asyncio.sleep(0.05)
+        first = await broker.checkpoint()
+        later = []
+        for _ in range(5):
+            await asyncio.sleep(0.05)
+            later.append(await broker.checkpoint())
+    finally:
+        streaming = False
+        await task
+    assert first.wal_frames >= 2 * RESTART_WAL_FRAMES
+    # The WAL restarted from its beginning at least once while the appends went on.
+    assert min(done.wal_frames for done in later) < first.wal_frames
+
+
+async def test_a_restarted_wal_is_cut_back_to_the_size_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(db, "WAL_SIZE_LIMIT_BYTES", 1024 * 1024)
+    broker = await open_embedded(backend(tmp_path / "nemesis.db"))
+    try:
+        await broker.admin.create_topic("t", partitions=1)
+        writer = await broker.writer("t")
+        for _ in range(25):  # a burst: 500 messages of 10 kB, 5 MB of WAL at least
+            await writer.write([OutgoingMessage(value=b"x" * 10_000)] * 20)
+        wal = tmp_path / "nemesis.db-wal"
+        grown = wal.stat().st_size
+        await broker.checkpoint()
+        await writer.write([OutgoingMessage(value=b"y")])  # restarts the WAL
+        assert grown > 5_000_000
+        assert wal.stat().st_size <= 1024 * 1024
+    finally:
+        await broker.close()
 
 
 # --- readers sharing a consumer ---------------------------------------------------------------

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -34,6 +35,8 @@ T = TypeVar("T")
 
 SCHEMA_VERSION = 1
 BACKSTOP_CHECKPOINT_PAGES = 50_000  # about 200 MB of WAL
+# Once the WAL restarts, a file grown past this (a burst, the backstop) is cut back to it.
+WAL_SIZE_LIMIT_BYTES = 64 * 1024 * 1024
 
 # Column order matters in ``messages``: SQLite reads a row's columns in order and
 # spills a large value into overflow pages, so the small columns retention and
@@ -374,7 +377,11 @@ class Database:
             "sqlite-write",
             busy_timeout_s=busy_timeout_s,
             poll_locks=True,
-            pragmas=(f"wal_autocheckpoint={BACKSTOP_CHECKPOINT_PAGES}",),
+            pragmas=(
+                f"wal_autocheckpoint={BACKSTOP_CHECKPOINT_PAGES}",
+                # The write that restarts the WAL is the one that truncates it.
+                f"journal_size_limit={WAL_SIZE_LIMIT_BYTES}",
+            ),
         )
         self.reader = SqliteThread(
             path, "sqlite-read", busy_timeout_s=busy_timeout_s, pragmas=("query_only=ON",)
@@ -405,10 +412,21 @@ class Database:
             await self.writer.close(timeout_s)
 
 
-def checkpoint(conn: sqlite3.Connection) -> int:
-    """Copies committed WAL frames into the database file, blocking no one; returns how many."""
-    _busy, _frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-    return max(int(copied), 0)
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """Frames in the WAL when a checkpoint began, and how many of them the database file holds.
+
+    Frames appended while it ran are in neither count.
+    """
+
+    wal_frames: int
+    copied: int
+
+
+def checkpoint(conn: sqlite3.Connection) -> Checkpoint:
+    """Copies committed WAL frames into the database file, blocking no one."""
+    _busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    return Checkpoint(wal_frames=max(int(frames), 0), copied=max(int(copied), 0))
 
 
 def _create_schema(conn: sqlite3.Connection) -> None:
