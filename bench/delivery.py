@@ -43,6 +43,9 @@ from nemesis.config.models import EmbeddedBackendConfig
 HERE = Path(__file__).resolve().parent
 # Rates are timed from the 1/WARM_UP-th message on, for the proxy and the bare loop alike.
 WARM_UP = 10
+# (e): the topic the proxy delivers from, and the one the direct phase's producer appends to.
+LATENCY_TOPIC = "latency"
+DIRECT_TOPIC = "latency-direct"
 # Pacing sleeps on the event loop until this close to a deadline (see _wait_until).
 COARSE_SLEEP_S = 0.002
 PAYLOAD = orjson.dumps(
@@ -358,13 +361,13 @@ async def latency(
     added_p99: list[float] = []
     try:
         await fill(space.db, LATENCY_TOPIC, 0)
-        await fill(space.db, "latency-direct", 0)  # the direct phase's appends: nobody reads them
+        await fill(space.db, DIRECT_TOPIC, 0)  # the direct phase's appends: nobody reads them
         space.integration(LATENCY_TOPIC, handler.url, workers, 1, 0)
         broker = await open_embedded(EmbeddedBackendConfig(path=str(space.db)))
         try:
             async with aiohttp.ClientSession() as session:
+                phase = seconds / rounds
                 for n in range(rounds):
-                    phase = seconds / rounds
                     if n % 2:
                         via_proxy = await _proxied_phase(
                             space, broker, handler, session, rate, phase
@@ -395,9 +398,6 @@ async def latency(
     }
 
 
-LATENCY_TOPIC = "latency"
-
-
 async def _direct_phase(
     broker: Any, handler: Handler, session: aiohttp.ClientSession, rate: float, seconds: float
 ) -> list[float]:
@@ -408,7 +408,7 @@ async def _direct_phase(
         str(handler.port), str(rate), str(seconds),
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
-    await produce(await broker.writer("latency-direct"), rate, seconds)
+    await produce(await broker.writer(DIRECT_TOPIC), rate, seconds)
     await client.wait()
     await handler.wait_for(session, int(rate * seconds))
     latencies: list[float] = (await handler.stats(session))["latencies_ms"]
