@@ -1,17 +1,18 @@
-"""Write transactions on real SQLite files: waiting for a write lock another connection holds."""
+"""Real SQLite files: waiting for a write lock held elsewhere; the threads connections live on."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from nemesis.broker.embedded import db
-from nemesis.errors import BrokerTimeout
+from nemesis.errors import BrokerError, BrokerTimeout
 
 
 @pytest.fixture
@@ -138,3 +139,154 @@ def test_a_single_statement_waits_for_the_lock_too(
     )
     assert done == [1]
     assert holder.execute("SELECT n FROM t").fetchall() == [(4,)]
+
+
+# --- SqliteThread: one connection, one thread, jobs one at a time ---------------------------
+
+
+@pytest.fixture
+async def thread(tmp_path: Path) -> AsyncIterator[db.SqliteThread]:
+    connection = db.SqliteThread(tmp_path / "t.db", "test", busy_timeout_s=5.0)
+    await connection.open(5.0)
+    yield connection
+    await connection.close()
+
+
+class Gate:
+    """A job that blocks its thread until the test lets it go, and says what happened."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.finished = False
+
+    def __call__(self, conn: sqlite3.Connection) -> int:
+        self.started.set()
+        assert self.release.wait(10)
+        self.finished = True
+        return 1
+
+    async def wait_started(self) -> None:
+        assert await asyncio.to_thread(self.started.wait, 10)
+
+
+async def test_jobs_run_in_order_on_one_thread_that_owns_the_connection(
+    thread: db.SqliteThread,
+) -> None:
+    seen: list[tuple[int, int]] = []
+
+    def job(n: int) -> Callable[[sqlite3.Connection], int]:
+        def run(conn: sqlite3.Connection) -> int:
+            seen.append((n, threading.get_ident()))
+            return int(conn.execute("SELECT ? * 2", (n,)).fetchone()[0])
+
+        return run
+
+    results = await asyncio.gather(*(thread.run(job(n), timeout_s=5.0) for n in range(50)))
+
+    assert results == [n * 2 for n in range(50)]
+    assert [n for n, _ in seen] == list(range(50))
+    idents = {ident for _, ident in seen}
+    assert len(idents) == 1
+    assert threading.get_ident() not in idents
+
+
+async def test_a_sqlite_error_comes_back_as_a_broker_error_and_the_thread_goes_on(
+    thread: db.SqliteThread,
+) -> None:
+    def not_sqlite(conn: sqlite3.Connection) -> None:
+        raise ValueError("not SQLite's")
+
+    with pytest.raises(BrokerError, match="no such table: missing"):
+        await thread.run(lambda conn: conn.execute("SELECT * FROM missing"), timeout_s=5.0)
+    with pytest.raises(ValueError, match="not SQLite's"):
+        await thread.run(not_sqlite, timeout_s=5.0)
+
+    seven = await thread.run(lambda conn: conn.execute("SELECT 7").fetchone()[0], timeout_s=5.0)
+    assert seven == 7
+
+
+async def test_a_job_that_raises_stop_iteration_fails_its_caller_without_hanging_it(
+    thread: db.SqliteThread,
+) -> None:
+    def job(conn: sqlite3.Connection) -> int:
+        raise StopIteration
+
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        await thread.run(job, timeout_s=5.0)
+
+
+async def test_on_timeout_the_running_job_ends_whole_and_a_queued_one_never_starts(
+    thread: db.SqliteThread,
+) -> None:
+    running, queued = Gate(), Gate()
+    first = asyncio.ensure_future(thread.run(running, timeout_s=0.05))
+    await running.wait_started()
+    with pytest.raises(BrokerTimeout, match=r"test: no answer within 0.05s"):
+        await first
+    with pytest.raises(BrokerTimeout):
+        await thread.run(queued, timeout_s=0.05)
+
+    running.release.set()
+    queued.release.set()
+    # The thread is free again: a later job runs, and the abandoned one was skipped.
+    assert await thread.run(lambda conn: 5, timeout_s=5.0) == 5
+    assert running.finished
+    assert not queued.started.is_set()
+
+
+async def test_a_cancelled_caller_s_queued_job_never_starts(thread: db.SqliteThread) -> None:
+    running, queued = Gate(), Gate()
+    first = asyncio.ensure_future(thread.run(running, timeout_s=5.0))
+    await running.wait_started()
+    second = asyncio.ensure_future(thread.run(queued, timeout_s=5.0))
+    await asyncio.sleep(0)  # queued behind the running one
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+
+    running.release.set()
+    queued.release.set()
+    assert await first == 1
+    assert await thread.run(lambda conn: 5, timeout_s=5.0) == 5
+    assert not queued.started.is_set()
+
+
+async def test_close_ends_the_thread_and_later_jobs_fail(tmp_path: Path) -> None:
+    connection = db.SqliteThread(tmp_path / "t.db", "test", busy_timeout_s=5.0)
+    await connection.open(5.0)
+    owner = await connection.run(lambda conn: threading.current_thread(), timeout_s=5.0)
+
+    await connection.close()
+
+    assert not owner.is_alive()
+    assert owner.name == "nemesis-test"
+    with pytest.raises(BrokerError, match="test: the connection is closed"):
+        await connection.run(lambda conn: 1, timeout_s=5.0)
+
+
+def test_a_job_that_outlives_its_event_loop_leaves_the_thread_serving(tmp_path: Path) -> None:
+    connection = db.SqliteThread(tmp_path / "t.db", "test", busy_timeout_s=5.0)
+    slow = Gate()
+
+    async def first_loop() -> None:
+        await connection.open(5.0)
+        pending = asyncio.ensure_future(connection.run(slow, timeout_s=0.05))
+        await slow.wait_started()
+        with pytest.raises(BrokerTimeout):
+            await pending
+
+    asyncio.run(first_loop())  # closes its loop while the job still runs
+    slow.release.set()  # its answer has no loop to go to
+
+    async def second_loop() -> int:
+        try:
+            three = await connection.run(
+                lambda conn: conn.execute("SELECT 3").fetchone()[0], timeout_s=5.0
+            )
+            return int(three)
+        finally:
+            await connection.close()
+
+    assert asyncio.run(second_loop()) == 3
+    assert slow.finished
