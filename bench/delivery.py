@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import socket
 import statistics
@@ -128,6 +129,9 @@ class Workspace:
         (root / "nemesis.yaml").write_text(
             f"backend: {{kind: embedded, path: {self.db}}}\ndata_dir: .\n"
             f"integrations_dir: integrations\npipelines_dir: {HERE.parent / 'pipelines'}\n"
+            # The viewer starts with every proxy, as in production; a secret made for this
+            # run keeps it from warning at each start that it had to make one itself.
+            f"auth: {{session_secret: '{secrets.token_urlsafe(48)}'}}\n"
         )
 
     def integration(
