@@ -333,7 +333,7 @@ class SqliteThread:
             )
             self._thread.start()
         loop = asyncio.get_running_loop()
-        work: _Job[T] = _Job(job, loop.create_future(), loop)
+        work: _Job[T] = _Job(job, loop.create_future())
         self._jobs.put(work)
         expiry = loop.call_later(timeout_s, work.expire, self._name, timeout_s)
         try:
@@ -401,14 +401,11 @@ class SqliteThread:
 class _Job(Generic[T]):
     """One job on its way to a ``SqliteThread`` and its answer on the way back."""
 
-    __slots__ = ("abandoned", "future", "job", "loop")
+    __slots__ = ("abandoned", "future", "job")
 
-    def __init__(
-        self, job: Callable[[], T], future: asyncio.Future[T], loop: asyncio.AbstractEventLoop
-    ) -> None:
+    def __init__(self, job: Callable[[], T], future: asyncio.Future[T]) -> None:
         self.job = job
         self.future = future
-        self.loop = loop
         # Set on the loop once nobody waits for the answer; read by the thread
         # before it starts the job (a plain attribute: one word, no lock needed).
         self.abandoned = False
@@ -416,7 +413,7 @@ class _Job(Generic[T]):
     def answer(self, ok: bool, value: Any) -> None:
         """Called on the thread: hands the result (or the exception) to the loop."""
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-            self.loop.call_soon_threadsafe(self._settle, ok, value)
+            self.future.get_loop().call_soon_threadsafe(self._settle, ok, value)
 
     def _settle(self, ok: bool, value: Any) -> None:
         if self.future.done():
