@@ -49,6 +49,31 @@ LATENCY_BUCKETS_S = (
 # Rate-limiter waits: from a token's fraction of a millisecond to a replay queued for a minute.
 RATE_LIMIT_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0)
 
+# The age of a message when its handler took it: a millisecond on a quiet
+# topic, up to a day for a backlog after an outage.
+AGE_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+    900.0,
+    3600.0,
+    21600.0,
+    86400.0,
+)
+
 # Pipeline stages take microseconds, not the milliseconds of a delivery.
 STAGE_BUCKETS_S = (
     0.000001,
@@ -133,6 +158,18 @@ class LoopHistogram:
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
+
+    def observe_many(self, values: list[float]) -> None:
+        """Observes each value; values that share one bucket (a batch's, mostly) cost one update."""
+        if not values:
+            return
+        bucket = bisect.bisect_left(self.bounds, min(values))
+        if bucket == bisect.bisect_left(self.bounds, max(values)):
+            self.counts[bucket] += len(values)
+            self.sum += sum(values)
+            return
+        for value in values:
+            self.observe(value)
 
 
 Child = TypeVar("Child", LoopCounter, LoopHistogram)
@@ -232,6 +269,13 @@ class Metrics:
             "Time of one delivery request to the handler (single event or batch).",
             ["integration"],
             buckets=LATENCY_BUCKETS_S,
+        )
+        self.delivery_age = self._loop_histogram(
+            "nemesis_delivery_age_seconds",
+            "Time from a message's write to the topic its flow reads until its handler"
+            " accepted it: retries in place included; on a retry tier, the tier's delay too.",
+            ["integration", "flow"],
+            buckets=AGE_BUCKETS_S,
         )
         self.delivery_batch_size = self._loop_histogram(
             "nemesis_delivery_batch_size",

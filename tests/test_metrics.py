@@ -40,6 +40,25 @@ def test_loop_families_export_counts_and_cumulative_buckets() -> None:
     assert total == pytest.approx(40.0044)
 
 
+@pytest.mark.parametrize(
+    "values",
+    [
+        [0.0031, 0.0042, 0.0049],  # one bucket: one update
+        [0.0004, 0.003, 0.003, 7.0, 100.0],  # several
+        [0.005, 0.005],  # on a bound
+        [],
+    ],
+)
+def test_observe_many_counts_as_observing_each(values: list[float]) -> None:
+    one_by_one, at_once = (Metrics().delivery_age.labels("it", "main") for _ in range(2))
+    for value in values:
+        one_by_one.observe(value)
+    at_once.observe_many(values)
+    assert at_once.counts == one_by_one.counts
+    assert at_once.sum == pytest.approx(one_by_one.sum)
+    assert sum(at_once.counts) == len(values)
+
+
 def test_wrong_label_count_is_refused() -> None:
     with pytest.raises(ValueError, match="takes labels"):
         Metrics().deliveries.labels("only-one")

@@ -60,6 +60,7 @@ FAMILIES = {
     "stages": ["nemesis_stage_duration_seconds", "nemesis_stage_messages"],
     "delivery": [
         "nemesis_delivery_duration_seconds",
+        "nemesis_delivery_age_seconds",
         "nemesis_deliveries",
         "nemesis_delivery_batch_size",
         "nemesis_retries_in_place",
@@ -232,6 +233,14 @@ def test_the_values_are_sane(scrapes: tuple[str, str]) -> None:
     p_sum = value_of(after, "nemesis_delivery_duration_seconds_sum", integration="it")
     p_count = value_of(after, "nemesis_delivery_duration_seconds_count", integration="it")
     assert 0.01 <= p_sum / p_count < 1  # the handler answers after 10 ms
+    # Ages, once per accepted message, by the flow that delivered it: on the main flow
+    # all below 1800 but the 36 dead and the 180 that failed once; those on retry tier 1.
+    accepted = {"main": 1800 - 36 - 180, "retry-1": 180}
+    for flow, count in accepted.items():
+        labels = {"integration": "it", "flow": flow}
+        assert value_of(after, "nemesis_delivery_age_seconds_count", **labels) == count
+        age_sum = value_of(after, "nemesis_delivery_age_seconds_sum", **labels)
+        assert 0.01 <= age_sum / count < 60  # at least the handler's 10 ms
     # The pipeline filtered the 200 messages at 1800 and above.
     filtered = value_of(
         after,

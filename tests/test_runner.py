@@ -23,6 +23,7 @@ from nemesis.clock import SystemClock
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
 from nemesis.delivery.http import http_transport
 from nemesis.delivery.port import DeliveryResult, Event, Outcome
+from nemesis.metrics import Metrics
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions
 from nemesis.testing import HandlerServer, LedgerEntry
 from tests.operability import wait_until_true
@@ -240,6 +241,83 @@ async def test_an_idle_flow_commits_nothing_until_it_reads_again(
         runner.stop()
         await task
     assert sum((await committed(broker)).values()) == 140
+
+
+class _ShiftedClock(SystemClock):
+    """The system clock, ``offset_s`` away from the broker's."""
+
+    def __init__(self, offset_s: float) -> None:
+        self.offset_s = offset_s
+
+    def time(self) -> float:
+        return super().time() + self.offset_s
+
+
+async def _deliver_with_metrics(
+    broker: EmbeddedBroker,
+    handler: HandlerServer,
+    count: int,
+    clock: SystemClock,
+    batch: int = 1,
+) -> Metrics:
+    metrics = Metrics()
+    cfg = config(handler.url, delivery={"batch": {"size": batch, "max_wait_ms": 20}})
+    transport = http_transport(cfg.target, integration=cfg.name, max_connections=16)
+    runner = IntegrationRunner(cfg, broker, transport, options=FAST, metrics=metrics, clock=clock)
+    task = asyncio.create_task(runner.run())
+    try:
+        await handler.ledger.wait_until(lambda led: len(led.done_ids()) >= count, timeout_s=30)
+        await wait_until_true(lambda: runner.statistics().outstanding == 0)
+    finally:
+        runner.stop()
+        await task
+    return metrics
+
+
+def _age(metrics: Metrics, sample: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(
+        f"nemesis_delivery_age_seconds_{sample}", {"integration": "it", "flow": "main", **labels}
+    )
+    assert value is not None, f"no {sample} sample"
+    return value
+
+
+async def test_delivery_age_counts_each_accepted_message_once_from_its_write(
+    broker: EmbeddedBroker, handler: HandlerServer
+) -> None:
+    await publish(broker, 200)
+    await asyncio.sleep(0.3)  # every message is at least this old when its handler gets it
+    # A tenth fail at first: retried in place, their age counts once, when accepted.
+    handler.when(lambda e: n_of(e) % 10 == 0 and e.receipt == 1, status=503)
+    # Eight are dropped by the handler: finished, but not accepted.
+    handler.when(lambda e: n_of(e) % 25 == 7, status=200, headers={"nemesis-verdict": "drop"})
+    metrics = await _deliver_with_metrics(broker, handler, 200, SystemClock())
+    assert handler.requests >= 220
+    assert _age(metrics, "count") == 192
+    assert _age(metrics, "bucket", le="0.25") == 0
+    assert 0.3 <= _age(metrics, "sum") / 192 < 30
+
+
+async def test_delivery_age_counts_each_message_of_a_batch(
+    broker: EmbeddedBroker, handler: HandlerServer
+) -> None:
+    await publish(broker, 200)
+    await asyncio.sleep(0.3)
+    metrics = await _deliver_with_metrics(broker, handler, 200, SystemClock(), batch=20)
+    assert handler.requests < 200
+    assert _age(metrics, "count") == 200
+    assert _age(metrics, "bucket", le="0.25") == 0
+    assert 0.3 <= _age(metrics, "sum") / 200 < 30
+
+
+@pytest.mark.parametrize("batch", [1, 10])
+async def test_delivery_age_is_never_negative_when_the_broker_clock_runs_ahead(
+    broker: EmbeddedBroker, handler: HandlerServer, batch: int
+) -> None:
+    await publish(broker, 50)
+    metrics = await _deliver_with_metrics(broker, handler, 50, _ShiftedClock(-3600.0), batch)
+    assert _age(metrics, "bucket", le="0.001") == 50
+    assert _age(metrics, "sum") == 0
 
 
 async def test_revoked_partitions_are_not_committed_by_the_old_owner(

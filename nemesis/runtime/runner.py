@@ -183,6 +183,7 @@ class IntegrationRunner:
         self._m_read = m.messages_read.labels(name, topic)
         self._m_duration = m.delivery_duration.labels(name)
         self._m_batch = m.delivery_batch_size.labels(name)
+        self._m_age = m.delivery_age.labels(name, self.flow.name)
         self._m_retries = m.retries_in_place.labels(name)
         self._m_commits = m.commits.labels(name, topic)
         self._m_committed = m.committed_messages.labels(name, topic)
@@ -494,6 +495,8 @@ class IntegrationRunner:
         self._observe(result, count)
         if outcome is Outcome.DELIVERED or outcome is Outcome.DROPPED:
             # Delivered or dropped: finished by the contract, nothing to decide.
+            if outcome is Outcome.DELIVERED:
+                self._observe_age(live)
             self._finish_all(live)
             return
         failure = failure_of(result)
@@ -606,6 +609,19 @@ class IntegrationRunner:
                 self.name, result.outcome.value, status_class(result.status, result.protocol)
             )
         counter.inc(count)
+
+    def _observe_age(self, works: list[Work]) -> None:
+        now = self._clock.time()
+        if len(works) == 1:
+            written_at = works[0].message.written_at
+            if written_at > 0:  # 0: the backend did not say
+                # Clamped: the broker's clock (YDB's) may run ahead of ours.
+                self._m_age.observe(max(now - written_at, 0.0))
+            return
+        ages = [now - work.message.written_at for work in works]
+        if min(ages) < 0 or max(ages) >= now:  # as above: a clock ahead, or no time at all
+            ages = [max(age, 0.0) for age in ages if age < now]
+        self._m_age.observe_many(ages)
 
     def _finish(self, work: Work) -> None:
         self._finish_all([work])
