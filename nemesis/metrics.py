@@ -51,28 +51,7 @@ RATE_LIMIT_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0,
 
 # The age of a message when its handler took it: a millisecond on a quiet
 # topic, up to a day for a backlog after an outage.
-AGE_BUCKETS_S = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    300.0,
-    900.0,
-    3600.0,
-    21600.0,
-    86400.0,
-)
+AGE_BUCKETS_S = (*LATENCY_BUCKETS_S[1:], 60.0, 300.0, 900.0, 3600.0, 21600.0, 86400.0)
 
 # Pipeline stages take microseconds, not the milliseconds of a delivery.
 STAGE_BUCKETS_S = (
