@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import bisect
 import contextlib
+import functools
 import importlib.util
 import os
 import re
@@ -295,7 +296,7 @@ def list_pages(base: str, path: Path) -> None:
         print(f"  {'GET /healthz (HTTP floor, no sign-in, no store)':<48} {floor:7.1f}")
         for label, who, url, where in cases:
             client = clients[who]
-            median, p95, size = timed(lambda client=client, url=url: client.get(url))
+            median, p95, size = timed(functools.partial(client.get, url))
             line = f"  {label:<48} {median:7.1f} / {p95:6.1f} / {size / 1024:5.0f}"
             if where is not None:
                 store_ms = asyncio.run(store_baseline(path, where))
@@ -314,7 +315,9 @@ def list_pages(base: str, path: Path) -> None:
                 + "&".join(f"integration={n}" for n in TEAM),
             ),
         ):
-            median, p95, _ = timed(lambda url=url: clients["root"].get(url, headers=TOKEN), runs=5)
+            median, p95, _ = timed(
+                functools.partial(clients["root"].get, url, headers=TOKEN), runs=5
+            )
             count = clients["root"].get(url, headers=TOKEN).json()["count"]
             print(f"    {label:<46} {median:7.1f} / {p95:6.1f}   ({count:,})")
         rows = clients["root"].get(f"/api/messages?integration={BIG}&limit=1", headers=TOKEN)
