@@ -406,6 +406,7 @@ def test_the_alert_rules_pass_promtool_and_their_unit_tests() -> None:
         "NemesisDlqGrowing",
         "NemesisBreakerOpen",
         "NemesisRetryTierBacklog",
+        "NemesisKeyHalted",
     }
     assert required <= alerts
     # Every alert has a unit test.
