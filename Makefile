@@ -26,7 +26,7 @@ demo: install
 	$(BIN)/nemesis demo
 
 run: install
-	$(BIN)/nemesis run -c nemesis.yaml
+	$(BIN)/nemesis run  # ./nemesis.yaml when present (see nemesis.example.yaml), else the defaults
 
 test: install lint typecheck pytest
 

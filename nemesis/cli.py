@@ -84,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
         "validate", help="validate integration and process YAML (exit 1 on any error)"
     )
     validate.add_argument(
-        "paths", nargs="*", type=Path, help="files or directories (default: integrations/)"
+        "paths",
+        nargs="*",
+        type=Path,
+        help="files or directories (default: integrations/ and pipelines/)",
     )
     validate.add_argument("--format", choices=["text", "github"], default="text")
     validate.set_defaults(handler=cmd_validate)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
-from collections.abc import Mapping, Sequence
+import typing
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 from nemesis.config import (
     IntegrationConfig,
@@ -668,3 +672,81 @@ def test_the_example_process_config_holds_the_defaults() -> None:
             ]
         }
     )
+
+
+def _model_keys(
+    model: type[BaseModel], prefix: str = "", seen: set[type] | None = None
+) -> Iterator[str]:
+    """Dotted paths of a model's keys, through nested models, lists and unions.
+
+    A model met a second time (the YDB credentials of the backend and of the
+    DLQ's connection) is not expanded again: the example describes it once.
+    """
+    seen = set() if seen is None else seen
+    seen.add(model)
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        yield path
+        pending: list[Any] = [info.annotation]
+        while pending:
+            kind = pending.pop()
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                if kind not in seen:
+                    yield from _model_keys(kind, f"{path}.", seen)
+            else:
+                pending.extend(typing.get_args(kind))
+
+
+def _example_keys(text: str) -> set[str]:
+    """Dotted paths of the keys a YAML file names, set or commented out.
+
+    Nesting comes from indentation (a commented-out key's indentation is
+    what follows its ``#``); keys listed in braces after a key, as in
+    ``{a: 1, b: 2}`` or ``# [{name, teams}]``, are its children.
+    """
+    paths: set[str] = set()
+    stack: list[tuple[int, str]] = []
+    for raw in text.splitlines():
+        uncommented = re.match(r"( *)# ?(.*)", raw)
+        line = uncommented[1] + uncommented[2] if uncommented else raw
+        found = re.match(r"( *)([a-z_]+):(.*)", line)
+        if found is None:
+            continue
+        indent, key, rest = len(found[1]), found[2], found[3]
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = ".".join([*(k for _, k in stack), key])
+        paths.add(path)
+        paths.update(f"{path}.{child}" for child in re.findall(r"[{,]\s*([a-z_]+)", rest))
+        stack.append((indent, key))
+    return paths
+
+
+def test_the_example_process_config_names_every_key() -> None:
+    """The README says nemesis.example.yaml comments every key: each key of the
+    process configuration appears in it, under its parent, set or commented out."""
+    named = _example_keys((ROOT / "nemesis.example.yaml").read_text())
+    assert sorted(set(_model_keys(NemesisConfig)) - named) == []
+
+
+def test_the_example_key_check_sees_nesting_and_comments() -> None:
+    text = textwrap.dedent(
+        """\
+        admin:
+          port: 8081
+        # backend:
+        #   kind: ydb
+        #   credentials:
+        #     mode: token
+        auth:
+          users: []   # [{name, password_hash (a note), teams}]
+          # trusted_header: {user_header: X,
+          #                  trusted_proxies: []}
+        """
+    )
+    assert _example_keys(text) == {
+        "admin", "admin.port", "backend", "backend.kind", "backend.credentials",
+        "backend.credentials.mode", "auth", "auth.users", "auth.users.name",
+        "auth.users.password_hash", "auth.users.teams", "auth.trusted_header",
+        "auth.trusted_header.user_header", "auth.trusted_header.trusted_proxies",
+    }  # fmt: skip

@@ -306,9 +306,9 @@ class AdminConfig(ListenConfig):
 
 
 class ReloadConfig(Model):
-    """Picking up changed ``integrations/*.yaml`` while running (SIGHUP works regardless)."""
+    """Picking up changed integration and pipeline files while running (SIGHUP works regardless)."""
 
-    watch: bool = True  # watch integrations_dir for changes
+    watch: bool = True  # watch integrations_dir and pipelines_dir for changes
     # Changes arriving within this window are taken as one reload (an editor's save, a git pull).
     debounce_ms: Annotated[int, Field(ge=0, le=60_000)] = 500
     # Polls instead of inotify: for file systems that do not report changes (some network mounts).
