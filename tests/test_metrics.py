@@ -14,7 +14,8 @@ def test_loop_families_export_counts_and_cumulative_buckets() -> None:
     metrics.deliveries.labels("orders", "delivered", "200").inc(3)
     metrics.deliveries.labels("orders", "retry", "503").inc()
     for seconds in (0.0004, 0.002, 0.002, 40.0):
-        metrics.delivery_duration.labels("orders").observe(seconds)
+        metrics.delivery_duration.labels("orders", "delivered").observe(seconds)
+    metrics.delivery_duration.labels("orders", "retry").observe(5.0)  # a timeout, say
     families = {
         f.name: f
         for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
@@ -28,16 +29,20 @@ def test_loop_families_export_counts_and_cumulative_buckets() -> None:
     buckets = {
         s.labels["le"]: s.value
         for s in families["nemesis_delivery_duration_seconds"].samples
-        if s.name.endswith("_bucket")
+        if s.name.endswith("_bucket") and s.labels["outcome"] == "delivered"
     }
     assert buckets["0.0005"] == 1.0
     assert buckets["0.0025"] == 3.0
     assert buckets["30.0"] == 3.0
     assert buckets["+Inf"] == 4.0
     total = metrics.registry.get_sample_value(
-        "nemesis_delivery_duration_seconds_sum", {"integration": "orders"}
+        "nemesis_delivery_duration_seconds_sum", {"integration": "orders", "outcome": "delivered"}
     )
     assert total == pytest.approx(40.0044)
+    retried = metrics.registry.get_sample_value(
+        "nemesis_delivery_duration_seconds_count", {"integration": "orders", "outcome": "retry"}
+    )
+    assert retried == 1.0
 
 
 @pytest.mark.parametrize(

@@ -229,10 +229,16 @@ def test_the_values_are_sane(scrapes: tuple[str, str]) -> None:
     assert outcomes["retry"] >= 1800 // 10 - 1800 // 50
     assert value_of(after, "nemesis_dlq_writes_total", integration="it", reason="http_4xx") == 36
     assert value_of(after, "nemesis_retry_publishes_total", integration="it", tier="1") > 0
-    assert value_of(after, "nemesis_delivery_duration_seconds_count", integration="it") > 0
-    p_sum = value_of(after, "nemesis_delivery_duration_seconds_sum", integration="it")
-    p_count = value_of(after, "nemesis_delivery_duration_seconds_count", integration="it")
-    assert 0.01 <= p_sum / p_count < 1  # the handler answers after 10 ms
+    # Request durations by the same outcomes, one request per message (no batches here).
+    requests = {
+        labels["outcome"]: value
+        for labels, value in after["nemesis_delivery_duration_seconds_count"]
+        if labels["integration"] == "it"
+    }
+    assert requests == outcomes
+    for outcome in outcomes:
+        p_sum = value_of(after, "nemesis_delivery_duration_seconds_sum", outcome=outcome)
+        assert 0.01 <= p_sum / requests[outcome] < 1  # the handler answers after 10 ms
     # Ages, once per accepted message, by the flow that delivered it: on the main flow
     # all below 1800 but the 36 dead and the 180 that failed once; those on retry tier 1.
     accepted = {"main": 1800 - 36 - 180, "retry-1": 180}

@@ -48,7 +48,7 @@ from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig
 from nemesis.delivery.port import DeliveryResult, Event, Outcome, Transport
 from nemesis.errors import BrokerError
-from nemesis.metrics import LoopCounter, Metrics, status_class
+from nemesis.metrics import LoopCounter, LoopHistogram, Metrics, status_class
 from nemesis.pipeline import Pipeline, Verdict
 from nemesis.resilience.breaker import BreakerState, CircuitBreaker, is_healthy
 from nemesis.resilience.limits import Flow, FlowLimits
@@ -181,7 +181,8 @@ class IntegrationRunner:
     def _bind_metrics(self) -> None:
         m, name, topic = self._metrics, self.name, self.config.source.topic
         self._m_read = m.messages_read.labels(name, topic)
-        self._m_duration = m.delivery_duration.labels(name)
+        # By outcome, each child made at its first use: no series for outcomes never seen.
+        self._m_duration: dict[Outcome, LoopHistogram] = {}
         self._m_batch = m.delivery_batch_size.labels(name)
         self._m_age = m.delivery_age.labels(name, self.flow.name)
         self._m_retries = m.retries_in_place.labels(name)
@@ -600,7 +601,12 @@ class IntegrationRunner:
         self._requests += 1
         self._request_s += result.duration_s
         self._attempted += count
-        self._m_duration.observe(result.duration_s)
+        duration = self._m_duration.get(result.outcome)
+        if duration is None:
+            duration = self._m_duration[result.outcome] = self._metrics.delivery_duration.labels(
+                self.name, result.outcome.value
+            )
+        duration.observe(result.duration_s)
         self._m_batch.observe(count)
         key = (result.outcome, result.status)
         counter = self._m_deliveries.get(key)
