@@ -31,8 +31,8 @@ run: install
 test: install lint typecheck pytest
 
 lint: install
-	$(BIN)/ruff check nemesis dlq_viewer tests bench
-	$(BIN)/ruff format --check nemesis dlq_viewer tests bench
+	$(BIN)/ruff check nemesis dlq_viewer tests
+	$(BIN)/ruff format --check nemesis dlq_viewer tests
 
 typecheck: install
 	$(BIN)/mypy
@@ -41,7 +41,7 @@ pytest: install
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 bench: install
-	$(BIN)/python bench/delivery.py
+	$(BIN)/python tests/bench/delivery.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

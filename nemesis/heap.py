@@ -6,7 +6,7 @@ collection would walk again. ``settle_heap`` moves them out of the
 collector's sight (``gc.freeze``) once start-up is done, and raises the
 young generation's threshold so that the short-lived objects of each
 delivery (a message, its event, its request) mostly die before a collection
-looks at them. Measured with bench/delivery.py: batches of 100 deliver
+looks at them. Measured with tests/bench/delivery.py: batches of 100 deliver
 about 15% more messages per second with it.
 """
 

@@ -26,7 +26,7 @@ from nemesis.onboarding.schema import json_schema
 from nemesis.proto import handler_proto_text
 from tests.conftest import REPO
 
-DOCS = REPO / "docs" / "onboarding.md"
+DOCS = REPO / "integrations" / "README.md"
 WORKFLOW = REPO / "deploy" / "ci" / "validate-integrations.yml"
 BIN = Path(sys.executable).parent
 

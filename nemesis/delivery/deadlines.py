@@ -2,7 +2,7 @@
 
 aiohttp enforces a request's ``ClientTimeout`` with a loop timer armed and
 cancelled per request and a timer context entered at each of its reads.
-Measured in the proxy at 1 message per request (``bench/delivery.py``, part
+Measured in the proxy at 1 message per request (``tests/bench/delivery.py``, part
 (a), CPU per delivered message): about 30 of its 300 us. Every request of a
 transport has the same timeout (``target.timeout_s``), so their deadlines
 fall in the order the requests started: one timer, set for the oldest

@@ -366,7 +366,7 @@ class EmbeddedBroker:
         maintenance thread's copy never gets there: appends land while it
         runs (fsyncs included, tens of milliseconds), and the WAL grew until
         the backstop (``BACKSTOP_CHECKPOINT_PAGES``, 200 MB; measured with
-        bench/delivery.py (e): 169 MB after 15 s at 1,000 msg/s), whose
+        tests/bench/delivery.py (e): 169 MB after 15 s at 1,000 msg/s), whose
         checkpoint on commit then stalled an append for tens of milliseconds.
         So once the WAL reaches ``RESTART_WAL_FRAMES``, the write thread copies
         what was appended meanwhile, with no append of this broker beside it:

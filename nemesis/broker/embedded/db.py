@@ -242,7 +242,7 @@ def read_transaction(conn: sqlite3.Connection) -> Iterator[None]:
 
 # Niceness of the maintenance thread (Linux schedules threads on their own): a checkpoint
 # copying the WAL should not take CPU from the event loop on a busy core. With
-# bench/delivery.py (e), the latency p99 moved by less than the run-to-run noise (six runs
+# tests/bench/delivery.py (e), the latency p99 moved by less than the run-to-run noise (six runs
 # each way: 1.3-2.0 ms added with it, 1.5-1.8 ms without); kept because it cannot hurt the loop.
 BACKGROUND_NICENESS = 10
 
@@ -266,7 +266,7 @@ class SqliteThread:
     ``run_in_executor`` under ``asyncio.timeout`` did the same with futures
     chained across threads, a condition variable per job and a timeout
     context: 146 us of CPU per job against 81 here at 1,000 jobs a second,
-    98 against 37 back to back (``bench/sqlite_thread.py``). A one-message
+    98 against 37 back to back (``tests/bench/sqlite_thread.py``). A one-message
     append pays that on top of its transaction.
 
     The thread is a daemon: ``close`` is how a connection is meant to end. A

@@ -8,7 +8,7 @@
 
 The message is kept when the result is true in JMESPath's sense (not false,
 null, "", [] or {}). JMESPath is interpreted per message: about 100x the
-cost of a compiled pattern (bench/pipeline.py prints it), so use a pattern
+cost of a compiled pattern (tests/bench/pipeline.py prints it), so use a pattern
 where one can say it. Needs the ``jmespath`` package, imported only when a
 pipeline uses this stage.
 """

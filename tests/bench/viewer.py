@@ -1,6 +1,6 @@
 """DLQ viewer benchmark: its pages on a million dead letters, and the UI during a 100k requeue.
 
-Fills a DLQ file with 1,000,000 rows (bench/dlq.py's fill: 200 integrations,
+Fills a DLQ file with 1,000,000 rows (tests/bench/dlq.py's fill: 200 integrations,
 Zipf-sized, 180 days), serves the viewer with uvicorn on 127.0.0.1 in a
 subprocess (its own core when the machine has two), and drives it with
 httpx like a browser would (signed-in session, whole HTML pages). Prints:
@@ -20,7 +20,7 @@ httpx like a browser would (signed-in session, whole HTML pages). Prints:
       replay rate limit; the busiest 1- and 5-second windows against what
       the limiter allows (its 50 ms burst plus the rate).
 
-Usage: `python bench/viewer.py [--rows N] [--path FILE] [--reuse] [--replay-rate R]
+Usage: `python tests/bench/viewer.py [--rows N] [--path FILE] [--reuse] [--replay-rate R]
 [--replay-seconds S]`
 (`--reuse` skips the fill when FILE already holds the rows; the requeue
 changes the file, so reuse a copy if the run must be repeated exactly).
@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = HERE.parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # dlq_viewer, when run from a checkout without reinstalling
 

@@ -10,9 +10,9 @@ Prints, on this machine:
   (e) p50/p99 latency added by the proxy at 1,000 msg/s (target p99 <= 1.2 ms),
   (f) peak RSS of the proxy process.
 
-The handler (bench/fast_handler.py) and the proxy run pinned to different
+The handler (tests/bench/fast_handler.py) and the proxy run pinned to different
 cores when the machine has two. Usage: `make bench` or
-`python bench/delivery.py [--messages N] [--workers W]`.
+`python tests/bench/delivery.py [--messages N] [--workers W]`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from nemesis.broker.port import ConsumerSpec, OutgoingMessage
 from nemesis.config.models import EmbeddedBackendConfig
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 # Rates are timed from the 1/WARM_UP-th message on, for the proxy and the bare loop alike.
 WARM_UP = 10
 # (e): the topic the proxy delivers from, and the one the direct phase's producer appends to.
@@ -76,7 +77,7 @@ def pin(core: int) -> list[str]:
 
 
 class Handler:
-    """bench/fast_handler.py in its own process, on core 1."""
+    """tests/bench/fast_handler.py in its own process, on core 1."""
 
     def __init__(self, latency: bool = False) -> None:
         self.port = free_port()
@@ -128,7 +129,7 @@ class Workspace:
         (root / "integrations").mkdir(parents=True, exist_ok=True)
         (root / "nemesis.yaml").write_text(
             f"backend: {{kind: embedded, path: {self.db}}}\ndata_dir: .\n"
-            f"integrations_dir: integrations\npipelines_dir: {HERE.parent / 'pipelines'}\n"
+            f"integrations_dir: integrations\npipelines_dir: {REPO / 'pipelines'}\n"
             # The viewer starts with every proxy, as in production; a secret made for this
             # run keeps it from warning at each start that it had to make one itself.
             f"auth: {{session_secret: '{secrets.token_urlsafe(48)}'}}\n"

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/pipeline.py [--messages 20000] [--repeat 7]
+    .venv/bin/python tests/bench/pipeline.py [--messages 20000] [--repeat 7]
 
 Prints, each against a baseline measured in the same run:
 

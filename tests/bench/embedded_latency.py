@@ -10,7 +10,7 @@ own ``write`` durations show apart. Rows:
   polling only     bells off: the reader polls (2 ms after data, up to 50 ms idle)
   bells, slow poll bells with polling every 500 ms: what the rings alone achieve
 
-Usage: `python bench/embedded_latency.py [--rate 1000] [--seconds 5]`. The
+Usage: `python tests/bench/embedded_latency.py [--rate 1000] [--seconds 5]`. The
 reader and the writer run pinned to different cores when there are two.
 """
 

@@ -11,7 +11,7 @@ LIMIT/OFFSET`` query that leaves the plan to SQLite. It is as fast or faster
 where the first matches sit at the top of any index, and slow where SQLite
 sorts (one big integration) or walks past rows (deep pages, rare filters).
 
-Usage: `python bench/dlq.py [--rows N] [--path FILE] [--reuse]`
+Usage: `python tests/bench/dlq.py [--rows N] [--path FILE] [--reuse]`
 (`--reuse` skips the fill when FILE already holds the rows).
 """
 

@@ -7,9 +7,9 @@ does nothing, sent ``--jobs`` times, one after another (as an append at a
 time is), at ``--rate`` jobs a second and as fast as they go. The baseline,
 measured in the same run, is what the threads used before: a single-thread
 ``ThreadPoolExecutor`` via ``run_in_executor``, under ``asyncio.timeout``.
-The process runs pinned to one core, as `nemesis run` is in bench/delivery.py.
+The process runs pinned to one core, as `nemesis run` is in tests/bench/delivery.py.
 
-Usage: `python bench/sqlite_thread.py [--jobs 3000] [--rate 1000]`.
+Usage: `python tests/bench/sqlite_thread.py [--jobs 3000] [--rate 1000]`.
 """
 
 from __future__ import annotations
