@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from nemesis.config import (
@@ -26,6 +27,7 @@ from nemesis.config import (
 )
 from nemesis.config.document import MAX_VALUES
 from nemesis.config.interpolation import expand
+from nemesis.config.models import YdbBackendConfig, YdbDlqConfig
 from nemesis.errors import ConfigError, ConfigProblem
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -679,11 +681,12 @@ def _model_keys(
 ) -> Iterator[str]:
     """Dotted paths of a model's keys, through nested models, lists and unions.
 
-    A model met a second time (the YDB credentials of the backend and of the
-    DLQ's connection) is not expanded again: the example describes it once.
+    With ``seen``, a model met a second time (the YDB credentials of the
+    backend and of the DLQ's connection) is not expanded again: the example
+    describes it once. Without, every path is expanded.
     """
-    seen = set() if seen is None else seen
-    seen.add(model)
+    if seen is not None:
+        seen.add(model)
     for name, info in model.model_fields.items():
         path = f"{prefix}{name}"
         yield path
@@ -691,7 +694,7 @@ def _model_keys(
         while pending:
             kind = pending.pop()
             if isinstance(kind, type) and issubclass(kind, BaseModel):
-                if kind not in seen:
+                if seen is None or kind not in seen:
                     yield from _model_keys(kind, f"{path}.", seen)
             else:
                 pending.extend(typing.get_args(kind))
@@ -701,8 +704,9 @@ def _example_keys(text: str) -> set[str]:
     """Dotted paths of the keys a YAML file names, set or commented out.
 
     Nesting comes from indentation (a commented-out key's indentation is
-    what follows its ``#``); keys listed in braces after a key, as in
-    ``{a: 1, b: 2}`` or ``# [{name, teams}]``, are its children.
+    what follows its ``#``). The names that open each item in braces after a
+    key, as in ``{a: 1, b: 2}`` or ``# [{name, teams}]``, are its children;
+    other comment text is not read.
     """
     paths: set[str] = set()
     stack: list[tuple[int, str]] = []
@@ -717,29 +721,61 @@ def _example_keys(text: str) -> set[str]:
             stack.pop()
         path = ".".join([*(k for _, k in stack), key])
         paths.add(path)
-        paths.update(f"{path}.{child}" for child in re.findall(r"[{,]\s*([a-z_]+)", rest))
+        for braced in re.findall(r"\{([^{}]*)(?:\}|$)", rest):
+            for item in re.sub(r"\([^)]*\)", "", braced).split(","):  # notes in parentheses
+                if child := re.match(r"\s*([a-z_]+)\b", item):
+                    paths.add(f"{path}.{child[1]}")
         stack.append((indent, key))
     return paths
 
 
+EXAMPLE = ROOT / "nemesis.example.yaml"
+
+
 def test_the_example_process_config_names_every_key() -> None:
     """The README says nemesis.example.yaml comments every key: each key of the
-    process configuration appears in it, under its parent, set or commented out."""
-    named = _example_keys((ROOT / "nemesis.example.yaml").read_text())
-    assert sorted(set(_model_keys(NemesisConfig)) - named) == []
+    process configuration appears in it, under its parent, set or commented out,
+    and it names no key the configuration does not have."""
+    named = _example_keys(EXAMPLE.read_text())
+    assert sorted(set(_model_keys(NemesisConfig, seen=set())) - named) == []
+    assert sorted(named - set(_model_keys(NemesisConfig))) == []
+
+
+def _commented_block(text: str, key: str) -> dict[str, Any]:
+    """The commented-out ``# key:`` block of a YAML file, uncommented and parsed."""
+    lines = text.splitlines()
+    start = next(n for n, line in enumerate(lines) if line.startswith(f"# {key}:"))
+    block = [f"{key}:"]
+    for line in lines[start + 1 :]:
+        if not line.startswith("#  "):
+            break
+        block.append(line[2:])
+    expanded = expand("\n".join(block), env={})
+    assert (expanded.unset, expanded.malformed) == ((), ()), f"# {key}: as nemesis run reads it"
+    parsed: dict[str, Any] = yaml.safe_load(expanded.text)
+    return parsed
+
+
+def test_the_example_alternatives_validate_when_uncommented() -> None:
+    text = EXAMPLE.read_text()
+    backend, dlq = _commented_block(text, "backend"), _commented_block(text, "dlq")
+    config = NemesisConfig.model_validate({**backend, **dlq})
+    assert isinstance(config.backend, YdbBackendConfig)
+    assert isinstance(config.dlq, YdbDlqConfig)
+    assert config.dlq.connection is not None
 
 
 def test_the_example_key_check_sees_nesting_and_comments() -> None:
     text = textwrap.dedent(
         """\
-        admin:
+        admin:        # health, readiness: not keys
           port: 8081
         # backend:
         #   kind: ydb
         #   credentials:
         #     mode: token
         auth:
-          users: []   # [{name, password_hash (a note), teams}]
+          users: []   # [{name, password_hash (a note, with commas), teams}]
           # trusted_header: {user_header: X,
           #                  trusted_proxies: []}
         """
@@ -750,3 +786,13 @@ def test_the_example_key_check_sees_nesting_and_comments() -> None:
         "auth.users.password_hash", "auth.users.teams", "auth.trusted_header",
         "auth.trusted_header.user_header", "auth.trusted_header.trusted_proxies",
     }  # fmt: skip
+
+
+def test_the_readme_integration_outline_names_every_key_and_validates() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("`integrations/<name>.yaml` describes one integration", 1)[1]
+    block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert sorted(set(_model_keys(IntegrationConfig, seen=set())) - _example_keys(block)) == []
+    expanded = expand(block, env={"LOYALTY_TOKEN": "t"})
+    config = IntegrationConfig.model_validate(yaml.safe_load(expanded.text))
+    assert config.retry.on_exhausted == "dead_letter"
