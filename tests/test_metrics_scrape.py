@@ -51,6 +51,7 @@ FAMILIES = {
         "nemesis_buffered_messages",
         "nemesis_in_flight_messages",
         "nemesis_delayed_messages",
+        "nemesis_keys_halted",
         "nemesis_unfinished_messages",
         "nemesis_uncommitted_messages",
         "nemesis_buffer_capacity",
@@ -197,6 +198,7 @@ def test_the_values_are_sane(scrapes: tuple[str, str]) -> None:
     read = value_of(flowing, "nemesis_messages_read_total", integration="it", topic="orders")
     assert 0 < read <= COUNT
     assert value_of(flowing, "nemesis_workers", **main) == 4
+    assert value_of(flowing, "nemesis_keys_halted", **main) == 0  # unordered: never halts
     assert value_of(flowing, "nemesis_workers_configured", integration="it") == 4
     assert 0 <= value_of(flowing, "nemesis_workers_busy", **main) <= 4
     assert 0 <= value_of(flowing, "nemesis_seconds_since_last_read", **main) < 10

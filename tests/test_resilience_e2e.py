@@ -286,7 +286,7 @@ async def test_ordered_integration_retries_in_place_then_dead_letters_or_halts(
     await writer.close()
     metrics = Metrics()
     async with HandlerServer() as handler:
-        handler.when(lambda e: n_of(e) == 5, status=503)
+        refusal = handler.when(lambda e: n_of(e) == 5, status=503)
         config = integration(
             "it",
             handler.url,
@@ -301,10 +301,20 @@ async def test_ordered_integration_retries_in_place_then_dead_letters_or_halts(
             lambda ledger: sum(1 for e in ledger if e.done and e.key == "b") == 20, timeout_s=20
         )
         await asyncio.sleep(1.0)
+        attempts_of_5 = [e.attempt for e in handler.ledger if n_of(e) == 5]
+        after_5 = [n_of(e) for e in handler.ledger if e.key == "a" and e.done and n_of(e) > 5]
+        main = {"integration": "it", "flow": "main"}
+        halted_now = metrics.registry.get_sample_value("nemesis_keys_halted", main)
+        if on_exhausted == "halt":
+            # The handler is fixed: the halted message goes through, and the key after it.
+            handler.remove(refusal)
+            await handler.ledger.wait_until(
+                lambda ledger: sum(1 for e in ledger if e.done and e.key == "a") == 20,
+                timeout_s=20,
+            )
+            assert metrics.registry.get_sample_value("nemesis_keys_halted", main) == 0
         proxy.stop()
         await task
-    attempts_of_5 = [e.attempt for e in handler.ledger if n_of(e) == 5]
-    after_5 = [n_of(e) for e in handler.ledger if e.key == "a" and e.done and n_of(e) > 5]
     # No retry tier topics for an ordered integration: retries happen in place.
     assert tier_topic("it", 1) not in await broker.admin.list_topics()
     if on_exhausted == "dead_letter":
@@ -313,6 +323,7 @@ async def test_ordered_integration_retries_in_place_then_dead_letters_or_halts(
         row = (await dlq.query(DeadLetterFilter())).rows[0]
         assert row.reason is Reason.RETRIES_EXHAUSTED
         assert after_5 == list(range(7, 40, 2))  # the key went on, in order, after it
+        assert halted_now == 0
     else:
         assert attempts_of_5[:3] == [1, 2, 3]
         assert len(attempts_of_5) > 3  # still being retried at the last delay
@@ -322,3 +333,6 @@ async def test_ordered_integration_retries_in_place_then_dead_letters_or_halts(
             "nemesis_halted_keys_total", {"integration": "it"}
         )
         assert halted == 1
+        assert halted_now == 1  # the gauge: one key held back now
+        resumed = [n_of(e) for e in handler.ledger if e.key == "a" and e.done and n_of(e) >= 5]
+        assert resumed == list(range(5, 40, 2))  # then, once accepted, the rest in order

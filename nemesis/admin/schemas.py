@@ -111,6 +111,7 @@ class FlowStatus(BaseModel):
     buffered: int
     in_flight: int
     delayed: int
+    halted: int  # keys held behind a message past its retries (on_exhausted: halt)
     unfinished: int
     uncommitted: int
     paused_partitions: int

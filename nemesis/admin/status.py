@@ -42,6 +42,7 @@ def integration_status(
             buffered=stats.buffered,
             in_flight=stats.in_flight,
             delayed=stats.delayed,
+            halted=stats.halted,
             unfinished=stats.unfinished,
             uncommitted=stats.outstanding,
             paused_partitions=stats.paused_partitions,

@@ -113,6 +113,7 @@ class RunnerStats:
     request_seconds: float = 0.0  # their summed duration
     attempted: int = 0  # messages those requests carried
     skipped: int = 0  # messages of disabled types, acknowledged without delivery
+    halted: int = 0  # keys (or partitions) halted behind a message past its retries
 
 
 class IntegrationRunner:
@@ -173,6 +174,10 @@ class IntegrationRunner:
         self._request_s = 0.0
         self._attempted = 0
         self._skipped = 0
+        # Messages past their retries that hold their key (or partition) back, with
+        # retry.on_exhausted: halt; each leaves when it finishes or its partition goes.
+        self._halted: set[Work] = set()
+        self._halts = config.retry.on_exhausted == "halt" and config.delivery.ordering != "none"
         self._started_at = clock.monotonic()
         self._last_read_at: float | None = None
         self._last_commit_at: float | None = None
@@ -267,6 +272,7 @@ class IntegrationRunner:
             request_seconds=self._request_s,
             attempted=self._attempted,
             skipped=self._skipped,
+            halted=len(self._halted),
         )
 
     # --- the run ------------------------------------------------------------
@@ -513,6 +519,7 @@ class IntegrationRunner:
                 # Its partition now belongs to another reader, which delivers it again.
                 self._scheduler.done(work)
                 self._m_stale.inc()
+                self._halted.discard(work)
         return live
 
     async def _prepare(self, batch: list[Work]) -> tuple[list[Work], list[Event]]:
@@ -592,6 +599,8 @@ class IntegrationRunner:
             return
         if work.first_failure_at is None:
             work.first_failure_at = self._clock.time()
+        if self._halts and work.attempt > len(self.config.retry.tiers):
+            self._halted.add(work)  # retried at the last delay until the handler accepts it
         work.attempt += 1
         work.last_error = failure.error
         self._m_retries.inc()
@@ -633,6 +642,8 @@ class IntegrationRunner:
         self._finish_all([work])
 
     def _finish_all(self, works: list[Work]) -> None:
+        if self._halted:
+            self._halted.difference_update(works)
         first = works[0].acks
         if first is not None and len(works) == 1:
             self._tracker.acked(first.ack(works[0].message))

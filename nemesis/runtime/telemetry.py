@@ -98,6 +98,12 @@ def _runner_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
         "delayed": _gauge(
             "nemesis_delayed_messages", "Messages waiting for a retry in place.", labels
         ),
+        "halted": _gauge(
+            "nemesis_keys_halted",
+            "Keys (or partitions) of an ordered flow halted now behind a message whose retries"
+            " ran out (retry.on_exhausted: halt), until the handler accepts it.",
+            labels,
+        ),
         "unfinished": _gauge(
             "nemesis_unfinished_messages",
             "Messages read and not done: the fill of delivery.buffer.",
@@ -143,6 +149,7 @@ def _runner_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
                 "buffered": stats.buffered,
                 "in_flight": stats.in_flight,
                 "delayed": stats.delayed,
+                "halted": stats.halted,
                 "unfinished": stats.unfinished,
                 "uncommitted": stats.outstanding,
                 "paused_partitions": stats.paused_partitions,
