@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import pytest
 from ydb import TopicClientAsyncIO, issues
+from ydb._grpc.common.protos.ydb_issue_message_pb2 import IssueMessage
 from ydb._grpc.grpcwrapper.common_utils import ServerStatus
 from ydb._grpc.grpcwrapper.ydb_topic import (
     Codec,
@@ -56,11 +57,17 @@ _new_stream = cast(Callable[[], FakeStream], FakeStream)
 
 
 class Grpc:
-    """Replaces the SDK's stream wrapper; hands every stream the SDK opens to the test."""
+    """Replaces the SDK's stream wrapper; hands every stream the SDK opens to the test.
+
+    Also the server's state that outlives one stream: which partition each
+    producer id is bound to (YDB binds a producer id to the first partition it
+    writes to, and refuses it on any other).
+    """
 
     def __init__(self) -> None:
         self.opened: list[FakeStream] = []
         self._new: asyncio.Queue[FakeStream] = asyncio.Queue()
+        self.producers: dict[str, int] = {}
 
     def __call__(self, convert: object) -> FakeStream:
         stream = _new_stream()
@@ -523,6 +530,10 @@ async def test_close_ends_the_sessions_and_a_closed_reader_refuses_to_read(
 # --- writing ----------------------------------------------------------------------------------
 
 
+class ProducerRefused(Exception):
+    """The fake server refused a write stream (the SDK was told why)."""
+
+
 class WriteServer:
     """The server's half of one write stream (one partition)."""
 
@@ -538,11 +549,28 @@ class WriteServer:
             stream, StreamWriteMessage.InitRequest
         )
         assert isinstance(init.partitioning, StreamWriteMessage.PartitioningPartitionID)
+        partition = init.partitioning.partition_id
+        bound = grpc.producers.setdefault(init.producer_id, partition)
+        if bound != partition:
+            # The server's partition chooser: a producer id writes to one partition only.
+            refusal = f"SourceId {init.producer_id} already bound to PartitionGroupId {bound + 1}"
+            stream.from_server.put_nowait(
+                StreamWriteMessage.InitResponse(
+                    last_seq_no=0,
+                    session_id="",
+                    partition_id=partition,
+                    supported_codecs=[],
+                    status=ServerStatus(
+                        issues.StatusCode.BAD_REQUEST, [IssueMessage(message=refusal)]
+                    ),
+                )
+            )
+            raise ProducerRefused(refusal)
         stream.from_server.put_nowait(
             StreamWriteMessage.InitResponse(
                 last_seq_no=last_seqno,
                 session_id="write-session",
-                partition_id=init.partitioning.partition_id,
+                partition_id=partition,
                 supported_codecs=[Codec.CODEC_RAW],
                 status=OK,
             )
@@ -616,7 +644,7 @@ async def test_a_write_returns_after_the_acks_with_offsets(
         server = await WriteServer.accept(grpc, last_seqno=7)
         # Unkeyed messages go to the producer's home partition, the same hash as embedded.
         assert server.partition == zlib.crc32(b"shop") % 4
-        assert server.init.producer_id == "shop"
+        assert server.init.producer_id == f"shop.p{server.partition}"
         sent = await server.written()
         assert [(m.seq_no, m.data) for m in sent] == [(8, b"a"), (9, b"b")]
         assert sent[0].metadata_items == {"type": b"t"}
@@ -685,6 +713,12 @@ async def test_keys_and_partitions_choose_the_partition_writer(
             server.ack([1])
         results = await asyncio.wait_for(writing, 2)
         assert [r.partition for r in results] == [key_partition, explicit]
+        # Each partition's writer is a producer of its own: the server binds a
+        # producer id to one partition.
+        assert {s.init.producer_id for s in servers.values()} == {
+            f"shop.p{key_partition}",
+            f"shop.p{explicit}",
+        }
         with pytest.raises(ValueError, match="out of range"):
             await writer.write([OutgoingMessage(value=b"", partition=4)])
     finally:
@@ -735,3 +769,30 @@ async def test_a_writer_that_cannot_start_is_a_broker_error(
         await writer.close()
     with pytest.raises(RuntimeError, match="closed"):
         await writer.write([OutgoingMessage(value=b"")])
+
+
+async def test_each_partition_is_written_by_a_producer_of_its_own_and_keeps_its_seqnos(
+    topics: TopicClientAsyncIO, grpc: Grpc
+) -> None:
+    writer = writer_for(topics, partitions=2)
+    try:
+        writing = asyncio.create_task(
+            writer.write([OutgoingMessage(value=b"a", partition=0, seqno=5)])
+        )
+        p0 = await WriteServer.accept(grpc, last_seqno=4)
+        assert [m.seq_no for m in await p0.written()] == [5]
+        p0.ack([5])
+        await asyncio.wait_for(writing, 2)
+        # The same writer on the other partition: refused by YDB if it reused the id.
+        writing = asyncio.create_task(
+            writer.write([OutgoingMessage(value=b"b", partition=1, seqno=5)])
+        )
+        p1 = await WriteServer.accept(grpc, last_seqno=0)
+        # Seqnos are per (producer, partition): 5 is new on partition 1.
+        assert [m.seq_no for m in await p1.written()] == [5]
+        p1.ack([5])
+        [result] = await asyncio.wait_for(writing, 2)
+        assert (result.status, result.partition) == (WriteStatus.WRITTEN, 1)
+        assert grpc.producers == {"shop.p0": 0, "shop.p1": 1}
+    finally:
+        await writer.close()
