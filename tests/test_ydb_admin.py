@@ -32,7 +32,7 @@ from nemesis.broker.port import ConsumerSpec
 from nemesis.broker.ydb import YdbAdmin, YdbBroker
 from nemesis.broker.ydb.admin import Directory, consumer_offsets, topic_description
 from nemesis.config.models import YdbBackendConfig
-from nemesis.errors import TopicExists, TopicNotFound
+from nemesis.errors import BrokerError, TopicExists, TopicNotFound
 
 WRITTEN = datetime.datetime(2026, 11, 30, 12, 0, 0)  # naive UTC
 
@@ -127,16 +127,38 @@ class Topic:
 
 
 class TopicService:
-    """The SDK topic client's admin calls over topics kept in memory."""
+    """The SDK topic client's admin calls over topics kept in memory, with the server's rules.
 
-    def __init__(self) -> None:
+    Also the scheme client's ``make_directory``: the Topic API creates a topic
+    only in a directory that exists (the database root always does), and a
+    directory only in one that exists.
+    """
+
+    def __init__(self, database: str = "/local") -> None:
         self.topics: dict[str, Topic] = {}
+        self.directories: set[str] = {database}
         self.calls: list[str] = []
+        self.denied = False  # the caller may not make directories
+
+    async def make_directory(self, path: str) -> None:
+        self.calls.append(f"mkdir {path}")
+        if self.denied:
+            raise issues.Unauthorized(f"access denied: {path}")
+        parent = path.rsplit("/", 1)[0]
+        if parent not in self.directories:
+            raise issues.SchemeError(f"path {parent} does not exist")
+        if path in self.topics:
+            raise issues.SchemeError(f"{path} is a topic")
+        self.directories.add(path)
 
     async def create_topic(self, path: str, **settings: Any) -> None:
         self.calls.append(f"create {path}")
         if path in self.topics:
             raise issues.AlreadyExists(f"{path} exists")
+        parent = path.rsplit("/", 1)[0]
+        if parent not in self.directories:
+            # The Topic API works in the parent directory and makes none.
+            raise issues.SchemeError(f"path {parent} does not exist")
         retention = settings["retention_period"]
         self.topics[path] = Topic(
             settings["min_active_partitions"],
@@ -185,6 +207,7 @@ def admin_over(service: TopicService, tree: dict[str, list[Any]] | None = None) 
     return YdbAdmin(
         cast(TopicClientAsyncIO, service),
         lister(tree or {}),
+        make_directory=service.make_directory,
         database="/local",
         directory="nemesis",
         default_retention_s=86400.0,
@@ -269,6 +292,7 @@ async def test_a_reader_needs_a_registered_consumer() -> None:
         owns_driver=False,
         topics=cast(TopicClientAsyncIO, service),
         list_directory=lister({}),
+        make_directory=service.make_directory,
     )
     await broker.admin.create_topic("orders", partitions=1)
     with pytest.raises(TopicNotFound, match="no consumer billing"):
@@ -278,3 +302,44 @@ async def test_a_reader_needs_a_registered_consumer() -> None:
     await broker.close()
     with pytest.raises(RuntimeError, match="closed"):
         await broker.writer("orders")
+
+
+async def test_create_makes_the_missing_directories_first_once() -> None:
+    service = TopicService()
+    admin = admin_over(service)
+    await admin.create_topic("retry/orders.1", partitions=1)
+    assert service.calls == [
+        "mkdir /local/nemesis",
+        "mkdir /local/nemesis/retry",
+        "create /local/nemesis/retry/orders.1",
+    ]
+    await admin.create_topic("retry/orders.2", partitions=1)
+    assert service.calls[-1] == "create /local/nemesis/retry/orders.2"
+    assert service.calls.count("mkdir /local/nemesis") == 1
+    # Topics at the database root need no directory.
+    service.calls.clear()
+    await YdbAdmin(
+        cast(TopicClientAsyncIO, service),
+        lister({}),
+        make_directory=service.make_directory,
+        database="/local",
+        directory="",
+        default_retention_s=0,
+        timeout_s=1.0,
+    ).create_topic("orders", partitions=1)
+    assert service.calls == ["create /local/orders"]
+
+
+async def test_a_directory_that_cannot_be_made_is_a_clear_error_not_a_missing_topic() -> None:
+    service = TopicService()
+    service.denied = True
+    with pytest.raises(BrokerError, match="create directory /local/nemesis") as raised:
+        await admin_over(service).create_topic("orders", partitions=1)
+    assert not isinstance(raised.value, TopicNotFound)
+    # A topic of the directory's name in the way.
+    service = TopicService()
+    service.directories.add("/local/nemesis")
+    service.topics["/local/nemesis/retry"] = Topic(1, [], None)
+    with pytest.raises(BrokerError, match="create directory /local/nemesis/retry") as raised:
+        await admin_over(service).create_topic("retry/orders.1", partitions=1)
+    assert not isinstance(raised.value, TopicNotFound)

@@ -20,7 +20,6 @@ from typing import Any, cast
 
 import pytest
 from ydb import TopicClientAsyncIO, issues
-from ydb._grpc.common.protos.ydb_issue_message_pb2 import IssueMessage
 from ydb._grpc.grpcwrapper.common_utils import ServerStatus
 from ydb._grpc.grpcwrapper.ydb_topic import (
     Codec,
@@ -560,9 +559,7 @@ class WriteServer:
                     session_id="",
                     partition_id=partition,
                     supported_codecs=[],
-                    status=ServerStatus(
-                        issues.StatusCode.BAD_REQUEST, [IssueMessage(message=refusal)]
-                    ),
+                    status=ServerStatus(issues.StatusCode.BAD_REQUEST, []),
                 )
             )
             raise ProducerRefused(refusal)

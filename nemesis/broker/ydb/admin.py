@@ -9,6 +9,15 @@ the database root of a busy database.
 
 ``describe_topic`` costs one ``DescribeTopic`` and one ``DescribeConsumer``
 per consumer (the committed offsets live in the consumer's statistics).
+
+Directories. The Topic API creates a topic in its parent directory and does
+not create missing directories, so ``create_topic`` first makes every
+missing directory on the way with the scheme client (``MakeDirectory``, one
+level at a time, once per admin). A directory that cannot be made is a
+BrokerError naming it, not a missing topic.
+
+A topic name that starts with ``/`` is an absolute path inside the database
+(``connection.object_path``).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from nemesis.broker.port import TopicDescription as PortDescription
 from nemesis.broker.ydb.connection import object_path
 from nemesis.broker.ydb.errors import topic_call
 from nemesis.broker.ydb.mapping import unix_seconds
-from nemesis.errors import TopicExists, TopicNotFound
+from nemesis.errors import BrokerError, TopicExists, TopicNotFound
 
 MAX_LIST_DEPTH = 4
 MAX_LISTED = 10_000
@@ -53,6 +62,7 @@ class Directory(Protocol):
 
 
 ListDirectory = Callable[[str], Awaitable[Directory]]
+MakeDirectory = Callable[[str], Awaitable[object]]
 
 
 class YdbAdmin:
@@ -63,6 +73,7 @@ class YdbAdmin:
         topics: TopicClientAsyncIO,
         list_directory: ListDirectory,
         *,
+        make_directory: MakeDirectory,
         database: str,
         directory: str,
         default_retention_s: float,
@@ -70,6 +81,8 @@ class YdbAdmin:
     ) -> None:
         self._topics = topics
         self._list_directory = list_directory
+        self._make_directory = make_directory
+        self._made: set[str] = set()  # directories known to exist
         self._database = database
         self._directory = directory
         self._default_retention_s = default_retention_s
@@ -96,11 +109,14 @@ class YdbAdmin:
         if retention_s is None:
             retention_s = self._default_retention_s
         retention = datetime.timedelta(seconds=retention_s) if retention_s else None
+        path = self.path(name)
+        parent = path.rsplit("/", 1)[0]
+        await self.make_directories(parent)
         try:
             await topic_call(
                 f"create topic {name}",
                 self._topics.create_topic(
-                    self.path(name),
+                    path,
                     min_active_partitions=partitions,
                     max_active_partitions=partitions,
                     retention_period=retention,
@@ -113,6 +129,36 @@ class YdbAdmin:
                 raise
             for consumer in consumers:
                 await self.add_consumer(name, consumer)
+        except TopicNotFound as exc:
+            # The server's word for a parent directory that is not there (any more).
+            self._made.discard(parent)
+            raise BrokerError(f"{exc} (is the directory {parent} there?)") from exc
+
+    async def make_directories(self, path: str) -> None:
+        """Makes ``path`` and every missing directory above it, up to the database root.
+
+        BrokerError naming the directory when one cannot be made (access, a
+        topic or table of that name in the way).
+        """
+        root = self._database.rstrip("/")
+        if path in self._made or not path.startswith(root + "/"):
+            return  # known, or the database root itself
+        levels = path[len(root) + 1 :].split("/")
+        for depth in range(1, len(levels) + 1):
+            directory = "/".join([root, *levels[:depth]])
+            if directory in self._made:
+                continue
+            try:
+                await topic_call(
+                    f"create directory {directory}",
+                    self._make_directory(directory),
+                    self._timeout_s,
+                )
+            except TopicExists:
+                pass  # made meanwhile by another process
+            except TopicNotFound as exc:  # the scheme's error, for a directory: not a topic
+                raise BrokerError(str(exc)) from exc
+            self._made.add(directory)
 
     async def add_consumer(self, topic: str, consumer: ConsumerSpec) -> None:
         """Registers a consumer; a consumer that exists already is left alone."""
@@ -238,3 +284,8 @@ def _consumer(spec: ConsumerSpec) -> TopicConsumer | str:
 def scheme_lister(driver: Driver) -> ListDirectory:
     """The scheme client's ``list_directory``, typed (the SDK leaves it untyped)."""
     return cast(ListDirectory, driver.scheme_client.list_directory)
+
+
+def scheme_maker(driver: Driver) -> MakeDirectory:
+    """The scheme client's ``make_directory``, typed (the SDK leaves it untyped)."""
+    return cast(MakeDirectory, driver.scheme_client.make_directory)

@@ -7,7 +7,13 @@ import logging
 from ydb import TopicClientAsyncIO
 from ydb.aio.driver import Driver
 
-from nemesis.broker.ydb.admin import ListDirectory, YdbAdmin, scheme_lister
+from nemesis.broker.ydb.admin import (
+    ListDirectory,
+    MakeDirectory,
+    YdbAdmin,
+    scheme_lister,
+    scheme_maker,
+)
 from nemesis.broker.ydb.connection import open_driver
 from nemesis.broker.ydb.reader import YdbReader
 from nemesis.broker.ydb.writer import YdbWriter, default_producer_id
@@ -30,6 +36,7 @@ class YdbBroker:
         clock: Clock = SYSTEM_CLOCK,
         topics: TopicClientAsyncIO | None = None,
         list_directory: ListDirectory | None = None,
+        make_directory: MakeDirectory | None = None,
     ) -> None:
         self.driver = driver
         self.config = config
@@ -39,6 +46,7 @@ class YdbBroker:
         self._admin = YdbAdmin(
             self._topics,
             list_directory if list_directory is not None else scheme_lister(driver),
+            make_directory=make_directory if make_directory is not None else scheme_maker(driver),
             database=config.database,
             directory=config.directory,
             default_retention_s=config.retention,
