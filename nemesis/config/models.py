@@ -50,6 +50,9 @@ DurationS = Annotated[float, BeforeValidator(parse_duration)]
 
 NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
 TOPIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
+# A source topic may also be an absolute path (YDB: /<database>/<path>, a topic
+# outside the backend's directory); topics Nemesis creates are always relative.
+SOURCE_TOPIC_PATTERN = r"^/?[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 
 
 def _check_target_url(url: str) -> str:
@@ -66,7 +69,7 @@ class Model(BaseModel):
 
 
 class SourceConfig(Model):
-    topic: Annotated[str, Field(pattern=TOPIC_PATTERN)]
+    topic: Annotated[str, Field(pattern=SOURCE_TOPIC_PATTERN)]
     consumer: Annotated[str, Field(pattern=TOPIC_PATTERN)]
     # The metadata key that names a message's type (ce-type, flags.disabled_types).
     type_key: str = "type"
