@@ -235,9 +235,11 @@ class YdbBackendConfig(YdbConnectionConfig):
     retention: DurationS = 7 * 86400.0
     default_partitions: Annotated[int, Field(ge=1, le=1024)] = 4
     reader_buffer_bytes: Annotated[int, Field(ge=64 * 1024)] = 16 * 1024 * 1024
-    # Messages of a paused partition held in memory before the whole reader
-    # stops taking messages (YDB cannot pause one partition: see the README).
+    # Messages, and bytes, of a paused partition held in memory; past either the
+    # partition's messages are dropped and read again after its resume (YDB
+    # cannot pause one partition: see nemesis/broker/ydb/README.md).
     pause_stash_messages: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
+    pause_stash_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
 
 
 class YdbDlqConfig(Model):
