@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import gzip
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, cast
 
 import pytest
+import zstandard
 from ydb import TopicClientAsyncIO, issues
 from ydb._grpc.grpcwrapper.common_utils import ServerStatus
 from ydb._grpc.grpcwrapper.ydb_topic import (
@@ -34,6 +36,7 @@ from ydb.aio.driver import Driver
 
 from nemesis.broker.port import Message, OutgoingMessage, PartitionSession, WriteStatus
 from nemesis.broker.ydb import YdbReader, YdbSession, YdbWriter
+from nemesis.broker.ydb.reader import open_sdk_reader
 from nemesis.errors import BrokerError, BrokerTimeout, TopicNotFound
 
 WRITTEN_AT = datetime.datetime(2026, 11, 30, 12, 0, 0)  # naive UTC, as protobuf makes them
@@ -158,13 +161,15 @@ class ReadServer:
         offsets: Sequence[int],
         *,
         metadata: Mapping[str, bytes] | None = None,
+        codec: int = Codec.CODEC_RAW,
+        encode: Callable[[bytes], bytes] = bytes,
     ) -> None:
         data = [
             StreamReadMessage.ReadResponse.MessageData(
                 offset=offset,
                 seq_no=offset + 1,
                 created_at=CREATED_AT,
-                data=b"v%d" % offset,
+                data=encode(b"v%d" % offset),
                 metadata_items=dict(metadata or {}),
                 uncompresed_size=3,
                 message_group_id="shop",
@@ -181,7 +186,7 @@ class ReadServer:
                                 message_data=data,
                                 producer_id="shop",
                                 write_session_meta={},
-                                codec=Codec.CODEC_RAW,
+                                codec=codec,
                                 written_at=WRITTEN_AT,
                             )
                         ],
@@ -225,7 +230,7 @@ class ReadServer:
 @pytest.fixture
 async def reader(topics: TopicClientAsyncIO) -> AsyncIterator[YdbReader]:
     opened = YdbReader(
-        topics.reader("/local/orders", consumer="billing"),
+        lambda: open_sdk_reader(topics, "/local/orders", "billing", 1 << 20),
         topic="orders",
         consumer="billing",
         stash_limit=3,
@@ -426,7 +431,7 @@ async def test_pause_holds_a_partition_back_and_resume_hands_it_out_first(
     assert offsets(await receive_all(reader, 1)) == [(0, 3)]
 
 
-async def test_a_full_stash_stops_the_whole_reader_until_the_resume(
+async def test_a_paused_partition_past_its_stash_costs_the_others_nothing(
     reader: YdbReader, grpc: Grpc
 ) -> None:
     server = await ReadServer.accept(grpc)
@@ -435,24 +440,139 @@ async def test_a_full_stash_stops_the_whole_reader_until_the_resume(
     server.send(1, [0])
     [head] = await receive_all(reader, 1)
     reader.pause(session_of(head))
-    server.send(1, [1, 2, 3])  # the stash holds 3: full
-    await asyncio.sleep(0.02)
-    assert await reader.receive(10, 0.05) == ()
-    server.send(2, [0])
-    # Partition 1 has a message waiting, but the reader takes nothing any more.
-    assert await reader.receive(10, 0.2) == ()
+    server.send(1, list(range(1, 11)))  # 10 messages: past the stash's 3
+    # With partition 0 paused and spilled, partition 1 delivers all of its 60.
+    for start in range(0, 60, 10):
+        server.send(2, list(range(start, start + 10)))
+    others = await receive_all(reader, 60)
+    assert offsets(others) == [(1, offset) for offset in range(60)]
     stats = reader.statistics()
-    assert (stats.stalled, stats.paused, stats.stashed) == (True, 1, 3)
+    assert (stats.paused, stats.spilled, stats.stashed, stats.dropped) == (1, 1, 0, 10)
+    committing = asyncio.create_task(reader.commit([head]))  # the paused one's commits work
+    assert (await server.commit_request()).commit_offsets[0].offsets == [OffsetsRange(0, 1)]
+    server.ack(1, 1)
+    await asyncio.wait_for(committing, 2)
+
+    # The resume reads everything again from a new read session.
     reader.resume(session_of(head))
-    assert offsets(await receive_all(reader, 4)) == [(0, 1), (0, 2), (0, 3), (1, 0)]
-    assert not reader.statistics().stalled
+    again = asyncio.create_task(receive_all(reader, 10))
+    second = await ReadServer.accept(grpc)
+    assert not head.alive
+    assert not others[0].alive
+    second.start(session_id=1, partition=0, committed=1)
+    second.send(1, list(range(1, 11)))
+    assert offsets(await again) == [(0, offset) for offset in range(1, 11)]
+    assert reader.statistics().reopens == 1
+
+
+async def test_the_pause_stash_is_bounded_in_bytes_too(
+    topics: TopicClientAsyncIO, grpc: Grpc
+) -> None:
+    reader = YdbReader(
+        lambda: open_sdk_reader(topics, "/local/orders", "billing", 1 << 20),
+        topic="orders",
+        consumer="billing",
+        stash_limit=1000,
+        stash_bytes=7,  # three messages of 2 bytes (v1, v2, v3)
+    )
+    try:
+        server = await ReadServer.accept(grpc)
+        server.start(session_id=1, partition=0)
+        server.send(1, [0])
+        [head] = await receive_all(reader, 1)
+        reader.pause(session_of(head))
+        server.send(1, [1, 2, 3])
+        assert await reader.receive(10, 0.1) == ()
+        assert (reader.statistics().stashed_bytes, reader.statistics().spilled) == (6, 0)
+        server.send(1, [4])
+        assert await reader.receive(10, 0.1) == ()
+        stats = reader.statistics()
+        assert (stats.stashed, stats.stashed_bytes, stats.spilled) == (0, 0, 1)
+    finally:
+        await reader.close()
+
+
+async def test_partitions_count_as_assigned_from_their_start_not_their_first_message(
+    reader: YdbReader, grpc: Grpc
+) -> None:
+    server = await ReadServer.accept(grpc)
+    server.start(session_id=1, partition=0)
+    server.start(session_id=2, partition=1)
+    assert await reader.receive(10, 0.1) == ()  # nothing written: no message at all
+    assert [s.partition for s in reader.sessions()] == [0, 1]
+    assert reader.statistics().sessions == 2
+    server.stop(2)
+    assert await reader.receive(10, 0.1) == ()
+    assert [s.partition for s in reader.sessions()] == [0]
+
+    # A reader that reconnects and then reads nothing still holds its partitions.
+    server.fail(issues.Unavailable("the node went away"))
+    second = await ReadServer.accept(grpc)
+    second.start(session_id=1, partition=0)
+    second.start(session_id=2, partition=2)
+    assert await reader.receive(10, 0.1) == ()
+    assert [s.partition for s in reader.sessions()] == [0, 2]
+    # A session listed before its first message is the one its messages come with.
+    listed = reader.sessions()[1]
+    second.send(2, [0])
+    [message] = await receive_all(reader, 1)
+    assert message.session is listed
+
+
+# --- codecs -----------------------------------------------------------------------------------
+
+
+def zstd_frames(data: bytes) -> bytes:
+    """ZSTD as streaming producers write it: no content size in the header, two frames."""
+    half = len(data) // 2
+    frames = b""
+    for part in (data[:half], data[half:]):
+        compressor = zstandard.ZstdCompressor().compressobj()
+        frames += compressor.compress(part) + compressor.flush()
+    return frames
+
+
+async def test_zstd_messages_are_decoded(reader: YdbReader, grpc: Grpc) -> None:
+    server = await ReadServer.accept(grpc)
+    server.start(session_id=1, partition=0)
+    server.send(1, [0, 1], codec=Codec.CODEC_ZSTD, encode=zstd_frames)
+    server.send(1, [2], codec=Codec.CODEC_GZIP, encode=gzip.compress)
+    assert [m.value for m in await receive_all(reader, 3)] == [b"v0", b"v1", b"v2"]
+
+
+async def test_a_codec_nemesis_cannot_decode_parks_its_partition_and_says_why(
+    reader: YdbReader, grpc: Grpc
+) -> None:
+    server = await ReadServer.accept(grpc)
+    server.start(session_id=1, partition=0)
+    server.start(session_id=2, partition=1)
+    server.send(1, [0, 1], codec=Codec.CODEC_LZOP, encode=lambda data: b"lzop:" + data)
+    server.send(2, [0])
+    server.send(1, [2])  # after the parked batch: not handed out either
+    server.send(2, [1])
+    assert offsets(await receive_all(reader, 2)) == [(1, 0), (1, 1)]
+    assert await reader.receive(10, 0.1) == ()
+    stats = reader.statistics()
+    assert stats.parked == {
+        0: "orders[0] offset 0 is compressed with LZOP, which Nemesis cannot decode"
+        " (it reads RAW, GZIP and ZSTD): the partition is parked"
+    }
+    assert stats.sessions == 2  # still held: the committed offset stays before it
+
+
+async def test_an_unknown_codec_fails_the_reader_naming_it(reader: YdbReader, grpc: Grpc) -> None:
+    server = await ReadServer.accept(grpc)
+    server.start(session_id=1, partition=0)
+    server.send(1, [0], codec=10042)  # a custom codec
+    with pytest.raises(BrokerError, match=r"codec Nemesis cannot decode .*10042"):
+        await receive_all(reader, 1)
 
 
 async def test_a_commit_that_times_out_is_a_broker_timeout_and_a_late_ack_is_harmless(
     topics: TopicClientAsyncIO, grpc: Grpc
 ) -> None:
     reader = YdbReader(
-        topics.reader("/local/orders", consumer="billing"),
+        lambda: open_sdk_reader(topics, "/local/orders", "billing", 1 << 20),
         topic="orders",
         consumer="billing",
         commit_timeout_s=0.05,
