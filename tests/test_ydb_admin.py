@@ -16,6 +16,7 @@ from typing import Any, cast
 import pytest
 import ydb
 from ydb import (
+    TopicAlterConsumer,
     TopicClientAsyncIO,
     TopicConsumer,
     TopicConsumerDescription,
@@ -57,7 +58,12 @@ def partition_stats(
 
 
 def described(
-    path: str, partitions: int, consumers: Sequence[str], retention_s: float | None
+    path: str,
+    partitions: int,
+    consumers: Sequence[str],
+    retention_s: float | None,
+    important: frozenset[str] | set[str] = frozenset(),
+    starts: dict[int, int] | None = None,
 ) -> TopicDescription:
     return TopicDescription(
         self=scheme_entry(path.rsplit("/", 1)[-1]),
@@ -70,7 +76,9 @@ def described(
                 active=True,
                 child_partition_ids=[],
                 parent_partition_ids=[],
-                partition_stats=partition_stats(2, 10 + p, WRITTEN if p == 0 else None),
+                partition_stats=partition_stats(
+                    (starts or {}).get(p, 2), 10 + p, WRITTEN if p == 0 else None
+                ),
             )
             for p in range(partitions)
         ],
@@ -80,7 +88,7 @@ def described(
         partition_write_speed_bytes_per_second=0,
         partition_write_burst_bytes=0,
         attributes={},
-        consumers=[TopicConsumer(name) for name in consumers],
+        consumers=[TopicConsumer(name, important=name in important) for name in consumers],
         metering_mode=None,
         topic_stats=None,
         auto_partitioning_settings=None,
@@ -124,6 +132,16 @@ class Topic:
     consumers: list[str]
     retention_s: float | None
     committed: dict[str, dict[int, int]] = field(default_factory=dict)
+    important: set[str] = field(default_factory=set)
+    starts: dict[int, int] = field(default_factory=dict)  # retained start, 2 unless expired
+
+    def expire(self) -> None:
+        """The retention passes over every message: YDB deletes what no important
+        consumer still needs (an ordinary consumer's unread messages go too)."""
+        for p in range(self.partitions):
+            end = 10 + p
+            needed = [self.committed.get(c, {}).get(p, 0) for c in self.important]
+            self.starts[p] = max(self.starts.get(p, 2), min([end, *needed]))
 
 
 class TopicService:
@@ -164,15 +182,37 @@ class TopicService:
             settings["min_active_partitions"],
             [c.name for c in settings["consumers"]],
             retention.total_seconds() if retention else None,
+            important={c.name for c in settings["consumers"] if c.important},
         )
 
-    async def alter_topic(self, path: str, add_consumers: list[TopicConsumer]) -> None:
+    async def alter_topic(
+        self,
+        path: str,
+        add_consumers: Sequence[TopicConsumer] = (),
+        alter_consumers: Sequence[TopicAlterConsumer] = (),
+    ) -> None:
         self.calls.append(f"alter {path}")
-        self._topic(path).consumers += [c.name for c in add_consumers]
+        topic = self._topic(path)
+        for added in add_consumers:
+            topic.consumers.append(added.name)
+            if added.important:
+                topic.important.add(added.name)
+        for altered in alter_consumers:
+            if altered.name not in topic.consumers:
+                raise issues.NotFound(f"no consumer {altered.name}")
+            if altered.set_important:
+                topic.important.add(altered.name)
 
     async def describe_topic(self, path: str, include_stats: bool = False) -> TopicDescription:
         topic = self._topic(path)
-        return described(path, topic.partitions, topic.consumers, topic.retention_s)
+        return described(
+            path,
+            topic.partitions,
+            topic.consumers,
+            topic.retention_s,
+            important=topic.important,
+            starts=topic.starts,
+        )
 
     async def describe_consumer(
         self, path: str, consumer: str, *, include_stats: bool = False

@@ -18,16 +18,26 @@ BrokerError naming it, not a missing topic.
 
 A topic name that starts with ``/`` is an absolute path inside the database
 (``connection.object_path``).
+
+Topics Nemesis owns. The consumers of the retry tiers and of the replay
+topics (``INTERNAL_TOPIC_PREFIXES``) are always *important*: YDB deletes
+nothing such a consumer has not committed, whatever the retention, so a
+paused integration loses none of its retries or replays. The price is disk:
+a topic of an integration that is gone keeps growing until it is dropped
+(``nemesis topics drop``). A consumer registered before, not important,
+is made important by ``add_consumer``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, cast
 
 import ydb
 from ydb import (
+    TopicAlterConsumer,
     TopicClientAsyncIO,
     TopicConsumer,
     TopicConsumerDescription,
@@ -44,6 +54,14 @@ from nemesis.errors import BrokerError, TopicExists, TopicNotFound
 
 MAX_LIST_DEPTH = 4
 MAX_LISTED = 10_000
+
+# The topics Nemesis creates for itself (nemesis.runtime.retries: tier_topic, replay_topic).
+INTERNAL_TOPIC_PREFIXES = ("nemesis.retry.", "nemesis.replay.")
+
+
+def is_internal(topic: str) -> bool:
+    """Whether ``topic`` is a retry tier or replay topic of Nemesis' own."""
+    return topic.rsplit("/", 1)[-1].startswith(INTERNAL_TOPIC_PREFIXES)
 
 
 class SchemeEntry(Protocol):
@@ -120,7 +138,7 @@ class YdbAdmin:
                     min_active_partitions=partitions,
                     max_active_partitions=partitions,
                     retention_period=retention,
-                    consumers=[_consumer(c) for c in consumers],
+                    consumers=[_consumer(_spec(name, c)) for c in consumers],
                 ),
                 self._timeout_s,
             )
@@ -161,9 +179,21 @@ class YdbAdmin:
             self._made.add(directory)
 
     async def add_consumer(self, topic: str, consumer: ConsumerSpec) -> None:
-        """Registers a consumer; a consumer that exists already is left alone."""
+        """Registers a consumer; one that exists already is left alone (but for importance:
+        the consumers of Nemesis' own topics are made important, see the module docstring)."""
+        consumer = _spec(topic, consumer)
         described = await self._describe(topic)
-        if any(c.name == consumer.name for c in described.consumers):
+        existing = next((c for c in described.consumers if c.name == consumer.name), None)
+        if existing is not None:
+            if consumer.important and not existing.important:
+                await topic_call(
+                    f"make consumer {consumer.name} of {topic} important",
+                    self._topics.alter_topic(
+                        self.path(topic),
+                        alter_consumers=[TopicAlterConsumer(consumer.name, set_important=True)],
+                    ),
+                    self._timeout_s,
+                )
             return
         try:
             await topic_call(
@@ -279,6 +309,12 @@ def consumer_offsets(described: TopicConsumerDescription) -> dict[int, int]:
 
 def _consumer(spec: ConsumerSpec) -> TopicConsumer | str:
     return TopicConsumer(spec.name, important=spec.important)
+
+
+def _spec(topic: str, spec: ConsumerSpec) -> ConsumerSpec:
+    if is_internal(topic) and not spec.important:
+        return dataclasses.replace(spec, important=True)
+    return spec
 
 
 def scheme_lister(driver: Driver) -> ListDirectory:
