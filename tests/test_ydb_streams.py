@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import gzip
+import itertools
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, cast
@@ -70,6 +71,7 @@ class Grpc:
         self.opened: list[FakeStream] = []
         self._new: asyncio.Queue[FakeStream] = asyncio.Queue()
         self.producers: dict[str, int] = {}
+        self.tasks: list[asyncio.Future[None]] = []  # the fake servers' own
 
     def __call__(self, convert: object) -> FakeStream:
         stream = _new_stream()
@@ -100,6 +102,8 @@ async def topics(grpc: Grpc) -> AsyncIterator[TopicClientAsyncIO]:
     client = TopicClientAsyncIO(cast(Driver, _NoCredentials()))
     yield client
     cast(Callable[[], None], client.close)()  # untyped in the SDK
+    for task in grpc.tasks:
+        task.cancel()
 
 
 async def _from_client(stream: FakeStream, kind: type[Any]) -> Any:
@@ -111,20 +115,25 @@ async def _from_client(stream: FakeStream, kind: type[Any]) -> Any:
             return message
 
 
-def sent_so_far(stream: FakeStream) -> list[Any]:
-    """What the SDK has sent on ``stream`` and the test has not read yet."""
-    sent = []
-    while not stream.from_client.empty():
-        message = stream.from_client.get_nowait()
-        sent.append(getattr(message, "client_message", getattr(message, "value", message)))
-    return sent
+# What one message costs of the reader's read budget (YDB counts its bytes, roughly).
+MESSAGE_BYTES = 10
 
 
 class ReadServer:
-    """The server's half of one read stream."""
+    """The server's half of one read stream.
 
-    def __init__(self, stream: FakeStream) -> None:
+    Plays YDB's flow control: a message is sent only while the bytes the
+    reader granted (``ReadRequest``: its buffer at the start, then what it
+    frees) cover it; the rest waits here, in order, as on a server. Control
+    messages (partition starts and stops, commit acks) are not counted.
+    """
+
+    def __init__(self, stream: FakeStream, budget: int, grpc: Grpc) -> None:
         self.stream = stream
+        self.budget = budget
+        self.held: list[tuple[int, int, StreamReadMessage.ReadResponse.MessageData]] = []
+        self.received: asyncio.Queue[Any] = asyncio.Queue()  # what the SDK sent, not budget
+        grpc.tasks.append(asyncio.ensure_future(self._read_client()))
 
     @classmethod
     async def accept(cls, grpc: Grpc) -> ReadServer:
@@ -136,8 +145,20 @@ class ReadServer:
                 server_message=StreamReadMessage.InitResponse(session_id="read-session"),
             )
         )
-        await _from_client(stream, StreamReadMessage.ReadRequest)
-        return cls(stream)
+        request: StreamReadMessage.ReadRequest = await _from_client(
+            stream, StreamReadMessage.ReadRequest
+        )
+        return cls(stream, request.bytes_size, grpc)
+
+    async def _read_client(self) -> None:
+        while True:
+            sent = await self.stream.from_client.get()
+            message = getattr(sent, "client_message", getattr(sent, "value", sent))
+            if isinstance(message, StreamReadMessage.ReadRequest):
+                self.budget += message.bytes_size
+                self._flush()
+            else:
+                self.received.put_nowait(message)
 
     def _put(self, message: Any, status: ServerStatus = OK) -> None:
         self.stream.from_server.put_nowait(
@@ -164,8 +185,9 @@ class ReadServer:
         codec: int = Codec.CODEC_RAW,
         encode: Callable[[bytes], bytes] = bytes,
     ) -> None:
-        data = [
-            StreamReadMessage.ReadResponse.MessageData(
+        """Messages of one partition session, sent as the reader's budget allows."""
+        for offset in offsets:
+            data = StreamReadMessage.ReadResponse.MessageData(
                 offset=offset,
                 seq_no=offset + 1,
                 created_at=CREATED_AT,
@@ -174,25 +196,37 @@ class ReadServer:
                 uncompresed_size=3,
                 message_group_id="shop",
             )
-            for offset in offsets
+            self.held.append((session_id, codec, data))
+        self._flush()
+
+    def _flush(self) -> None:
+        """Sends what the budget covers, in order, consecutive messages of a session in a batch."""
+        count = min(len(self.held), self.budget // MESSAGE_BYTES)
+        if not count:
+            return
+        sending, self.held = self.held[:count], self.held[count:]
+        self.budget -= count * MESSAGE_BYTES
+        partitions = [
+            StreamReadMessage.ReadResponse.PartitionData(
+                partition_session_id=session_id,
+                batches=[
+                    StreamReadMessage.ReadResponse.Batch(
+                        message_data=[data for _, _, data in run],
+                        producer_id="shop",
+                        write_session_meta={},
+                        codec=codec,
+                        written_at=WRITTEN_AT,
+                    )
+                ],
+            )
+            for (session_id, codec), grouped in itertools.groupby(
+                sending, key=lambda item: (item[0], item[1])
+            )
+            for run in [list(grouped)]
         ]
         self._put(
             StreamReadMessage.ReadResponse(
-                partition_data=[
-                    StreamReadMessage.ReadResponse.PartitionData(
-                        partition_session_id=session_id,
-                        batches=[
-                            StreamReadMessage.ReadResponse.Batch(
-                                message_data=data,
-                                producer_id="shop",
-                                write_session_meta={},
-                                codec=codec,
-                                written_at=WRITTEN_AT,
-                            )
-                        ],
-                    )
-                ],
-                bytes_size=len(offsets),
+                partition_data=partitions, bytes_size=count * MESSAGE_BYTES
             )
         )
 
@@ -221,10 +255,17 @@ class ReadServer:
         self._put(StreamReadMessage.InitResponse(session_id="x"), ServerStatus(status, []))
 
     async def commit_request(self) -> StreamReadMessage.CommitOffsetRequest:
-        request: StreamReadMessage.CommitOffsetRequest = await _from_client(
-            self.stream, StreamReadMessage.CommitOffsetRequest
-        )
-        return request
+        while True:
+            message = await asyncio.wait_for(self.received.get(), 2)
+            if isinstance(message, StreamReadMessage.CommitOffsetRequest):
+                return message
+
+    def sent_so_far(self) -> list[Any]:
+        """What the SDK has sent on this stream, but for read requests, not read yet."""
+        sent = []
+        while not self.received.empty():
+            sent.append(self.received.get_nowait())
+        return sent
 
 
 @pytest.fixture
@@ -329,9 +370,7 @@ async def test_a_stopped_partitions_messages_are_dropped_and_its_commits_ignored
     server.send(2, [1])
     assert offsets(await receive_all(reader, 1)) == [(1, 1)]
     assert not [
-        m
-        for m in sent_so_far(server.stream)
-        if isinstance(m, StreamReadMessage.CommitOffsetRequest)
+        m for m in server.sent_so_far() if isinstance(m, StreamReadMessage.CommitOffsetRequest)
     ]
 
 
@@ -432,37 +471,47 @@ async def test_pause_holds_a_partition_back_and_resume_hands_it_out_first(
 
 
 async def test_a_paused_partition_past_its_stash_costs_the_others_nothing(
-    reader: YdbReader, grpc: Grpc
+    topics: TopicClientAsyncIO, grpc: Grpc
 ) -> None:
-    server = await ReadServer.accept(grpc)
-    server.start(session_id=1, partition=0)
-    server.start(session_id=2, partition=1)
-    server.send(1, [0])
-    [head] = await receive_all(reader, 1)
-    reader.pause(session_of(head))
-    server.send(1, list(range(1, 11)))  # 10 messages: past the stash's 3
-    # With partition 0 paused and spilled, partition 1 delivers all of its 60.
-    for start in range(0, 60, 10):
-        server.send(2, list(range(start, start + 10)))
-    others = await receive_all(reader, 60)
-    assert offsets(others) == [(1, offset) for offset in range(60)]
-    stats = reader.statistics()
-    assert (stats.paused, stats.spilled, stats.stashed, stats.dropped) == (1, 1, 0, 10)
-    committing = asyncio.create_task(reader.commit([head]))  # the paused one's commits work
-    assert (await server.commit_request()).commit_offsets[0].offsets == [OffsetsRange(0, 1)]
-    server.ack(1, 1)
-    await asyncio.wait_for(committing, 2)
+    # A read buffer of 5 messages: the server sends no more than the reader frees.
+    reader = YdbReader(
+        lambda: open_sdk_reader(topics, "/local/orders", "billing", 5 * MESSAGE_BYTES),
+        topic="orders",
+        consumer="billing",
+        stash_limit=3,
+        commit_timeout_s=2.0,
+    )
+    try:
+        server = await ReadServer.accept(grpc)
+        server.start(session_id=1, partition=0)
+        server.start(session_id=2, partition=1)
+        server.send(1, [0])
+        [head] = await receive_all(reader, 1)
+        reader.pause(session_of(head))
+        server.send(1, list(range(1, 11)))  # 10 messages: past the stash's 3
+        # With partition 0 paused and spilled, partition 1 delivers all of its 60.
+        server.send(2, list(range(60)))
+        others = await receive_all(reader, 60)
+        assert offsets(others) == [(1, offset) for offset in range(60)]
+        stats = reader.statistics()
+        assert (stats.paused, stats.spilled, stats.stashed, stats.dropped) == (1, 1, 0, 10)
+        committing = asyncio.create_task(reader.commit([head]))  # the paused one's commits work
+        assert (await server.commit_request()).commit_offsets[0].offsets == [OffsetsRange(0, 1)]
+        server.ack(1, 1)
+        await asyncio.wait_for(committing, 2)
 
-    # The resume reads everything again from a new read session.
-    reader.resume(session_of(head))
-    again = asyncio.create_task(receive_all(reader, 10))
-    second = await ReadServer.accept(grpc)
-    assert not head.alive
-    assert not others[0].alive
-    second.start(session_id=1, partition=0, committed=1)
-    second.send(1, list(range(1, 11)))
-    assert offsets(await again) == [(0, offset) for offset in range(1, 11)]
-    assert reader.statistics().reopens == 1
+        # The resume reads everything again from a new read session.
+        reader.resume(session_of(head))
+        again = asyncio.create_task(receive_all(reader, 10))
+        second = await ReadServer.accept(grpc)
+        assert not head.alive
+        assert not others[0].alive
+        second.start(session_id=1, partition=0, committed=1)
+        second.send(1, list(range(1, 11)))
+        assert offsets(await again) == [(0, offset) for offset in range(1, 11)]
+        assert reader.statistics().reopens == 1
+    finally:
+        await reader.close()
 
 
 async def test_the_pause_stash_is_bounded_in_bytes_too(
