@@ -24,7 +24,7 @@ topics (``INTERNAL_TOPIC_PREFIXES``) are always *important*: YDB deletes
 nothing such a consumer has not committed, whatever the retention, so a
 paused integration loses none of its retries or replays. The price is disk:
 a topic of an integration that is gone keeps growing until it is dropped
-(``nemesis topics drop``). A consumer registered before, not important,
+(``ydb topic drop``). A consumer registered before, not important,
 is made important by ``add_consumer``.
 """
 
