@@ -19,6 +19,7 @@ from nemesis.broker.ydb import YdbAdmin
 from nemesis.broker.ydb.connection import object_path
 from nemesis.config.loader import load_integration_file
 from nemesis.errors import BrokerError, ConfigError
+from nemesis.onboarding.templates import IntegrationSpec, TemplateError, render_integration
 from tests.test_ydb_admin import TopicService, lister
 
 
@@ -74,3 +75,12 @@ def test_an_integration_may_read_an_absolute_topic(tmp_path: Path) -> None:
     path.write_text(path.read_text().replace("consumer: loyalty", "consumer: /loyalty"))
     with pytest.raises(ConfigError, match=r"source\.consumer"):
         load_integration_file(path)
+
+
+def test_a_new_integration_may_name_an_absolute_topic(tmp_path: Path) -> None:
+    spec = IntegrationSpec(name="orders-to-loyalty", topic="/local/shop/orders")
+    path = tmp_path / "orders-to-loyalty.yaml"
+    path.write_text(render_integration(spec), encoding="utf-8")
+    assert load_integration_file(path).source.topic == "/local/shop/orders"
+    with pytest.raises(TemplateError, match="consumer"):
+        render_integration(IntegrationSpec(name="orders-to-loyalty", consumer="/loyalty"))
