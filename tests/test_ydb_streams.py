@@ -36,8 +36,9 @@ from ydb._topic_writer import topic_writer_asyncio
 from ydb.aio.driver import Driver
 
 from nemesis.broker.port import Message, OutgoingMessage, PartitionSession, WriteStatus
-from nemesis.broker.ydb import YdbReader, YdbSession, YdbWriter
+from nemesis.broker.ydb import YdbBroker, YdbReader, YdbSession, YdbWriter
 from nemesis.broker.ydb.reader import open_sdk_reader
+from nemesis.config.models import YdbBackendConfig
 from nemesis.errors import BrokerError, BrokerTimeout, TopicNotFound
 
 WRITTEN_AT = datetime.datetime(2026, 11, 30, 12, 0, 0)  # naive UTC, as protobuf makes them
@@ -128,8 +129,15 @@ class ReadServer:
     messages (partition starts and stops, commit acks) are not counted.
     """
 
-    def __init__(self, stream: FakeStream, budget: int, grpc: Grpc) -> None:
+    def __init__(
+        self,
+        stream: FakeStream,
+        init: StreamReadMessage.InitRequest,
+        budget: int,
+        grpc: Grpc,
+    ) -> None:
         self.stream = stream
+        self.init = init
         self.budget = budget
         self.held: list[tuple[int, int, StreamReadMessage.ReadResponse.MessageData]] = []
         self.received: asyncio.Queue[Any] = asyncio.Queue()  # what the SDK sent, not budget
@@ -138,7 +146,9 @@ class ReadServer:
     @classmethod
     async def accept(cls, grpc: Grpc) -> ReadServer:
         stream = await grpc.next_stream()
-        await _from_client(stream, StreamReadMessage.InitRequest)
+        init: StreamReadMessage.InitRequest = await _from_client(
+            stream, StreamReadMessage.InitRequest
+        )
         stream.from_server.put_nowait(
             StreamReadMessage.FromServer(
                 server_status=OK,
@@ -148,7 +158,7 @@ class ReadServer:
         request: StreamReadMessage.ReadRequest = await _from_client(
             stream, StreamReadMessage.ReadRequest
         )
-        return cls(stream, request.bytes_size, grpc)
+        return cls(stream, init, request.bytes_size, grpc)
 
     async def _read_client(self) -> None:
         while True:
@@ -962,3 +972,45 @@ async def test_each_partition_is_written_by_a_producer_of_its_own_and_keeps_its_
         assert grpc.producers == {"shop.p0": 0, "shop.p1": 1}
     finally:
         await writer.close()
+
+
+async def test_the_brokers_readers_decode_zstd_and_spill_by_its_configuration(
+    topics: TopicClientAsyncIO, grpc: Grpc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = YdbBackendConfig(
+        endpoint="grpc://localhost:2136",
+        database="/local",
+        directory="nemesis",
+        pause_stash_messages=2,
+    )
+
+    async def no_scheme(path: str) -> Any:
+        raise AssertionError(f"no scheme call expected ({path})")
+
+    async def registered(topic: str) -> list[str]:
+        return ["billing"]
+
+    broker = YdbBroker(
+        cast(Driver, _NoCredentials()),
+        config,
+        owns_driver=False,
+        topics=topics,
+        list_directory=no_scheme,
+        make_directory=no_scheme,
+    )
+
+    monkeypatch.setattr(broker.admin, "consumers", registered)
+    reader = await broker.reader("orders", "billing")
+    server = await ReadServer.accept(grpc)
+    assert server.init.topics_read_settings[0].path == "/local/nemesis/orders"
+    assert server.init.consumer == "billing"
+    assert server.budget == config.reader_buffer_bytes
+    server.start(session_id=1, partition=0)
+    server.send(1, [0, 1], codec=Codec.CODEC_ZSTD, encode=zstd_frames)
+    [head, second] = await receive_all(reader, 2)
+    assert (head.value, second.value) == (b"v0", b"v1")
+    reader.pause(session_of(head))
+    server.send(1, [2, 3, 4])
+    assert await reader.receive(10, 0.1) == ()
+    assert reader.statistics().spilled == 1
+    await broker.close()
