@@ -299,6 +299,13 @@ async def receive_all(reader: YdbReader, count: int, max_messages: int = 100) ->
     return received
 
 
+async def quiet_until(reader: YdbReader, reached: Callable[[], bool]) -> None:
+    """Receives, expecting nothing, until ``reached()``: the SDK works in the background."""
+    async with asyncio.timeout(3):
+        while not reached():
+            assert await reader.receive(10, 0.05) == ()
+
+
 def offsets(messages: Sequence[Message]) -> list[tuple[int, int]]:
     return [(m.partition, m.offset) for m in messages]
 
@@ -541,10 +548,10 @@ async def test_the_pause_stash_is_bounded_in_bytes_too(
         [head] = await receive_all(reader, 1)
         reader.pause(session_of(head))
         server.send(1, [1, 2, 3])
-        assert await reader.receive(10, 0.1) == ()
+        await quiet_until(reader, lambda: reader.statistics().stashed == 3)
         assert (reader.statistics().stashed_bytes, reader.statistics().spilled) == (6, 0)
         server.send(1, [4])
-        assert await reader.receive(10, 0.1) == ()
+        await quiet_until(reader, lambda: reader.statistics().spilled == 1)
         stats = reader.statistics()
         assert (stats.stashed, stats.stashed_bytes, stats.spilled) == (0, 0, 1)
     finally:
@@ -557,11 +564,12 @@ async def test_partitions_count_as_assigned_from_their_start_not_their_first_mes
     server = await ReadServer.accept(grpc)
     server.start(session_id=1, partition=0)
     server.start(session_id=2, partition=1)
-    assert await reader.receive(10, 0.1) == ()  # nothing written: no message at all
+    # Nothing written: no message at all, and yet two partitions held.
+    await quiet_until(reader, lambda: len(reader.sessions()) == 2)
     assert [s.partition for s in reader.sessions()] == [0, 1]
     assert reader.statistics().sessions == 2
     server.stop(2)
-    assert await reader.receive(10, 0.1) == ()
+    await quiet_until(reader, lambda: len(reader.sessions()) == 1)
     assert [s.partition for s in reader.sessions()] == [0]
 
     # A reader that reconnects and then reads nothing still holds its partitions.
@@ -569,8 +577,7 @@ async def test_partitions_count_as_assigned_from_their_start_not_their_first_mes
     second = await ReadServer.accept(grpc)
     second.start(session_id=1, partition=0)
     second.start(session_id=2, partition=2)
-    assert await reader.receive(10, 0.1) == ()
-    assert [s.partition for s in reader.sessions()] == [0, 2]
+    await quiet_until(reader, lambda: [s.partition for s in reader.sessions()] == [0, 2])
     # A session listed before its first message is the one its messages come with.
     listed = reader.sessions()[1]
     second.send(2, [0])
@@ -610,7 +617,7 @@ async def test_a_codec_nemesis_cannot_decode_parks_its_partition_and_says_why(
     server.send(1, [2])  # after the parked batch: not handed out either
     server.send(2, [1])
     assert offsets(await receive_all(reader, 2)) == [(1, 0), (1, 1)]
-    assert await reader.receive(10, 0.1) == ()
+    await quiet_until(reader, lambda: reader.statistics().dropped == 3)  # 0, 1 and 2
     stats = reader.statistics()
     assert stats.parked == {
         0: "orders[0] offset 0 is compressed with LZOP, which Nemesis cannot decode"
@@ -1011,6 +1018,5 @@ async def test_the_brokers_readers_decode_zstd_and_spill_by_its_configuration(
     assert (head.value, second.value) == (b"v0", b"v1")
     reader.pause(session_of(head))
     server.send(1, [2, 3, 4])
-    assert await reader.receive(10, 0.1) == ()
-    assert reader.statistics().spilled == 1
+    await quiet_until(reader, lambda: reader.statistics().spilled == 1)
     await broker.close()
