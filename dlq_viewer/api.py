@@ -47,8 +47,8 @@ from nemesis.dlq import (
     Reason,
     Status,
 )
+from nemesis.dlq.requeue import ActionResult
 from nemesis.errors import InvalidQuery
-from nemesis.runtime.replay import ActionResult
 
 router = APIRouter(prefix="/api", tags=["dlq"])
 

@@ -1,7 +1,7 @@
 """The DLQ viewer's pages and JSON API through httpx: lists, filters, paging, detail, actions, jobs.
 
 Real parts: the SQLite DLQ and the embedded log in tmp_path, the replay
-requeue path of ``nemesis.runtime.replay``, the app with its lifespan.
+requeue path of ``nemesis.dlq.requeue``, the app with its lifespan.
 Security (sign-in, CSRF, team scopes, hostile input) is in test_viewer_security.py.
 """
 
@@ -27,7 +27,7 @@ from dlq_viewer.testing import (
     viewer_env,
 )
 from nemesis.dlq import DeadLetterFilter, Reason, Status
-from nemesis.runtime.retries import replay_topic
+from nemesis.topology import replay_topic
 
 ALICE, BOB, ROOT = STANDARD_ACCESS.people
 BOT_A, BOT_ROOT = STANDARD_ACCESS.clients
