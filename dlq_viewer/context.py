@@ -14,7 +14,7 @@ from fastapi import Depends, Request
 from fastapi.templating import Jinja2Templates
 
 from dlq_viewer.actions import BulkJobs, Requeuer
-from dlq_viewer.auth import SESSION_COOKIE, Authenticator, Identity
+from dlq_viewer.auth import SESSION_COOKIE, Authenticator, Identity, IPNetwork, client_address
 from dlq_viewer.render import PayloadDecoder
 from nemesis.clock import Clock
 from nemesis.config.models import IntegrationConfig
@@ -44,6 +44,7 @@ class Viewer:
     decoders: Mapping[str, PayloadDecoder]
     secure_cookies: bool
     count_cap: int  # the list page counts up to this many rows before answering
+    trusted_proxies: tuple[IPNetwork, ...] = ()  # whose X-Forwarded-For / Forwarded to believe
 
 
 class SignInRequired(Exception):
@@ -76,7 +77,7 @@ def is_api(request: Request) -> bool:
     return request.url.path.startswith("/api/") or request.url.path == "/api"
 
 
-def identify(request: Request, viewer: Viewer) -> Identity | None:
+async def identify(request: Request, viewer: Viewer) -> Identity | None:
     """Who is asking: an API token, a trusted SSO header, or a session cookie; else None."""
     authorization = request.headers.get("authorization")
     if authorization is not None:
@@ -86,12 +87,18 @@ def identify(request: Request, viewer: Viewer) -> Identity | None:
     identity = viewer.auth.from_trusted_header(request.headers, peer)
     if identity is not None:
         return identity
-    return viewer.auth.from_session(request.cookies.get(SESSION_COOKIE))
+    return await viewer.auth.from_session(request.cookies.get(SESSION_COOKIE))
 
 
-def current_identity(request: Request, viewer: ViewerDep) -> Identity | None:
+async def current_identity(request: Request, viewer: ViewerDep) -> Identity | None:
     """``identify`` as a dependency."""
-    return identify(request, viewer)
+    return await identify(request, viewer)
+
+
+def client_of(request: Request, viewer: Viewer) -> str:
+    """The client's address (forwarded by a trusted reverse proxy, or the TCP peer)."""
+    peer = request.client.host if request.client is not None else None
+    return client_address(peer, request.headers, viewer.trusted_proxies)
 
 
 MaybeSignedIn = Annotated[Identity | None, Depends(current_identity)]

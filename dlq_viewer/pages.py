@@ -25,6 +25,7 @@ from dlq_viewer.context import (
     SignedIn,
     Viewer,
     ViewerDep,
+    client_of,
     in_scope,
     job_id,
     letter_id,
@@ -740,25 +741,29 @@ async def login(request: Request, viewer: ViewerDep) -> Response:
             error="The sign-in form expired. Please try again.",
             status=403,
         )
-    peer = request.client.host if request.client is not None else "unknown"
-    user_key = username.lower()
+    address = client_of(request, viewer)
+    # Per name and address: someone guessing alice's password from elsewhere never slows her.
+    account_key = f"{username.lower()}\x00{address}"
     wait_s = max(
-        viewer.auth.user_throttle.retry_after_s(user_key),
-        viewer.auth.peer_throttle.retry_after_s(peer),
+        viewer.auth.account_throttle.retry_after_s(account_key),
+        viewer.auth.address_throttle.retry_after_s(address),
     )
     if wait_s > 0:
-        return _login_page(
+        seconds = math.ceil(wait_s)
+        refused = _login_page(
             viewer,
             request,
             next_path=next_path,
             username=username,
-            error=f"Too many failed sign-ins. Try again in {render.duration(wait_s)}.",
+            error=f"Too many failed sign-ins. Try again in {render.duration(seconds)}.",
             status=429,
         )
+        refused.headers["retry-after"] = str(seconds)
+        return refused
     user = await viewer.auth.check_password(username, password) if username and password else None
     if user is None:
-        viewer.auth.user_throttle.failed(user_key)
-        viewer.auth.peer_throttle.failed(peer)
+        viewer.auth.account_throttle.failed(account_key)
+        viewer.auth.address_throttle.failed(address)
         return _login_page(
             viewer,
             request,
@@ -767,7 +772,8 @@ async def login(request: Request, viewer: ViewerDep) -> Response:
             error="Wrong user name or password.",
             status=401,
         )
-    viewer.auth.user_throttle.succeeded(user_key)
+    # The address's count stays: one good account must not reset a client guessing others.
+    viewer.auth.account_throttle.succeeded(account_key)
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(
         SESSION_COOKIE,
@@ -783,8 +789,9 @@ async def login(request: Request, viewer: ViewerDep) -> Response:
 
 
 @router.post("/logout")
-async def logout(identity: Acting, viewer: ViewerDep) -> Response:
-    """Ends the session (its cookie; a copy of the cookie stays valid until it expires)."""
+async def logout(request: Request, identity: Acting, viewer: ViewerDep) -> Response:
+    """Ends the session on the server too: a copy of its cookie no longer works."""
+    await viewer.auth.end_session(request.cookies.get(SESSION_COOKIE))
     response = redirect(viewer, "/login", ("ok", "Signed out."))
     response.delete_cookie(SESSION_COOKIE, path="/")
     return response
