@@ -32,7 +32,7 @@ from dlq_viewer.context import (
     letter_id,
     scope_of,
 )
-from dlq_viewer.filters import filter_terms, integration_name, parse_time, search_text
+from dlq_viewer.filters import check_time, filter_terms, integration_name, parse_time, search_text
 from dlq_viewer.pages import payload_response, submit_job, visible_job
 from dlq_viewer.render import utc
 from nemesis.dlq import (
@@ -578,6 +578,10 @@ async def start_job(
     """
     now = viewer.clock.time()
     spec = body.filter
+    if spec.since is not None:
+        check_time(spec.since, "filter.since")
+    if spec.until is not None:
+        check_time(spec.until, "filter.until")
     until = now if spec.until is None else min(spec.until, now)
     where = DeadLetterFilter(
         integrations=_scoped(spec.integrations or [], scope_of(identity, viewer)),

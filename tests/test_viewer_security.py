@@ -400,7 +400,8 @@ async def test_revocations_are_forgotten_once_the_cookie_would_expire() -> None:
     await revoked.revoke("d", 1_000_040.0)  # full: the soonest to expire goes first
     assert len(revoked) == 2
     assert not await revoked.is_revoked("b")
-    assert await revoked.is_revoked("c") and await revoked.is_revoked("d")
+    assert await revoked.is_revoked("c")
+    assert await revoked.is_revoked("d")
 
 
 # --- CSRF -------------------------------------------------------------------------------------
@@ -786,6 +787,29 @@ async def test_malformed_bulk_filters_are_4xx(env: ViewerEnv, client: httpx.Asyn
     ):
         answer = await client.post("/api/jobs", json=spec, headers=bearer(BOT_ROOT.token))
         assert answer.status_code in (400, 422), (spec, answer.text[:300])
+    assert await statuses(env) == before
+
+
+async def test_times_beyond_any_date_are_400_naming_the_field_on_every_path(
+    env: ViewerEnv, client: httpx.AsyncClient
+) -> None:
+    before = await statuses(env)
+    auth = bearer(BOT_ROOT.token)
+    for field in ("since", "until"):
+        for value in (-1e20, 1e20, 1e300, -1.0):
+            job = {"action": "requeue", "filter": {field: value}}
+            answer = await client.post("/api/jobs", json=job, headers=auth)
+            assert answer.status_code == 400, (job, answer.text[:300])
+            assert answer.json()["detail"].startswith(f"filter.{field}:"), answer.text
+            for path in ("/api/messages", "/api/messages/count", "/api/groups"):
+                listed = await client.get(path, params={field: repr(value)}, headers=auth)
+                assert listed.status_code == 400, (path, field, value, listed.text[:300])
+                assert listed.json()["detail"].startswith(f"{field}:"), listed.text
+        raw = b'{"action": "requeue", "filter": {"%s": 1e400}}' % field.encode()
+        answer = await client.post(
+            "/api/jobs", content=raw, headers={**auth, "content-type": "application/json"}
+        )
+        assert answer.status_code in (400, 422), answer.text[:300]
     assert await statuses(env) == before
 
 
