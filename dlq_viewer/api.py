@@ -28,6 +28,7 @@ from dlq_viewer.context import (
     SignedIn,
     Viewer,
     ViewerDep,
+    audit_view,
     in_scope,
     letter_id,
     scope_of,
@@ -652,7 +653,7 @@ async def audit_log(
 
 
 def _entry(entry: ActionRecord, scope: frozenset[str] | None) -> AuditEntryOut:
-    names = [name for name in entry.integrations if scope is None or name in scope]
+    names, description = audit_view(entry, scope)
     return AuditEntryOut(
         seq=entry.seq,
         at=entry.at,
@@ -660,5 +661,5 @@ def _entry(entry: ActionRecord, scope: frozenset[str] | None) -> AuditEntryOut:
         action=entry.action,
         integrations=names,
         count=entry.count,
-        description=entry.description,
+        description=description,
     )

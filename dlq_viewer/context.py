@@ -18,7 +18,7 @@ from dlq_viewer.auth import SESSION_COOKIE, Authenticator, Identity, IPNetwork, 
 from dlq_viewer.render import PayloadDecoder
 from nemesis.clock import Clock
 from nemesis.config.models import IntegrationConfig
-from nemesis.dlq import DeadLetterStore
+from nemesis.dlq import ActionRecord, DeadLetterStore
 
 FLASH_COOKIE = "nemesis_flash"
 CSRF_HEADER = "x-csrf-token"
@@ -148,6 +148,27 @@ def scope_of(identity: Identity, viewer: Viewer) -> frozenset[str] | None:
 def in_scope(integration: str, scope: frozenset[str] | None) -> bool:
     """True when ``scope`` covers ``integration``."""
     return scope is None or integration in scope
+
+
+PARTIAL_AUDIT_DESCRIPTION = (
+    "part of an action that also covered integrations outside your teams"
+    " (what it selected is shown to admins)"
+)
+
+
+def audit_view(entry: ActionRecord, scope: frozenset[str] | None) -> tuple[list[str], str]:
+    """The integrations and description of an audit entry that ``scope`` may read.
+
+    The description is free text written by whoever acted (a filter in words,
+    other teams' integration names, search text), so an entry that reaches
+    beyond the reader's integrations shows only their names and a neutral line.
+    """
+    if scope is None:
+        return list(entry.integrations), entry.description
+    names = [name for name in entry.integrations if name in scope]
+    if len(names) == len(entry.integrations):
+        return names, entry.description
+    return names, PARTIAL_AUDIT_DESCRIPTION
 
 
 def letter_id(text: str) -> str:

@@ -25,6 +25,7 @@ from dlq_viewer.context import (
     SignedIn,
     Viewer,
     ViewerDep,
+    audit_view,
     client_of,
     in_scope,
     job_id,
@@ -635,22 +636,20 @@ async def audit(
     scope = scope_of(identity, viewer)
     cursor = request.query_params.get("cursor") or None
     entries = await viewer.store.actions(PageRequest(limit=50, cursor=cursor), integrations=scope)
-    shown = [
-        {
-            "at": entry.at,
-            "who": entry.who,
-            "action": entry.action.value,
-            "count": entry.count,
-            "description": entry.description,
-            # Only names the reader may see; an admin's action elsewhere stays a number.
-            "shown_integrations": render.join_names(
-                entry.integrations
-                if scope is None
-                else [name for name in entry.integrations if name in scope]
-            ),
-        }
-        for entry in entries.rows
-    ]
+    shown = []
+    for entry in entries.rows:
+        # Only what the reader may see: their integrations' names, and no one else's words.
+        names, description = audit_view(entry, scope)
+        shown.append(
+            {
+                "at": entry.at,
+                "who": entry.who,
+                "action": entry.action.value,
+                "count": entry.count,
+                "description": description,
+                "shown_integrations": render.join_names(names),
+            }
+        )
     jobs = [job for job in viewer.jobs.recent() if identity.admin or job.owner == identity.actor][
         :20
     ]

@@ -32,6 +32,7 @@ from dlq_viewer.testing import (
     Access,
     Person,
     ViewerEnv,
+    eventually,
     integration,
     letter,
     sign_in,
@@ -560,6 +561,37 @@ async def test_the_audit_log_shows_a_team_only_its_entries(
     async with new_client(env) as bob:
         await sign_in(bob, BOB)
         assert "orders-b" in (await bob.get("/audit")).text
+
+
+async def test_an_admins_bulk_job_shows_a_team_none_of_the_other_teams_details(
+    env: ViewerEnv, client: httpx.AsyncClient
+) -> None:
+    spec = {
+        "action": "discard",
+        "filter": {"integrations": ["orders-a", "orders-b"], "text": "for team"},
+    }
+    started = await client.post("/api/jobs", json=spec, headers=bearer(BOT_ROOT.token))
+    assert started.status_code == 202
+    job = started.json()["id"]
+
+    async def finished() -> bool:
+        answer = await client.get(f"/api/jobs/{job}", headers=bearer(BOT_ROOT.token))
+        return bool(answer.json()["state"] == "done")
+
+    await eventually(finished, what="the bulk job")
+    admin_view = (await client.get("/api/audit", headers=bearer(BOT_ROOT.token))).json()["rows"]
+    assert "orders-b" in admin_view[0]["description"]  # the admin sees everything
+    await sign_in(client, ALICE)
+    rows = (await client.get("/api/audit")).json()["rows"]
+    assert rows
+    for row in rows:
+        assert row["integrations"] == ["orders-a"]
+        assert "orders-b" not in row["description"]
+        assert "for team" not in row["description"]
+    page = (await client.get("/audit")).text
+    assert "orders-a" in page
+    assert "orders-b" not in page
+    assert "for team" not in page
 
 
 async def test_jobs_are_visible_to_their_starter_and_admins_only(
