@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dlq_viewer import render
 from dlq_viewer.actions import BULK_PAUSE_S, ROUND_SIZE, BulkJobs, JobsBusy, Requeuer
+from dlq_viewer.api import SECURITY_SCHEMES
 from dlq_viewer.api import router as api_router
 from dlq_viewer.auth import Authenticator, IPNetwork, SessionRevocations
 from dlq_viewer.context import (
@@ -231,12 +232,26 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.viewer = viewer
+    _declare_security(app)
     app.add_middleware(SecurityHeaders, hsts=auth.secure_cookies)
     app.mount("/static", StaticFiles(directory=PACKAGE / "static"), name="static")
     app.include_router(api_router)
     app.include_router(pages_router)
     _add_error_handlers(app, viewer)
     return app
+
+
+def _declare_security(app: FastAPI) -> None:
+    """Puts the API's security schemes into its OpenAPI document (routes name theirs)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            schema.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
+        return app.openapi_schema or build()
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _add_error_handlers(app: FastAPI, viewer: Viewer) -> None:
