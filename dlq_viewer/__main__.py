@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dlq_viewer.server import ViewerStartError, serve_viewer
+from dlq_viewer.server import ViewerStartError, viewer_server
 from nemesis.backends import open_backend, open_dlq
 from nemesis.config.loader import DEFAULT_PROCESS_CONFIG, load_process_config
 from nemesis.config.models import NemesisConfig
@@ -57,14 +57,23 @@ async def _serve(config: NemesisConfig) -> None:
     try:
         dlq = await open_dlq(config, broker=broker)
         try:
-            stop = asyncio.Event()
+            server = viewer_server(
+                viewer_app(config, dlq, broker), config.viewer.host, config.viewer.port
+            )
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, stop.set)
-            log.info("DLQ viewer on http://%s:%d", config.viewer.host, config.viewer.port)
-            await serve_viewer(
-                viewer_app(config, dlq, broker), config.viewer.host, config.viewer.port, stop=stop
-            )
+                loop.add_signal_handler(signum, server.stop)
+            # Bound here, so that the log names the port (the one a port of 0 got).
+            try:
+                listener = server.config.bind_socket()
+            except SystemExit:  # uvicorn logged why (the address is taken)
+                raise ViewerStartError(
+                    f"the DLQ viewer could not listen on {config.viewer.host}:{config.viewer.port}"
+                ) from None
+            with listener:
+                port = listener.getsockname()[1]
+                log.info("DLQ viewer on http://%s:%d", config.viewer.host, port)
+                await server.serve([listener])
         finally:
             await dlq.close()
     finally:
