@@ -33,15 +33,20 @@ from dlq_viewer.testing import (
     letter,
     sign_in,
 )
+from nemesis.admin.server import plugin_services, serve_beside
+from nemesis.backends import open_backend, open_dlq
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
+from nemesis.config.loader import load_integrations, load_process_config
 from nemesis.config.models import EmbeddedBackendConfig
 from nemesis.dlq import DeadLetterFilter, Status, open_sqlite_dlq
 from nemesis.dlq.requeue import requeue
+from nemesis.runtime.app import Proxy
 from nemesis.testing.clock import FakeClock
 from nemesis.topology import replay_topic
 
 ALICE, BOB, ROOT = STANDARD_ACCESS.people
 ROOT_TOKEN = "nmsv_standalone-root-token-0123456789"
+TEAM_B_TOKEN = "nmsv_standalone-team-b-token-0123456"
 # The nemesis modules `import dlq_viewer` may load: the store, the broker port and the
 # embedded log the SQLite store shares its thread with, the configuration, the topology.
 MAX_NEMESIS_MODULES = 30
@@ -179,7 +184,10 @@ def _config_dir(root: Path) -> Path:
         "viewer": {"host": "127.0.0.1", "port": 0},
         "auth": {
             "session_secret": TEST_SECRET,
-            "tokens": [{"name": "ops", "token_hash": hash_token(ROOT_TOKEN), "admin": True}],
+            "tokens": [
+                {"name": "ops", "token_hash": hash_token(ROOT_TOKEN), "admin": True},
+                {"name": "b-bot", "token_hash": hash_token(TEAM_B_TOKEN), "teams": ["team-b"]},
+            ],
         },
     }
     (root / "data").mkdir()
@@ -264,3 +272,33 @@ def test_a_bad_configuration_is_refused_naming_the_field(tmp_path: Path) -> None
     )
     assert done.returncode == 2
     assert "viewer.trusted_proxies" in done.stderr
+
+
+async def test_inside_nemesis_run_the_viewer_shows_every_configured_integration(
+    tmp_path: Path,
+) -> None:
+    config = load_process_config(_config_dir(tmp_path))
+    broker = await open_backend(config)
+    dlq = await open_dlq(config, broker=broker)
+    try:
+        await dlq.put([letter("orders-a", 1), letter("orders-b", 1)])
+        # This process runs orders-a only (as one replica of a fleet would).
+        only_a = {"orders-a": load_integrations(Path(config.integrations_dir))[0]["orders-a"]}
+        proxy = Proxy(broker, only_a, dlq=dlq)
+        services = plugin_services(config, proxy, dlq, broker)
+        assert [service.name for service in services] == ["DLQ viewer"]
+        seen: dict[str, object] = {}
+
+        async def browse() -> None:
+            # Team b's integration runs elsewhere; its owners still see its dead letters here.
+            auth = {"authorization": f"Bearer {TEAM_B_TOKEN}"}
+            async with httpx.AsyncClient(base_url=services[0].url, headers=auth) as client:
+                seen["rows"] = (await client.get("/api/messages")).json()["rows"]
+
+        await serve_beside(browse(), services)
+    finally:
+        await dlq.close()
+        await broker.close()
+    rows = seen["rows"]
+    assert isinstance(rows, list)
+    assert [row["integration"] for row in rows] == ["orders-b"]
