@@ -65,6 +65,8 @@ _CONCURRENT_HASHES = 2  # scrypt costs 32 MiB and tens of milliseconds each
 _WARNED_PEERS = 256
 
 Method = Literal["password", "token", "sso"]
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+_MAX_HOPS = 32  # forwarded hops looked at, nearest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,10 +245,6 @@ def client_address(
         if not _is_trusted(address, trusted_proxies):
             return address
     return client
-
-
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
-_MAX_HOPS = 32
 
 
 def _is_trusted(address: str, networks: Sequence[IPNetwork]) -> bool:
