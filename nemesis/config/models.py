@@ -281,6 +281,16 @@ class ListenConfig(Model):
     enabled: bool = True
 
 
+class ViewerConfig(ListenConfig):
+    """The DLQ viewer's address, and the reverse proxies whose forwarded addresses it believes."""
+
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+    # Connections from these networks may name the client in X-Forwarded-For or
+    # Forwarded (sign-in throttling counts per client address). Empty: the TCP peer
+    # is the client, and forwarded headers are ignored.
+    trusted_proxies: list[IPvAnyNetwork] = Field(default_factory=list)
+
+
 # --- admin API, reload, metrics (nemesis.admin, nemesis.runtime.reload) ----------
 
 MIN_ADMIN_TOKEN_CHARS = 16
@@ -439,7 +449,7 @@ class NemesisConfig(Model):
     integrations_dir: str = "integrations"
     pipelines_dir: str = "pipelines"
     admin: AdminConfig = AdminConfig()
-    viewer: ListenConfig = ListenConfig(port=8080)
+    viewer: ViewerConfig = ViewerConfig()
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     log_format: Literal["text", "json"] = "text"
     auth: AuthConfig = AuthConfig()

@@ -23,7 +23,7 @@ on, or halt the key (``retry.on_exhausted``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from nemesis.broker.port import Message, OutgoingMessage, TopicWriter
@@ -33,36 +33,31 @@ from nemesis.delivery.port import Outcome
 from nemesis.dlq import DeadLetter, DeadLetterStore, Reason
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import BreakerState, CircuitBreaker
-from nemesis.runtime.events import META_EVENT_ID, event_id
+from nemesis.runtime.events import event_id
 from nemesis.runtime.scheduler import Work
 from nemesis.runtime.settle import ACK, Action, Decision, Failure, backoff_delay
+from nemesis.topology import (
+    META_ATTEMPTS,
+    META_DUE_AT,
+    META_EVENT_ID,
+    META_FIRST_FAILURE_AT,
+    META_LAST_ERROR,
+    META_LAST_STATUS,
+    META_PREFIX,
+    META_SOURCE_OFFSET,
+    META_SOURCE_PARTITION,
+    META_SOURCE_TOPIC,
+    META_STAGE,
+    META_TIER,
+)
+
+# Named here too (explicitly re-exported): the runtime's modules import them from here.
+from nemesis.topology import replay_topic as replay_topic
+from nemesis.topology import tier_topic as tier_topic
 
 log = logging.getLogger(__name__)
 
-META_PREFIX = "nemesis-"
-META_SOURCE_TOPIC = "nemesis-source-topic"
-META_SOURCE_PARTITION = "nemesis-source-partition"
-META_SOURCE_OFFSET = "nemesis-source-offset"
-META_ATTEMPTS = "nemesis-attempts"  # deliveries tried so far
-META_DUE_AT = "nemesis-due-at"  # Unix seconds: not before
-META_FIRST_FAILURE_AT = "nemesis-first-failure-at"
-META_LAST_ERROR = "nemesis-last-error"
-META_LAST_STATUS = "nemesis-last-status"
-META_STAGE = "nemesis-stage"
-META_TIER = "nemesis-tier"
-META_REPLAY = "nemesis-replay"  # set on messages requeued from the DLQ
-
 _ERROR_CHARS = 500  # of the last error kept in a tier message's metadata
-
-
-def tier_topic(integration: str, tier: int) -> str:
-    """The topic of retry tier ``tier`` (1-based) of an integration."""
-    return f"nemesis.retry.{integration}.{tier}"
-
-
-def replay_topic(integration: str) -> str:
-    """The topic requeued dead letters of an integration go through."""
-    return f"nemesis.replay.{integration}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,23 +289,3 @@ def _reason_of(failure: Failure) -> Reason:
     except ValueError:
         # A pipeline stage's own reason (type_error, ...) is a pipeline error in the DLQ.
         return Reason.PIPELINE_ERROR if failure.stage != "delivery" else Reason.HTTP_4XX
-
-
-def replay_message(
-    payload: bytes,
-    *,
-    event: str,
-    key: str | None,
-    metadata: Mapping[str, str],
-    source_topic: str,
-    source_partition: int,
-    source_offset: int,
-) -> OutgoingMessage:
-    """A dead letter on its way back to its integration's replay topic."""
-    meta = {k: v for k, v in metadata.items() if not k.startswith(META_PREFIX)}
-    meta[META_EVENT_ID] = event
-    meta[META_SOURCE_TOPIC] = source_topic
-    meta[META_SOURCE_PARTITION] = str(source_partition)
-    meta[META_SOURCE_OFFSET] = str(source_offset)
-    meta[META_REPLAY] = "1"
-    return OutgoingMessage(value=payload, key=key, metadata=meta)
