@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TypeVar
@@ -72,6 +72,9 @@ class GrpcHandler:
     """A ``nemesis.v1.HandlerService`` on 127.0.0.1: records calls, answers as ``script`` says."""
 
     script: Script = always_ok
+    # Consulted before script, with the call's method and metadata (a signature check);
+    # None from it: the script answers.
+    check: Callable[[str, Sequence[pb.Event], Mapping[str, str]], Answer | None] | None = None
     calls: list[Received] = field(default_factory=list)  # as they arrived
     answered: list[Received] = field(default_factory=list)  # answered before the caller gave up
     _server: aio.Server | None = None
@@ -156,12 +159,13 @@ class GrpcHandler:
         events: tuple[pb.Event, ...],
         context: aio.ServicerContext[object, object],
     ) -> Answer:
-        answer = self.script(events)
         metadata = {
             key: value
             for key, value in (context.invocation_metadata() or ())
             if isinstance(value, str)
         }
+        checked = None if self.check is None else self.check(method, events, metadata)
+        answer = self.script(events) if checked is None else checked
         received = Received(method, events, metadata, context.peer(), answer)
         self.calls.append(received)
         self._changed.set()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import email.utils
 import enum
+import os
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from datetime import UTC
 from typing import Final, Literal
 
 from nemesis.clock import SYSTEM_CLOCK, Clock
+from nemesis.config.models import TargetConfig
 from nemesis.delivery import signing
 from nemesis.delivery.port import DeliveryResult, Outcome
 
@@ -394,14 +396,12 @@ class Contract:
         """Whether requests are signed."""
         return bool(self._signing_secrets)
 
-    def sign(self, event_id: str, body: bytes) -> str | None:
-        """The ``nemesis-signature`` value for a request, None when this integration does not sign.
+    def sign(self, event_id: str, body: bytes) -> str:
+        """The ``nemesis-signature`` value for a request, ``t`` read now (only when ``signs``).
 
         ``event_id`` is the event's id for one event, the empty string for a
         batch; ``body`` is what the handler verifies (see ``nemesis.delivery.signing``).
         """
-        if not self._signing_secrets:
-            return None
         return signing.sign(self._signing_secrets, int(self._clock.time()), event_id, body)
 
     def http_answer(
@@ -483,3 +483,23 @@ class Contract:
         return DeliveryResult(
             outcome, status=status, error=text, duration_s=duration_s, protocol=protocol
         )
+
+
+def contract_for(
+    target: TargetConfig,
+    *,
+    integration: str,
+    clock: Clock = SYSTEM_CLOCK,
+    redact: Iterable[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Contract:
+    """The contract of an integration's target: its signing secrets read from the environment.
+
+    Raises ``ConfigError`` when a variable ``target.signing`` names is unset or empty.
+    """
+    secrets: tuple[bytes, ...] = ()
+    if target.signing is not None:
+        secrets = signing.secrets_from_environment(
+            target.signing, os.environ if env is None else env, where=f"integration {integration}"
+        )
+    return Contract(clock=clock, redact=redact, signing_secrets=secrets)

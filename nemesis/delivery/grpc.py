@@ -34,15 +34,17 @@ from nemesis.config.models import TargetConfig
 from nemesis.delivery.cloudevents import SPECVERSION, source_for
 from nemesis.delivery.contract import (
     RETRY_AFTER_HEADER,
+    SIGNATURE_HEADER,
     VERDICT_HEADER,
-    Contract,
     WireError,
     WireFailure,
+    contract_for,
     grpc_retry_after_s,
     outcome_for_grpc_status,
     timeout_after,
 )
 from nemesis.delivery.port import DeliveryResult, Event, Outcome
+from nemesis.delivery.signing import grpc_batch_body
 from nemesis.errors import ConfigError, ConfigProblem
 from nemesis.proto import SERVICE
 
@@ -140,7 +142,12 @@ class GrpcTransport:
         self._clock = clock
         self._source = source_for(integration)
         self._metadata = _checked_metadata(target.headers, integration)
-        self._contract = Contract(clock=clock, redact=[value for _, value in self._metadata])
+        self._contract = contract_for(
+            target,
+            integration=integration,
+            clock=clock,
+            redact=[value for _, value in self._metadata],
+        )
         # Opened on first use: a grpc.aio channel belongs to the loop it is created in.
         self._channel: _Channel | None = None
         self._closed = False
@@ -156,8 +163,12 @@ class GrpcTransport:
         """Calls ``Deliver`` with one event."""
         if self._closed:
             return self._closed_result()
-        request = pb.DeliverRequest(event=event_message(event, self._source))
-        call = self._open().deliver(request, timeout=self._timeout_s, metadata=self._metadata)
+        proto = event_message(event, self._source)
+        metadata = self._metadata
+        if self._contract.signs:
+            metadata = (*metadata, (SIGNATURE_HEADER, self._contract.sign(proto.id, proto.data)))
+        request = pb.DeliverRequest(event=proto)
+        call = self._open().deliver(request, timeout=self._timeout_s, metadata=metadata)
         return await self._call(call, (event.body,))
 
     async def deliver_batch(self, events: Sequence[Event]) -> DeliveryResult:
@@ -166,10 +177,13 @@ class GrpcTransport:
             raise ValueError("deliver_batch needs at least one event")
         if self._closed:
             return self._closed_result()
-        request = pb.DeliverBatchRequest(
-            events=[event_message(event, self._source) for event in events]
-        )
-        call = self._open().deliver_batch(request, timeout=self._timeout_s, metadata=self._metadata)
+        protos = [event_message(event, self._source) for event in events]
+        metadata = self._metadata
+        if self._contract.signs:
+            signed = grpc_batch_body((proto.id, proto.data) for proto in protos)
+            metadata = (*metadata, (SIGNATURE_HEADER, self._contract.sign("", signed)))
+        request = pb.DeliverBatchRequest(events=protos)
+        call = self._open().deliver_batch(request, timeout=self._timeout_s, metadata=metadata)
         return await self._call(call, [event.body for event in events])
 
     async def close(self) -> None:
@@ -352,6 +366,9 @@ def _checked_metadata(headers: Mapping[str, str], integration: str) -> tuple[tup
             raise ConfigError([_problem(integration, field, message)])
         if key.startswith("grpc-") or key in _RESERVED_METADATA:
             raise ConfigError([_problem(integration, field, "set by gRPC itself")])
+        if key == SIGNATURE_HEADER:
+            message = "set by Nemesis when target.signing is configured"
+            raise ConfigError([_problem(integration, field, message)])
         if _UNSAFE_VALUE_CHARS.search(value):
             message = "gRPC metadata values are printable ASCII"
             raise ConfigError([_problem(integration, field, message)])

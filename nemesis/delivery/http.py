@@ -34,9 +34,10 @@ from nemesis.delivery.cloudevents import (
 )
 from nemesis.delivery.contract import (
     ERROR_BODY_BYTES,
-    Contract,
+    SIGNATURE_HEADER,
     WireError,
     WireFailure,
+    contract_for,
     timeout_after,
 )
 from nemesis.delivery.deadlines import Deadlines
@@ -97,7 +98,10 @@ class HttpTransport:
         self._clock = clock
         self._source = source_for(integration)
         checked_headers = _checked_headers(target.headers, integration)
-        self._contract = Contract(clock=clock, redact=checked_headers.values())
+        self._contract = contract_for(
+            target, integration=integration, clock=clock, redact=checked_headers.values()
+        )
+        self._signs = self._contract.signs
         # Sent with every request, so that aiohttp adds none of its own: asking it to skip
         # its defaults (skip_auto_headers) costs more per request than sending these.
         self._extra_headers = {
@@ -129,7 +133,11 @@ class HttpTransport:
         if constant is None:
             constant = self._constant_for(shared)
         body = event.message.value if event.payload is None else event.payload  # event.body
-        return self._post(body, binary_headers_from(constant, event), (body,))
+        headers = binary_headers_from(constant, event)
+        if self._signs:
+            # The id as the handler reads it: the ce-id header's value.
+            headers[SIGNATURE_HEADER] = self._contract.sign(headers["ce-id"], body)
+        return self._post(body, headers, (body,))
 
     def _constant_for(self, shared: tuple[str, str, str]) -> dict[str, str]:
         if len(self._constant_headers) >= _CONSTANT_HEADER_SETS:
@@ -145,7 +153,11 @@ class HttpTransport:
         if not events:
             raise ValueError("deliver_batch needs at least one event")
         body = batch_body(events, self._source)
-        return self._post(body, self._batch_headers, [event.body for event in events])
+        headers = self._batch_headers
+        if self._signs:
+            # A batch signs the empty id: its body carries every event's id.
+            headers = {**headers, SIGNATURE_HEADER: self._contract.sign("", body)}
+        return self._post(body, headers, [event.body for event in events])
 
     async def close(self) -> None:
         """Closes the pooled connections; later deliveries answer RETRY."""
@@ -301,6 +313,9 @@ def _checked_headers(headers: Mapping[str, str], integration: str) -> dict[str, 
             raise ConfigError([_problem(integration, field, "not a valid HTTP header name")])
         if lowered.startswith("ce-") or lowered in _RESERVED_HEADERS:
             raise ConfigError([_problem(integration, field, "set by Nemesis (handler contract)")])
+        if lowered == SIGNATURE_HEADER:
+            message = "set by Nemesis when target.signing is configured"
+            raise ConfigError([_problem(integration, field, message)])
         if _UNSAFE_VALUE_CHARS.search(value):
             raise ConfigError([_problem(integration, field, "control characters in the value")])
         checked[lowered] = value

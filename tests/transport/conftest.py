@@ -17,9 +17,12 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from aiohttp import web
 
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import TargetConfig
+from nemesis.delivery import signing
+from nemesis.delivery.cloudevents import BATCH_CONTENT_TYPE
 from nemesis.delivery.contract import GrpcCode
 from nemesis.delivery.grpc import GrpcTransport
 from nemesis.delivery.http import HttpTransport
@@ -64,6 +67,8 @@ class Kit(ABC):
     classes: Mapping[str, Sequence[int]]
     proxy: ResettingProxy
     transports: list[Transport] = field(default_factory=list)
+    # One entry per request a signature-checking handler saw: (signature, whether it verified).
+    checked: list[tuple[str | None, bool]] = field(default_factory=list)
 
     @property
     @abstractmethod
@@ -95,6 +100,12 @@ class Kit(ABC):
         """The handler's connection is reset after each request arrives, before its answer."""
 
     @abstractmethod
+    async def check_signatures(self, secrets: Sequence[bytes], now: float) -> str:
+        """A handler that verifies signatures as a team's would (401 / UNAUTHENTICATED when
+        wrong, missing or stale at ``now``); its URL. Each request's verdict goes to ``checked``.
+        """
+
+    @abstractmethod
     def arrivals(self) -> list[Arrival]:
         """The requests that arrived, in order."""
 
@@ -104,6 +115,8 @@ class Kit(ABC):
 
     # The status a result carries when the connection was refused or reset.
     no_answer_status: int | None = None
+    # What a handler answers to a refused signature: 401, UNAUTHENTICATED.
+    unauthenticated_status: int = 401
 
     def transport(
         self,
@@ -144,6 +157,7 @@ class HttpKit(Kit):
             proxy=proxy,
         )
         self.server = server
+        self.runners: list[web.AppRunner] = []
 
     @property
     def url(self) -> str:
@@ -191,6 +205,35 @@ class HttpKit(Kit):
             for entries in by_request.values()
         ]
 
+    async def check_signatures(self, secrets: Sequence[bytes], now: float) -> str:
+        async def handle(request: web.Request) -> web.Response:
+            body = await request.read()
+            header = request.headers.get(signing.SIGNATURE_HEADER)
+            batch = request.content_type == BATCH_CONTENT_TYPE
+            event_id = "" if batch else request.headers.get("ce-id", "")
+            try:
+                signing.verify(header, secrets, event_id, body, now=now)
+            except signing.SignatureError as refused:
+                self.checked.append((header, False))
+                return web.Response(status=401, text=str(refused))
+            self.checked.append((header, True))
+            return web.Response(status=204)
+
+        app = web.Application()
+        app.router.add_post("/", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.runners.append(runner)
+        port = runner.addresses[0][1]
+        return f"http://127.0.0.1:{port}/"
+
+    async def close(self) -> None:
+        await super().close()
+        for runner in self.runners:
+            await runner.cleanup()
+
     def status_text(self, status: int) -> str:
         return f"HTTP {status}"
 
@@ -228,6 +271,7 @@ class GrpcKit(Kit):
             },
             proxy=proxy,
             no_answer_status=GrpcCode.UNAVAILABLE,
+            unauthenticated_status=GrpcCode.UNAUTHENTICATED,
         )
         self.handler = handler
 
@@ -276,6 +320,27 @@ class GrpcKit(Kit):
             )
             for call in self.handler.calls
         ]
+
+    async def check_signatures(self, secrets: Sequence[bytes], now: float) -> str:
+        def check(
+            method: str, events: Sequence[pb.Event], metadata: Mapping[str, str]
+        ) -> Answer | None:
+            header = metadata.get(signing.SIGNATURE_HEADER)
+            if method == "DeliverBatch":
+                event_id, body = "", signing.grpc_batch_body((e.id, e.data) for e in events)
+            else:
+                [event] = events
+                event_id, body = event.id, event.data
+            try:
+                signing.verify(header, secrets, event_id, body, now=now)
+            except signing.SignatureError as refused:
+                self.checked.append((header, False))
+                return Answer(grpc.StatusCode.UNAUTHENTICATED, str(refused))
+            self.checked.append((header, True))
+            return None
+
+        self.handler.check = check
+        return self.url
 
     def status_text(self, status: int) -> str:
         return f"gRPC {GrpcCode(status).name}"

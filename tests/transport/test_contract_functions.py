@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from multidict import CIMultiDict
 
+from nemesis.delivery import signing
 from nemesis.delivery.contract import (
     MAX_RETRY_AFTER_S,
+    Contract,
     GrpcCode,
     Redactor,
     WireError,
@@ -163,3 +168,43 @@ def test_redactor() -> None:
         b"Authorization: bearer <redacted>, next"
     )
     assert redact(b"echo: " + b"p" * 100, [b"p" * 100]) == b"echo: <request payload>"
+
+
+VECTORS: list[dict[str, Any]] = json.loads(
+    Path(signing.__file__).with_name("signing-vectors.json").read_text()
+)["vectors"]
+
+
+@pytest.mark.parametrize("vector", [v for v in VECTORS if "grpc_events" in v], ids=str)
+def test_the_grpc_batch_vector(vector: dict[str, Any]) -> None:
+    events = [(e["id"], bytes.fromhex(e["data_hex"])) for e in vector["grpc_events"]]
+    body = signing.grpc_batch_body(events)
+    assert body.hex() == vector["body_hex"]
+    secrets = [s.encode() for s in vector["secrets"]]
+    assert signing.sign(secrets, vector["timestamp"], "", body) == vector["header"]
+
+
+def test_the_grpc_batch_body_frames_what_could_be_confused() -> None:
+    # Without the lengths these two batches would sign the same bytes.
+    assert signing.grpc_batch_body([("a", b"1,2:b")]) != signing.grpc_batch_body(
+        [("a", b"1"), ("b", b"")]
+    )
+    assert signing.grpc_batch_body([("é", b"")]) == "2:é,0:,".encode()
+
+
+def test_the_contract_signs_with_the_clock_it_was_given() -> None:
+    class At:
+        def time(self) -> float:
+            return 1733060000.9
+
+        def monotonic(self) -> float:
+            return 0.0
+
+        async def sleep(self, seconds: float) -> None:
+            raise AssertionError
+
+    contract = Contract(clock=At(), signing_secrets=[b"k1-test-secret"])
+    body = bytes.fromhex(VECTORS[0]["body_hex"])
+    assert contract.signs
+    assert contract.sign("orders/0/42", body) == VECTORS[0]["header"]
+    assert not Contract().signs

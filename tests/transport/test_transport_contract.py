@@ -16,6 +16,7 @@ import pytest
 from nemesis.broker.port import Message
 from nemesis.delivery.contract import ERROR_TEXT_CHARS, MAX_RETRY_AFTER_S
 from nemesis.delivery.port import Event, Outcome
+from nemesis.errors import ConfigError
 from tests.transport.conftest import Kit, Reply
 
 PAYLOAD = b'{"order": {"id": 17, "city": "msk", "amount": 250.5}}'
@@ -278,3 +279,93 @@ async def test_error_text_never_shows_credentials(kit: Kit) -> None:
         f"{kit.status_text(status)}: token <redacted> rejected; key <redacted> unknown; see "
         "https://<redacted>@auth.internal/help; Authorization: Basic <redacted>"
     )
+
+
+# --- signing --------------------------------------------------------------------------
+
+SENT_AT = 1_764_480_000.75  # the injected clock's time: t is its whole seconds
+SECRET, PREVIOUS, OTHER = b"k2-new-secret-0001", b"k1-old-secret-0001", b"k9-not-this-one"
+
+
+@pytest.fixture
+def secrets_in_env(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    monkeypatch.setenv("ORDERS_HOOK_SECRET", SECRET.decode())
+    monkeypatch.setenv("ORDERS_HOOK_SECRET_PREVIOUS", PREVIOUS.decode())
+    monkeypatch.setenv("ORDERS_HOOK_SECRET_EMPTY", "")
+    return ["ORDERS_HOOK_SECRET", "ORDERS_HOOK_SECRET_PREVIOUS"]
+
+
+async def test_signed_requests_verify_at_the_handler(kit: Kit, secrets_in_env: list[str]) -> None:
+    url = await kit.check_signatures([SECRET], now=SENT_AT + 10)
+    transport = kit.transport(
+        url=url,
+        clock=FrozenWallClock(SENT_AT),
+        signing={"secrets_env": ["ORDERS_HOOK_SECRET"]},
+    )
+
+    single = await transport.deliver(event("orders/3/41"))
+    # An id that must be percent-encoded in a header: the handler signs what it reads.
+    odd = await transport.deliver(event("id with space/ü"))
+    batch = await transport.deliver_batch([event("a"), event("b", payload=b"\x00binary")])
+    one = await transport.deliver_batch([event("only")])
+
+    assert [r.outcome for r in (single, odd, batch, one)] == [Outcome.DELIVERED] * 4
+    assert [verified for _, verified in kit.checked] == [True] * 4
+    for header, _ in kit.checked:
+        assert header is not None
+        assert header.startswith("t=1764480000,v1=")
+        assert header.count("v1=") == 1
+
+
+async def test_rotation_signs_with_both_secrets(kit: Kit, secrets_in_env: list[str]) -> None:
+    for handler_has in ([SECRET], [PREVIOUS]):
+        kit.checked.clear()
+        url = await kit.check_signatures(handler_has, now=SENT_AT)
+        transport = kit.transport(
+            url=url, clock=FrozenWallClock(SENT_AT), signing={"secrets_env": secrets_in_env}
+        )
+
+        single = await transport.deliver(event())
+        batch = await transport.deliver_batch([event("a"), event("b")])
+
+        assert (single.outcome, batch.outcome) == (Outcome.DELIVERED, Outcome.DELIVERED)
+        assert [header.count("v1=") for header, _ in kit.checked if header] == [2, 2]
+
+
+@pytest.mark.parametrize("case", ["other secret", "unsigned", "stale"])
+async def test_a_refused_signature_is_retried_never_dead(
+    kit: Kit, secrets_in_env: list[str], case: str
+) -> None:
+    handler_has = [OTHER] if case == "other secret" else [SECRET]
+    now = SENT_AT + 301 if case == "stale" else SENT_AT
+    url = await kit.check_signatures(handler_has, now=now)
+    signing = None if case == "unsigned" else {"secrets_env": ["ORDERS_HOOK_SECRET"]}
+    transport = kit.transport(url=url, clock=FrozenWallClock(SENT_AT), signing=signing)
+
+    single = await transport.deliver(event())
+    batch = await transport.deliver_batch([event("a"), event("b")])
+
+    for result in (single, batch):
+        assert (result.outcome, result.status) == (Outcome.RETRY, kit.unauthenticated_status)
+        assert result.error is not None
+        assert SECRET.decode() not in result.error
+    assert [verified for _, verified in kit.checked] == [False, False]
+    if case == "unsigned":
+        assert [header for header, _ in kit.checked] == [None, None]
+
+
+@pytest.mark.parametrize("name", ["ORDERS_HOOK_SECRET_UNSET", "ORDERS_HOOK_SECRET_EMPTY"])
+def test_a_missing_secret_refuses_to_make_the_transport(
+    kit: Kit, secrets_in_env: list[str], name: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        kit.transport(signing={"secrets_env": ["ORDERS_HOOK_SECRET", name]})
+    [problem] = refused.value.problems
+    assert problem.field == "target.signing.secrets_env.1"
+    assert name in problem.message
+    assert SECRET.decode() not in str(refused.value)
+
+
+def test_the_signature_header_is_not_a_target_header(kit: Kit) -> None:
+    with pytest.raises(ConfigError, match=r"set by Nemesis when target\.signing is configured"):
+        kit.transport(headers={"nemesis-signature": "t=1,v1=forged"})
