@@ -377,3 +377,31 @@ async def test_the_cli_signs_with_the_variable_and_refuses_an_unset_one() -> Non
     assert "PASS  checks signatures" in out.decode()
     assert code == 1
     assert "NEMESIS_TEST_UNSET_SECRET: the variable is unset or empty" in err
+
+
+async def test_the_cli_takes_the_signing_variables_from_an_integration_file(
+    tmp_path: Path,
+) -> None:
+    async with HandlerServer() as server:
+        server.when(lambda entry: not signed_well(entry), status=401)
+        server.when(is_malformed, status=422)
+        file = tmp_path / "orders-to-it.yaml"
+        file.write_text(
+            "name: orders-to-it\nowners: [team-it]\n"
+            "source: {topic: orders, consumer: orders-to-it}\n"
+            f"target: {{url: '{server.url}', signing: {{secrets_env: [IT_HOOK_SECRET]}}}}\n"
+        )
+        env = {**os.environ, "IT_HOOK_SECRET": SECRET.decode()}
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "nemesis",
+            "check-handler",
+            "--integration",
+            str(file),
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 0, out.decode()
+    assert "PASS  checks signatures" in out.decode()

@@ -469,3 +469,11 @@ def test_validate_checks_the_secret_variable_names(
     assert validated.returncode == 1
     assert "target.signing.secrets_env" in validated.stdout + validated.stderr
     assert message in validated.stdout + validated.stderr
+
+
+def test_the_python_templates_share_one_signature_check() -> None:
+    templates = REPO / "nemesis" / "onboarding" / "templates"
+    fastapi, grpc = (
+        templates / lang / "signatures.py.tmpl" for lang in ("python-fastapi", "python-grpc")
+    )
+    assert fastapi.read_text() == grpc.read_text()
