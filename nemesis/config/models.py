@@ -93,7 +93,9 @@ class SigningConfig(Model):
     @classmethod
     def _names_not_values(cls, names: Any) -> Any:
         if isinstance(names, str):
-            raise ValueError("a list of 1 or 2 environment variable names, e.g. [HOOK_SECRET]")
+            # A ValueError, not a TypeError: pydantic reports only the former as a problem.
+            message = "a list of 1 or 2 environment variable names, e.g. [HOOK_SECRET]"
+            raise ValueError(message)  # noqa: TRY004
         return names
 
     @field_validator("secrets_env")
