@@ -3,16 +3,17 @@
 A ``Kit`` is one transport and its handler side: it builds the transport,
 scripts the handler's answer in the contract's terms (``Reply``) and reports
 what arrived. The suite (``test_transport_contract.py``) is written once
-against ``Kit``; a new transport joins it with one more ``Kit`` and its name
+against ``Kit``; a new transport joins it with one more ``Kit`` and its entry
 in ``KITS``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -358,25 +359,38 @@ def free_port() -> int:
     return port
 
 
-KITS = ["http", "grpc"]
+@contextlib.asynccontextmanager
+async def http_kit() -> AsyncIterator[Kit]:
+    """The aiohttp transport, ``HandlerServer`` behind a proxy."""
+    async with HandlerServer() as server, ResettingProxy(server.port) as proxy:
+        made = HttpKit(server, proxy)
+        try:
+            yield made
+        finally:
+            await made.close()
+            server.release()
 
 
-@pytest.fixture(params=KITS)
+@contextlib.asynccontextmanager
+async def grpc_kit() -> AsyncIterator[Kit]:
+    """The grpcio transport, ``GrpcHandler`` behind a proxy."""
+    async with GrpcHandler() as handler, ResettingProxy(handler.port) as proxy:
+        made = GrpcKit(handler, proxy)
+        try:
+            yield made
+        finally:
+            await made.close()
+
+
+# Every transport the suite runs against: a new transport is one more entry.
+KITS: Mapping[str, Callable[[], contextlib.AbstractAsyncContextManager[Kit]]] = {
+    "http": http_kit,
+    "grpc": grpc_kit,
+}
+
+
+@pytest.fixture(params=list(KITS))
 async def kit(request: pytest.FixtureRequest) -> AsyncIterator[Kit]:
-    """Each transport in turn, with a handler server of its protocol behind a proxy."""
-    made: Kit
-    if request.param == "http":
-        async with HandlerServer() as server, ResettingProxy(server.port) as proxy:
-            made = HttpKit(server, proxy)
-            try:
-                yield made
-            finally:
-                await made.close()
-                server.release()
-    else:
-        async with GrpcHandler() as handler, ResettingProxy(handler.port) as proxy:
-            made = GrpcKit(handler, proxy)
-            try:
-                yield made
-            finally:
-                await made.close()
+    """Each transport in turn, with a real handler server of its protocol."""
+    async with KITS[request.param]() as made:
+        yield made
