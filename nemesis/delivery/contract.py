@@ -316,7 +316,7 @@ def timeout_after(timeout_s: float) -> WireError:
 _BLANK_OR_CONTROL_RUNS: Final = re.compile(r"[\s\x00-\x1f\x7f]+")
 # user:password@ in a URL, and the credentials of an Authorization-like value.
 _URL_CREDENTIALS: Final = re.compile(rb"(?i)\b([a-z][a-z0-9+.\-]*://)[^/@\s\"'<>]+@")
-_SCHEME_CREDENTIALS: Final = re.compile(rb"(?i)\b(bearer|basic|token|digest)(\s+)[^\s\"'<>,;]+")
+_SCHEME_CREDENTIALS: Final = re.compile(rb"(?i)\b(bearer|basic|digest)(\s+)[^\s\"'<>,;]+")
 
 
 def one_line(text: str) -> str:
@@ -330,8 +330,12 @@ class Redactor:
     __slots__ = ("_secrets",)
 
     def __init__(self, secrets: Iterable[str | bytes] = ()) -> None:
+        encoded: set[bytes] = set()
+        for secret in secrets:
+            value = secret.encode() if isinstance(secret, str) else secret
+            # "Bearer <token>": a handler may quote the token alone.
+            encoded.update((value, value.rsplit(None, 1)[-1] if value.strip() else value))
         # Longest first: a secret that contains another is replaced whole.
-        encoded = {s.encode() if isinstance(s, str) else s for s in secrets}
         self._secrets = sorted(
             (s for s in encoded if len(s) >= _MIN_REDACTED_BYTES), key=len, reverse=True
         )

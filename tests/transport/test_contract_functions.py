@@ -154,7 +154,8 @@ def test_every_wire_failure_has_a_text() -> None:
 
 
 def test_redactor() -> None:
-    redact = Redactor(["Bearer tok-123456789", "tok-123456789", "short"])
+    # A header value "<scheme> <credential>": the credential alone is redacted too.
+    redact = Redactor(["Bearer tok-123456789", "short"])
 
     assert redact(b"got Bearer tok-123456789 and tok-123456789") == (
         b"got <redacted> and <redacted>"
@@ -167,6 +168,7 @@ def test_redactor() -> None:
     assert redact(b"Authorization: bearer abc.def.ghi, next") == (
         b"Authorization: bearer <redacted>, next"
     )
+    assert redact(b"an invalid token format") == b"an invalid token format"
     assert redact(b"echo: " + b"p" * 100, [b"p" * 100]) == b"echo: <request payload>"
 
 
