@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nemesis.config.models import BreakerConfig
-from nemesis.delivery.http import outcome_for_response
+from nemesis.delivery.contract import outcome_for_response
 from nemesis.delivery.port import Outcome
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import (

@@ -1,7 +1,7 @@
 """Configuration models: validated once at load time, frozen, unknown keys rejected.
 
 ``nemesis.yaml`` describes the process (backend, directories, addresses);
-``integrations/<name>.yaml`` describes one integration (DESIGN.md section 5).
+``integrations/<name>.yaml`` describes one integration.
 Units are in the names (``timeout_s``, ``max_wait_ms``, ``window_s``);
 durations written as text (``90s``, ``5m``, ``1h``) are accepted where a
 field says so.
@@ -75,12 +75,48 @@ class SourceConfig(Model):
     type_key: str = "type"
 
 
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class SigningConfig(Model):
+    """Signed deliveries (``nemesis.delivery.signing``): where the secrets are, never what.
+
+    ``secrets_env`` names one environment variable, or two during a rotation
+    (the new secret and the previous one): every request then carries one
+    signature per secret. ``nemesis run`` reads them when the integration
+    starts and refuses to start it when one is unset or empty.
+    """
+
+    secrets_env: Annotated[
+        list[Annotated[str, Field(pattern=ENV_NAME_PATTERN, max_length=128)]],
+        Field(min_length=1, max_length=2),
+    ]
+
+    @field_validator("secrets_env", mode="before")
+    @classmethod
+    def _names_not_values(cls, names: Any) -> Any:
+        if isinstance(names, str):
+            # A ValueError, not a TypeError: pydantic reports only the former as a problem.
+            message = "a list of 1 or 2 environment variable names, e.g. [HOOK_SECRET]"
+            raise ValueError(message)  # noqa: TRY004
+        return names
+
+    @field_validator("secrets_env")
+    @classmethod
+    def _distinct(cls, names: list[str]) -> list[str]:
+        if len(set(names)) != len(names):
+            raise ValueError("the same variable twice: name the new and the previous secret")
+        return names
+
+
 class TargetConfig(Model):
     url: Annotated[str, AfterValidator(_check_target_url)]
     timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
     format: Literal["json", "protobuf", "bytes"] = "json"
     # Extra request headers; values may use ${VAR} interpolation for secrets.
     headers: dict[str, str] = Field(default_factory=dict)
+    # None: requests are not signed.
+    signing: SigningConfig | None = None
 
     @property
     def scheme(self) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -84,6 +85,14 @@ def add_onboarding_commands(commands: Any, run_async: AsyncRunner) -> None:
         "--header", action="append", default=[], metavar="K=V", help="request header, repeatable"
     )
     check.add_argument("--slow-ms", type=float, default=1000.0, help="warn above this latency")
+    check.add_argument(
+        "--signing-secret-env",
+        action="append",
+        default=None,
+        metavar="VAR",
+        help="sign the probes with the secret in VAR (twice: both secrets of a rotation)"
+        " and check that the handler refuses unsigned and stale requests",
+    )
     check.add_argument("--json", action="store_true", help="the report as JSON")
     check.set_defaults(handler=functools.partial(cmd_check_handler, run_async=run_async))
 
@@ -155,6 +164,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def _probe_options(args: argparse.Namespace) -> ProbeOptions:
     url: str | None = args.url
     timeout_s, batch, headers = 5.0, 0, {}
+    signing_env: tuple[str, ...] = ()
     if args.integration is not None:
         # Loaded like `nemesis run` loads it: ${VAR} headers need their variables.
         config = load_integration_file(args.integration)
@@ -162,6 +172,8 @@ def _probe_options(args: argparse.Namespace) -> ProbeOptions:
         timeout_s = config.target.timeout_s
         batch = config.delivery.batch.size
         headers = dict(config.target.headers)
+        if config.target.signing is not None:
+            signing_env = tuple(config.target.signing.secrets_env)
     if url is None:
         raise NemesisError("check-handler needs a URL or --integration FILE")
     for pair in args.header:
@@ -187,14 +199,33 @@ def _probe_options(args: argparse.Namespace) -> ProbeOptions:
         event_type=args.type,
         headers=headers,
         slow_ms=args.slow_ms,
+        signing_secrets_env=(
+            signing_env if args.signing_secret_env is None else tuple(args.signing_secret_env)
+        ),
     )
     _check_target(options)
     return options
 
 
 def _check_target(options: ProbeOptions) -> None:
+    signing = None
+    if options.signing_secrets_env:
+        signing = {"secrets_env": list(options.signing_secrets_env)}
     try:
-        TargetConfig(url=options.url, timeout_s=options.timeout_s, headers=dict(options.headers))
+        TargetConfig.model_validate(
+            {
+                "url": options.url,
+                "timeout_s": options.timeout_s,
+                "headers": dict(options.headers),
+                "signing": signing,
+            }
+        )
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise NemesisError(f"check-handler: {problems}") from exc
+    for name in options.signing_secrets_env:
+        if not os.environ.get(name):
+            raise NemesisError(
+                f"--signing-secret-env {name}: the variable is unset or empty;"
+                " export the handler's signing secret in it"
+            )

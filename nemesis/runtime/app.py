@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig, TargetConfig
 from nemesis.delivery.http import http_transport
 from nemesis.delivery.port import Transport
+from nemesis.delivery.signing import secrets_from_environment
 from nemesis.dlq import DeadLetterStore
 from nemesis.errors import ConfigError, ConfigProblem, NemesisError, TopicNotFound
 from nemesis.metrics import Metrics
@@ -579,6 +581,10 @@ class Proxy:
         """The parts of an integration, not started; raises ConfigError."""
         name = file_config.name
         config = self._with_overrides(file_config, overrides or {}, file)
+        if config.target.signing is not None:
+            # Read again by the transport; checked here to refuse at once, naming the file.
+            where = str(file) if file is not None else f"integration {name}"
+            secrets_from_environment(config.target.signing, os.environ, where=where)
         pipeline = build_integration_pipeline(
             config,
             pipelines_dir=self._pipelines_dir,

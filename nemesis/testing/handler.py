@@ -49,7 +49,7 @@ from nemesis.delivery.cloudevents import (
     STRUCTURED_CONTENT_TYPE,
     decode_header_value,
 )
-from nemesis.delivery.http import VERDICT_HEADER
+from nemesis.delivery.contract import VERDICT_HEADER
 from nemesis.testing.ledger import Ledger, LedgerEntry
 
 logger = logging.getLogger(__name__)
