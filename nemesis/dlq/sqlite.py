@@ -1,6 +1,6 @@
 """The ``sqlite`` DLQ store: one SQLite file (WAL), every statement on a worker thread.
 
-Two connections, each owned by its own thread (``SqliteThread``, shared with
+Two connections, each owned by its own thread (``nemesis.sqlite_thread``, shared with
 the embedded broker): writes (``put``, status changes, retention) queue on
 one, reads (the UI's lists, counts, charts) on the other, so a slow chart
 never delays the runner's ``put`` and WAL lets both run at once.
@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from nemesis.broker.embedded.db import SqliteThread, read_transaction, write_transaction
+from nemesis.sqlite_thread import SqliteThread, read_transaction, write_transaction
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.dlq.cursor import decode_cursor, encode_cursor
 from nemesis.dlq.port import (
