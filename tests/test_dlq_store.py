@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import nemesis.dlq.core as dlq_core
 import nemesis.dlq.sqlite as dlq_sqlite
 from nemesis.clock import Clock
 from nemesis.dlq import (
@@ -882,7 +883,7 @@ async def test_retention_deletes_rows_older_than_180_days(
 async def test_sqlite_retention_runs_in_batches_and_none_keeps_everything(
     tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(dlq_sqlite, "DELETE_BATCH", 3)
+    monkeypatch.setattr(dlq_core, "DELETE_BATCH", 3)
     async with await open_sqlite_dlq(tmp_path / "a.db", clock=clock, retention_s=DAY) as store:
         await store.put([letter(n, at=START) for n in range(10)])
         clock.advance(2 * DAY)
@@ -939,7 +940,7 @@ async def all_pages_after(
 async def test_sqlite_select_ids_spans_several_rounds(
     tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(dlq_sqlite, "SELECT_ROUND", 4)
+    monkeypatch.setattr(dlq_core, "SELECT_ROUND", 4)
     async with await open_sqlite_dlq(tmp_path / "dlq.db", clock=clock) as store:
         await store.put([letter(n, at=START + n % 3) for n in range(30)])
         ids = await store.select_ids(DeadLetterFilter(), 17)
