@@ -21,19 +21,19 @@ from pathlib import Path
 from typing import TypeVar
 
 from nemesis.errors import BrokerError
-from nemesis.sqlite_thread import (  # noqa: F401  # the broker's names for them
-    BACKGROUND_NICENESS,
-    LOCK_POLL_FIRST_S,
-    LOCK_POLL_MAX_S,
-    Connection,
-    SqliteThread,
-    connect,
-    poll_for_locks,
-    read_transaction,
-    translate,
-    when_unlocked,
-    write_transaction,
-)
+
+# The broker's names for the connection plumbing, which lives in ``nemesis.sqlite_thread``.
+from nemesis.sqlite_thread import BACKGROUND_NICENESS as BACKGROUND_NICENESS
+from nemesis.sqlite_thread import LOCK_POLL_FIRST_S as LOCK_POLL_FIRST_S
+from nemesis.sqlite_thread import LOCK_POLL_MAX_S as LOCK_POLL_MAX_S
+from nemesis.sqlite_thread import Connection as Connection
+from nemesis.sqlite_thread import SqliteThread as SqliteThread
+from nemesis.sqlite_thread import connect as connect
+from nemesis.sqlite_thread import poll_for_locks as poll_for_locks
+from nemesis.sqlite_thread import read_transaction as read_transaction
+from nemesis.sqlite_thread import translate as translate
+from nemesis.sqlite_thread import when_unlocked as when_unlocked
+from nemesis.sqlite_thread import write_transaction as write_transaction
 
 T = TypeVar("T")
 
