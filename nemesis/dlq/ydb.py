@@ -54,10 +54,10 @@ from ydb.aio.driver import Driver
 from ydb.aio.query.pool import QuerySessionPool
 from ydb.aio.query.transaction import QueryTxContext
 
+from nemesis.backends.ydb import YdbConnectionConfig, YdbDlqConfig
 from nemesis.broker.ydb.connection import open_driver
 from nemesis.broker.ydb.errors import table_call
 from nemesis.clock import SYSTEM_CLOCK, Clock
-from nemesis.config.models import YdbConnectionConfig, YdbDlqConfig
 from nemesis.dlq import core
 from nemesis.dlq.core import (
     FAILURE_COLUMNS,
