@@ -64,12 +64,9 @@ from nemesis.dlq.core import (
     ID_CHUNK,
     RECENT_ACTIONS,
     SCHEMA_VERSION,
-    TEXT_SCAN_ROWS,
     Key,
-    Mark,
     Row,
     StoreCore,
-    Window,
     ascii_lower,
     check_retention,
     check_schema_version,
@@ -409,10 +406,10 @@ class Yql:
         )
 
     def scan_bound(self, where: DeadLetterFilter, after: Key | None) -> Query:
-        """The key of the ``TEXT_SCAN_ROWS``-th candidate of a text search, text aside."""
+        """The key of the ``core.TEXT_SCAN_ROWS``-th candidate of a text search, text aside."""
         params = _Params()
         conditions = _conditions(where, params, text=False) + _after(after, params)
-        offset = params.add(TEXT_SCAN_ROWS - 1, P.Uint64)
+        offset = params.add(core.TEXT_SCAN_ROWS - 1, P.Uint64)
         return params.query(
             f"SELECT dead_lettered_us, tiebreak FROM {self.table('letters')}{_view(where)}"
             f" WHERE {_joined(conditions)} {_ORDER} LIMIT 1 OFFSET {offset};",
@@ -458,7 +455,7 @@ class Yql:
             selects=1,
         )
 
-    def stats(self, where: DeadLetterFilter, window: Window) -> Query:
+    def stats(self, where: DeadLetterFilter, window: core.Window) -> Query:
         """Two result sets: counts per (integration, reason), then counts per time bucket."""
         params = _Params()
         conditions = _joined(_conditions(where, params))
@@ -751,7 +748,7 @@ class YdbDeadLetterStore(StoreCore):
 
         return await self._transaction(what, work)
 
-    async def _mark(self, letter_ids: Sequence[str], mark: Mark) -> int:
+    async def _mark(self, letter_ids: Sequence[str], mark: core.Mark) -> int:
         what = f"mark {len(letter_ids)} rows {mark.status.value}"
 
         async def work(tx: QueryTxContext) -> int:
@@ -855,7 +852,7 @@ class YdbDeadLetterStore(StoreCore):
         return await self._read_one("group dead letters", self._yql.groups(where, limit))
 
     async def _stats(
-        self, where: DeadLetterFilter, window: Window
+        self, where: DeadLetterFilter, window: core.Window
     ) -> tuple[Sequence[Row], Mapping[int, int]]:
         if window.empty:  # all before 1970: nothing a Uint64 time can hold
             return [], {}

@@ -1,16 +1,9 @@
-"""SQLite plumbing: the schema, and connections that each live on their own thread.
+"""The embedded broker's SQLite file: its schema, and the connections the broker keeps.
 
-The event loop never touches a ``sqlite3.Connection``. Each connection is
-created, used and closed by one worker thread (``SqliteThread``), so jobs
-on it run one at a time, in submission order. The broker keeps three
-(see ``Database``), so that a long append or a checkpoint does not delay
-delivery.
-
-Durability: WAL with ``synchronous=NORMAL`` survives a process kill (the WAL
-is written before the commit returns; only an OS crash or power loss can
-drop the last transactions). Several processes may open the same file;
-writers serialize on ``BEGIN IMMEDIATE`` and wait up to the busy timeout
-(see ``write_transaction``).
+Each connection lives on its own thread (``SqliteThread``, from
+``nemesis.sqlite_thread``, which also says how durable a commit is). The
+broker keeps three (see ``Database``), so that a long append or a
+checkpoint does not delay delivery.
 """
 
 from __future__ import annotations
