@@ -54,7 +54,7 @@ class YdbBroker:
 
     @property
     def topics(self) -> TopicClientAsyncIO:
-        """The SDK topic client (for transactions: ``nemesis.broker.ydb.tx``)."""
+        """The SDK topic client."""
         return self._topics
 
     async def reader(self, topic: str, consumer: str) -> YdbReader:
