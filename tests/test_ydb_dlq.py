@@ -344,7 +344,8 @@ def test_times_far_out_of_range_fit_the_unsigned_columns() -> None:
     where = DeadLetterFilter(since=-1e20, until=1e20)
     text = check(yql.page(where, None, 10, 0, None))
     assert "DECLARE" in text
-    folded = fold_failures([letter(1, dead_lettered_at=-3.0, first_failure_at=1e20)], {}, (), 0)
+    early_and_late = letter(1, dead_lettered_at=-3.0, first_failure_at=1e20)
+    folded = fold_failures([early_and_late], {}, (), 0, YdbDeadLetterStore.times)
     [row] = folded.inserts
     assert row["dead_lettered_us"] == 0
     assert 0 < row["first_failure_us"] < 2**63

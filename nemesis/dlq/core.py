@@ -10,10 +10,11 @@ runs bulk work in rounds. A store subclasses it and implements the
 dialect, handing rows back as mappings by column name.
 
 The columns are the same in every store: times in whole microseconds since
-1970 (``*_us``, clamped to ``0..MAX_TIME_US`` so they fit an unsigned or a
-signed 64-bit column alike), ``history`` and ``metadata`` as JSON text, the
-payload as bytes. Lists are ordered by (``dead_lettered_us``, a per-store
-tie-breaker: ``tiebreak_column``) descending and paged by keyset.
+1970 (``*_us``, clamped to the store's ``Times``: a signed 64-bit column
+keeps times before 1970, an unsigned one starts there), ``history`` and
+``metadata`` as JSON text, the payload as bytes. Lists are ordered by
+(``dead_lettered_us``, a per-store tie-breaker: ``tiebreak_column``)
+descending and paged by keyset.
 
 Writes are idempotent, so a store may retry one whose commit was
 undetermined: a failure already in a row (as its latest failure or in its
@@ -141,19 +142,30 @@ AUDIT_COLUMNS = ("seq", "at_us", "who", "action", "integrations", "count", "desc
 # --- values ---------------------------------------------------------------------------
 
 
-def to_us(seconds: float) -> int:
-    """A time in whole microseconds, clamped to what a store keeps (1970 to 2262).
+@dataclass(frozen=True, slots=True)
+class Times:
+    """The times a store's columns hold: from ``earliest_us`` to the year 2262."""
 
-    A filter's bound outside that range matches what the range's end would:
-    ``since=-1e20`` everything, ``until=1e20`` everything.
-    """
-    if not math.isfinite(seconds):
-        raise InvalidQuery("a time must be a finite number of seconds")
-    return clamp_us(round(min(max(seconds, -1.0), MAX_TIME_US / US + 1.0) * US))
+    earliest_us: int
+
+    def to_us(self, seconds: float) -> int:
+        """A time in whole microseconds, clamped to what the store keeps.
+
+        A filter's bound outside the range matches what the range's end
+        would: ``since=-1e20`` everything, ``until=1e20`` everything.
+        """
+        if not math.isfinite(seconds):
+            raise InvalidQuery("a time must be a finite number of seconds")
+        bound = MAX_TIME_US / US + 1.0
+        return self.clamp(round(min(max(seconds, -bound), bound) * US))
+
+    def clamp(self, us: int) -> int:
+        return min(max(us, self.earliest_us), MAX_TIME_US)
 
 
-def clamp_us(us: int) -> int:
-    return min(max(us, 0), MAX_TIME_US)
+SIGNED = Times(-MAX_TIME_US)  # a signed column: times before 1970 too
+UNSIGNED = Times(0)  # an unsigned column: from 1970
+to_us = SIGNED.to_us
 
 
 def to_s(us: int) -> float:
@@ -307,6 +319,7 @@ def fold_failures(
     existing: Mapping[str, Row],
     known_signatures: Collection[str],
     now_us: int,
+    times: Times = SIGNED,
 ) -> Folded:
     """Applies failures in batch order to the rows they concern (see ``nemesis.dlq.port``).
 
@@ -322,7 +335,7 @@ def fold_failures(
     signatures: dict[str, dict[str, Any]] = {}
     for letter in letters:
         letter_id = letter.id
-        at_us = now_us if letter.dead_lettered_at is None else to_us(letter.dead_lettered_at)
+        at_us = now_us if letter.dead_lettered_at is None else times.to_us(letter.dead_lettered_at)
         pattern = normalise_error(letter.error)
         signature = pattern_signature(
             letter.integration, letter.reason, letter.http_status, pattern
@@ -342,7 +355,8 @@ def fold_failures(
         error = cut(letter.error, MAX_ERROR_CHARS)
         previous = rows.get(letter_id) or existing.get(letter_id)
         if previous is None:
-            first_us = at_us if letter.first_failure_at is None else to_us(letter.first_failure_at)
+            first = letter.first_failure_at
+            first_us = at_us if first is None else times.to_us(first)
             rows[letter_id] = {
                 "id": letter_id,
                 "integration": letter.integration,
@@ -420,8 +434,8 @@ def fold_failures(
 class Window:
     """A chart's time range: ``buckets`` steps of ``bucket_us`` ending after ``now``.
 
-    Steps before 1970 hold nothing a store keeps: ``first`` of them are
-    skipped, and a store counts from ``first_us`` (never negative).
+    Steps before the earliest time a store keeps hold nothing: ``first`` of
+    them are skipped, and a store counts from ``first_us``.
     """
 
     now: float
@@ -433,13 +447,14 @@ class Window:
     first: int
 
     @classmethod
-    def of(cls, now: float, bucket_s: float, buckets: int) -> Window:
-        now_us = to_us(now)
+    def of(cls, now: float, bucket_s: float, buckets: int, times: Times = SIGNED) -> Window:
+        now_us = times.to_us(now)
         bucket_us = max(1, round(bucket_s * US))
         end_us = (now_us // bucket_us + 1) * bucket_us
         start_us = end_us - buckets * bucket_us
-        first = min(buckets, max(0, -(start_us // bucket_us)))
-        return cls(now, clamp_us(now_us - 3600 * US), start_us, end_us, bucket_us, buckets, first)
+        first = min(buckets, max(0, -((start_us - times.earliest_us) // bucket_us)))
+        hour_ago_us = times.clamp(now_us - 3600 * US)
+        return cls(now, hour_ago_us, start_us, end_us, bucket_us, buckets, first)
 
     @property
     def first_us(self) -> int:
@@ -503,11 +518,11 @@ def _int_key(cursor: str, kind: str, arity: int) -> tuple[int, ...]:
     )
 
 
-def letters_key(cursor: str | None) -> Key | None:
+def letters_key(cursor: str | None, times: Times = SIGNED) -> Key | None:
     if cursor is None:
         return None
     at_us, tie = _int_key(cursor, LETTERS_CURSOR, 2)
-    return clamp_us(at_us), tie
+    return times.clamp(at_us), tie
 
 
 def actions_key(cursor: str | None) -> int | None:
@@ -540,6 +555,7 @@ class StoreCore:
     """The ``DeadLetterStore`` port over a store's primitives (see the module docstring)."""
 
     tiebreak_column = "seq"  # the column that orders rows of one microsecond
+    times = SIGNED  # the times the store's columns hold
 
     def __init__(
         self, *, clock: Clock = SYSTEM_CLOCK, retention_s: float | None = DEFAULT_RETENTION_S
@@ -614,7 +630,7 @@ class StoreCore:
         """Writes failures, one row per ``DeadLetter.id`` (see ``nemesis.dlq.port``)."""
         if not letters:
             return PutResult(0, 0)
-        return await self._put(tuple(letters), to_us(self._clock.time()))
+        return await self._put(tuple(letters), self.times.to_us(self._clock.time()))
 
     async def get(self, letter_id: str) -> DeadLetterRow | None:
         """One row with its whole payload, or None."""
@@ -640,7 +656,7 @@ class StoreCore:
         page = page or PageRequest()
         if preview_bytes < 0:
             raise InvalidQuery("preview_bytes cannot be negative")
-        after = letters_key(page.cursor)
+        after = letters_key(page.cursor, self.times)
         if where.matches_nothing:
             return Page([], None)
         found, next_key = await self._list(
@@ -684,7 +700,8 @@ class StoreCore:
             raise InvalidQuery(f"a chart's bucket is longer than 0 and at most {MAX_BUCKET_S:g}s")
         if not 1 <= buckets <= MAX_BUCKETS:
             raise InvalidQuery(f"a chart has 1 to {MAX_BUCKETS} buckets")
-        window = Window.of(self._clock.time() if now is None else now, bucket_s, buckets)
+        now = self._clock.time() if now is None else now
+        window = Window.of(now, bucket_s, buckets, self.times)
         if where.matches_nothing:
             return build_stats(window, [], {})
         pairs, per_bucket = await self._stats(where, window)
@@ -743,7 +760,7 @@ class StoreCore:
         unique = sorted(set(letter_ids))
         if not unique or (integrations is not None and not integrations):
             return 0
-        at_us = to_us(self._clock.time() if at is None else at)
+        at_us = self.times.to_us(self._clock.time() if at is None else at)
         mark = Mark(status, action, cut(by, MAX_ACTOR_CHARS), at_us, integrations)
         changed = 0
         for chunk in chunks(unique, MARK_BATCH):
@@ -761,7 +778,7 @@ class StoreCore:
         at: float | None = None,
     ) -> ActionRecord:
         """Appends an entry to the audit log."""
-        at_us = to_us(self._clock.time() if at is None else at)
+        at_us = self.times.to_us(self._clock.time() if at is None else at)
         names = tuple(sorted(set(integrations)))
         entry = {
             "at_us": at_us,
@@ -794,10 +811,10 @@ class StoreCore:
         if self.retention_s is None:
             return 0
         now = self._clock.time() if now is None else now
-        cutoff_us = to_us(now - self.retention_s)
+        cutoff_us = self.times.to_us(now - self.retention_s)
         deleted = 0
         # One transaction per batch: puts and status changes queue between them.
-        while cutoff_us > 0:
+        while cutoff_us > self.times.earliest_us:
             batch = await self._delete_expired(cutoff_us, DELETE_BATCH)
             deleted += batch
             if batch < DELETE_BATCH:

@@ -536,9 +536,13 @@ def _conditions(where: DeadLetterFilter, params: _Params, *, text: bool = True) 
     if where.signature is not None:
         conditions.append(f"signature = {params.add(where.signature, _UTF8)}")
     if where.since is not None:
-        conditions.append(f"dead_lettered_us >= {params.add(core.to_us(where.since), P.Uint64)}")
+        conditions.append(
+            f"dead_lettered_us >= {params.add(core.UNSIGNED.to_us(where.since), P.Uint64)}"
+        )
     if where.until is not None:
-        conditions.append(f"dead_lettered_us < {params.add(core.to_us(where.until), P.Uint64)}")
+        conditions.append(
+            f"dead_lettered_us < {params.add(core.UNSIGNED.to_us(where.until), P.Uint64)}"
+        )
     if text and where.text:
         # ASCII case-insensitive, like the sqlite store's LIKE; a plain substring
         # test, so % _ \\ and quotes in the text mean themselves.
@@ -627,6 +631,7 @@ class YdbDeadLetterStore(StoreCore):
     """The DLQ in YDB tables; see the module docstring."""
 
     tiebreak_column = "tiebreak"
+    times = core.UNSIGNED  # Uint64 times start in 1970 (the TTL needs an unsigned column)
 
     def __init__(
         self,
@@ -734,7 +739,7 @@ class YdbDeadLetterStore(StoreCore):
                 )
                 existing.update((r["id"], dict(r)) for r in rows)
                 known.update(r["signature"] for r in found)
-            folded = fold_failures(letters, existing, known, now_us)
+            folded = fold_failures(letters, existing, known, now_us, self.times)
             inserts = [{**row, "tiebreak": tiebreak(row["id"])} for row in folded.inserts]
             rounds = max(len(inserts), len(folded.updates), len(folded.signatures))
             for start in range(0, rounds, ID_CHUNK):
