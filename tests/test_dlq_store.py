@@ -1,9 +1,11 @@
-"""The DLQ store: pure signature rules, then contract cases on real store files.
+"""The DLQ store: pure signature rules, then contract cases on every store.
 
-Contract cases take the ``store`` fixture, parametrized over ``STORES``; a
-YDB store joins by adding its factory there (skipped without
-``NEMESIS_YDB_ENDPOINT``). Cases that need one store's internals (the
-SQLite scan bound, batch sizes, the file) come last.
+Contract cases take the ``store`` fixture, parametrized over ``STORES``: the
+sqlite store on a real file, and the YDB store on ``tests/ydb_fake.py`` (a
+database that plays a YDB server's rules); ``tests/contract`` runs them
+again on a real YDB when ``NEMESIS_YDB_ENDPOINT`` names one. Cases that need
+one store's internals (the SQLite scan bound, batch sizes, the file), the
+core's folding of failures and the real CLI come last.
 """
 
 from __future__ import annotations

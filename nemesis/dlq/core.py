@@ -7,7 +7,8 @@ cursors, folds a failure into its row's history (``fold_failures``), maps
 rows to ``DeadLetterRow``, ``Group``, ``Stats`` and ``ActionRecord``, and
 runs bulk work in rounds. A store subclasses it and implements the
 ``_``-prefixed primitives below, each one query (or one transaction) in its
-dialect, handing rows back as mappings by column name.
+dialect, handing rows back as mappings by column name. A new store (a
+PostgreSQL one, say) is a subclass holding its DDL and those queries.
 
 The columns are the same in every store: times in whole microseconds since
 1970 (``*_us``, clamped to the store's ``Times``: a signed 64-bit column
