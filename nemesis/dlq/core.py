@@ -25,6 +25,7 @@ an audit entry equal to a recent one (``same_action``) is not appended again.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -552,7 +553,7 @@ class Mark:
         return 1 if self.status is Status.REQUEUED else 0
 
 
-class StoreCore:
+class StoreCore(abc.ABC):
     """The ``DeadLetterStore`` port over a store's primitives (see the module docstring)."""
 
     tiebreak_column = "seq"  # the column that orders rows of one microsecond
@@ -566,14 +567,15 @@ class StoreCore:
 
     # --- the primitives a store implements -----------------------------------------------
 
+    @abc.abstractmethod
     async def _put(self, letters: Sequence[DeadLetter], now_us: int) -> PutResult:
         """In one transaction: read the rows and signatures, ``fold_failures``, write."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def _rows(self, letter_ids: Sequence[str]) -> Sequence[Row]:
         """The rows among (at most ``ID_CHUNK``) ids, whole payloads, any order."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def _list(
         self, where: DeadLetterFilter, after: Key | None, limit: int, preview_bytes: int
     ) -> tuple[Sequence[Row], Key | None]:
@@ -582,48 +584,48 @@ class StoreCore:
         A text search examines at most ``TEXT_SCAN_ROWS`` candidates: then the
         second value is the key of the last one examined, else None.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def _ids(
         self, where: DeadLetterFilter, after: Key | None, limit: int
     ) -> tuple[Sequence[str], Key | None]:
         """Up to ``limit`` matching ids after ``after``, newest first, and the last one's key."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def _count(self, where: DeadLetterFilter, limit: int | None) -> int:
-        raise NotImplementedError
+        """How many rows match, counting at most ``limit``."""
 
+    @abc.abstractmethod
     async def _groups(self, where: DeadLetterFilter, limit: int) -> Sequence[Row]:
         """The ``limit`` largest groups: signature columns, ``n``, ``first_us``, ``last_us``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def _stats(
         self, where: DeadLetterFilter, window: Window
     ) -> tuple[Sequence[Row], Mapping[int, int]]:
         """Counts per pair (see ``build_stats``) and per bucket from ``window.first_us``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def _mark(self, letter_ids: Sequence[str], mark: Mark) -> int:
         """In one transaction: applies ``mark`` to the dead rows in scope; how many."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def _append_action(self, entry: Row) -> int:
         """Appends an audit entry (``AUDIT_COLUMNS`` but ``seq``); its seq."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def _actions(
         self, before: int | None, limit: int, integrations: frozenset[str] | None
     ) -> Sequence[Row]:
         """Audit entries with a seq below ``before``, newest first, touching ``integrations``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def _delete_expired(self, cutoff_us: int, limit: int) -> int:
         """Deletes up to ``limit`` rows dead-lettered before ``cutoff_us``; how many."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def _prune_signatures(self) -> None:
         """Deletes signatures no row has any more."""
-        raise NotImplementedError
 
     # --- the port ------------------------------------------------------------------------
 
