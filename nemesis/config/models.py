@@ -10,43 +10,27 @@ field says so.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Discriminator,
     Field,
     IPvAnyNetwork,
     SecretStr,
-    Tag,
     field_validator,
     model_validator,
 )
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-
-
-def parse_duration(value: Any) -> float:
-    """``90`` -> 90.0 s; ``"1.5s"``, ``"5m"``, ``"2h"``, ``"7d"``, ``"250ms"`` -> seconds."""
-    if isinstance(value, bool):
-        # pydantic turns only ValueError into a validation error; a TypeError would escape.
-        raise ValueError("expected a duration such as 30s, 5m or 1h")  # noqa: TRY004
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str) and (match := _DURATION.match(value)):
-        seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
-    else:
-        raise ValueError(f"expected a duration such as 30s, 5m or 1h, got {value!r}")
-    if seconds < 0:
-        raise ValueError("a duration cannot be negative")
-    return seconds
-
-
-DurationS = Annotated[float, BeforeValidator(parse_duration)]
+from nemesis.backends import BackendModel, DlqModel, default_backends
+from nemesis.backends.embedded import EmbeddedBackendConfig as EmbeddedBackendConfig
+from nemesis.backends.sqlite import SqliteDlqConfig as SqliteDlqConfig
+from nemesis.backends.ydb import YdbBackendConfig as YdbBackendConfig
+from nemesis.backends.ydb import YdbConnectionConfig as YdbConnectionConfig
+from nemesis.backends.ydb import YdbCredentialsConfig as YdbCredentialsConfig
+from nemesis.backends.ydb import YdbDlqConfig as YdbDlqConfig
+from nemesis.config_base import DurationS as DurationS
+from nemesis.config_base import Model as Model
+from nemesis.config_base import parse_duration as parse_duration
 
 NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
 TOPIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
@@ -59,10 +43,6 @@ def _check_target_url(url: str) -> str:
     if not re.match(r"^(https?|grpcs?)://[^/\s]+", url):
         raise ValueError("must start with http://, https://, grpc:// or grpcs:// and name a host")
     return url
-
-
-class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 # --- integration --------------------------------------------------------------
@@ -203,112 +183,14 @@ class IntegrationConfig(Model):
 # --- process ------------------------------------------------------------------
 
 
-class EmbeddedBackendConfig(Model):
-    kind: Literal["embedded"] = "embedded"
-    # Relative paths are taken from data_dir.
-    path: str = "nemesis.db"
-    lease_s: Annotated[float, Field(gt=0)] = 10.0
-    retention: DurationS = 7 * 86400.0
-    default_partitions: Annotated[int, Field(ge=1, le=1024)] = 4
-
-
-class SqliteDlqConfig(Model):
-    kind: Literal["sqlite"] = "sqlite"
-    # Relative paths are taken from data_dir.
-    path: str = "dlq.db"
-    # Rows older than this (by dead-letter time) are deleted; months, so teams can look back.
-    retention: DurationS = 180 * 86400.0
-
-
-# --- YDB (nemesis.broker.ydb, nemesis.dlq.ydb) ------------------------------------
-
-
-class YdbCredentialsConfig(Model):
-    """How Nemesis signs in to YDB; secrets come from ``${VAR}`` references, never the file.
-
-    ``anonymous``: none (a local YDB). ``token``: an access token (IAM, OAuth).
-    ``static``: a YDB user and password. ``service_account``: an authorized
-    key JSON file (needs the ``ydb[yc]`` extra). ``metadata``: the cloud VM's
-    metadata service. ``env``: the SDK's own ``YDB_*`` environment variables.
-    """
-
-    mode: Literal["anonymous", "token", "static", "service_account", "metadata", "env"] = (
-        "anonymous"
-    )
-    token: str | None = None
-    user: str | None = None
-    password: str | None = None
-    key_file: str | None = None
-
-    @model_validator(mode="after")
-    def _what_the_mode_needs(self) -> YdbCredentialsConfig:
-        needed = {"token": ("token",), "static": ("user",), "service_account": ("key_file",)}
-        missing = [name for name in needed.get(self.mode, ()) if not getattr(self, name)]
-        if missing:
-            raise ValueError(f"credentials mode {self.mode!r} needs {' and '.join(missing)}")
-        return self
-
-
-class YdbConnectionConfig(Model):
-    """Where a YDB database is and how to reach it."""
-
-    endpoint: Annotated[str, Field(pattern=r"^grpcs?://[^/\s]+$")]  # grpcs:// for TLS
-    database: Annotated[str, Field(pattern=r"^/\S+$")]  # /local, /ru-central1/b1g.../etn...
-    credentials: YdbCredentialsConfig = YdbCredentialsConfig()
-    # PEM file with the CA certificates for grpcs:// (None: the SDK's bundled roots).
-    root_certificates: str | None = None
-    connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 10.0
-    # Every call to YDB is bounded by this: the SDK itself retries forever.
-    request_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30.0
-
-
-class YdbBackendConfig(YdbConnectionConfig):
-    """YDB topics: the production broker (``nemesis.broker.ydb``)."""
-
-    kind: Literal["ydb"] = "ydb"
-    # Topics live under <database>/<directory>; "" is the database root.
-    directory: Annotated[str, Field(pattern=r"^[A-Za-z0-9._/-]*$")] = ""
-    retention: DurationS = 7 * 86400.0
-    default_partitions: Annotated[int, Field(ge=1, le=1024)] = 4
-    reader_buffer_bytes: Annotated[int, Field(ge=64 * 1024)] = 16 * 1024 * 1024
-    # Messages, and bytes, of a paused partition held in memory; past either the
-    # partition's messages are dropped and read again after its resume (YDB
-    # cannot pause one partition: see nemesis/broker/ydb/README.md).
-    pause_stash_messages: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
-    pause_stash_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
-
-
-class YdbDlqConfig(Model):
-    """The DLQ in YDB tables, with a TTL on the dead-letter time (``nemesis.dlq.ydb``)."""
-
-    kind: Literal["ydb"] = "ydb"
-    # The directory of the DLQ tables, relative to the database.
-    path: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*$")] = "nemesis/dlq"
-    retention: DurationS = 180 * 86400.0
-    # None: the backend's connection (the backend must then be ydb).
-    connection: YdbConnectionConfig | None = None
-
-
-def _backend_kind(value: Any) -> str:
-    # Anything but "ydb" validates as embedded, so a wrong kind is reported at
-    # backend.kind together with the other fields' problems.
-    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
-    return "ydb" if kind == "ydb" else "embedded"
-
-
-def _dlq_kind(value: Any) -> str:
-    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
-    return "ydb" if kind == "ydb" else "sqlite"
-
-
-BackendConfig = Annotated[
-    Annotated[EmbeddedBackendConfig, Tag("embedded")] | Annotated[YdbBackendConfig, Tag("ydb")],
-    Discriminator(_backend_kind),
-]
-DlqConfig = Annotated[
-    Annotated[SqliteDlqConfig, Tag("sqlite")] | Annotated[YdbDlqConfig, Tag("ydb")],
-    Discriminator(_dlq_kind),
-]
+# The backend and the DLQ store: one model per built-in kind, chosen by ``kind``
+# (``nemesis.backends``); to the type checker, what every kind has.
+if TYPE_CHECKING:
+    BackendConfig = BackendModel
+    DlqConfig = DlqModel
+else:
+    BackendConfig = default_backends().backend_config()
+    DlqConfig = default_backends().dlq_config()
 
 
 class ListenConfig(Model):
@@ -493,13 +375,6 @@ class NemesisConfig(Model):
     metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
-    def _ydb_dlq_has_a_connection(self) -> NemesisConfig:
-        if (
-            isinstance(self.dlq, YdbDlqConfig)
-            and self.dlq.connection is None
-            and not isinstance(self.backend, YdbBackendConfig)
-        ):
-            raise ValueError(
-                "dlq.kind ydb needs dlq.connection (endpoint, database) unless the backend is ydb"
-            )
+    def _dlq_works_with_the_backend(self) -> NemesisConfig:
+        self.dlq.check_backend(self.backend)
         return self

@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from nemesis.broker.embedded import bells
-from nemesis.broker.embedded.db import when_unlocked, write_transaction
 from nemesis.errors import TopicNotFound
+from nemesis.sqlite_thread import when_unlocked, write_transaction
 
 
 def fair_share(members: Sequence[str], partitions: int, member: str) -> frozenset[int]:

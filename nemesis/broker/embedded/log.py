@@ -18,7 +18,6 @@ from typing import Any
 
 import orjson
 
-from nemesis.broker.embedded.db import read_transaction, write_transaction
 from nemesis.broker.embedded.tail import ReadRow
 from nemesis.broker.port import (
     ConsumerSpec,
@@ -31,6 +30,7 @@ from nemesis.broker.port import (
     WriteStatus,
 )
 from nemesis.errors import TopicExists, TopicNotFound
+from nemesis.sqlite_thread import read_transaction, write_transaction
 
 _NO_METADATA: Mapping[str, str] = MappingProxyType({})
 

@@ -62,7 +62,7 @@ class YdbBroker:
 
     @property
     def topics(self) -> TopicClientAsyncIO:
-        """The SDK topic client (for transactions: ``nemesis.broker.ydb.tx``)."""
+        """The SDK topic client."""
         return self._topics
 
     async def reader(self, topic: str, consumer: str) -> YdbReader:
