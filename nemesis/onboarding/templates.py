@@ -33,19 +33,20 @@ from nemesis.proto import handler_proto_text
 
 HandlerLang = Literal["python-fastapi", "python-grpc", "go-http", "typescript-node", "java-http"]
 HANDLER_LANGS: Final[tuple[HandlerLang, ...]] = get_args(HandlerLang)
+# Every HTTP template serves where `nemesis new integration` points by default, and clear of
+# the ports `nemesis run` takes on a laptop (8080 for the DLQ viewer, 8081 for the admin API).
 DEFAULT_PORTS: Final[Mapping[HandlerLang, int]] = {
     "python-fastapi": 8000,
     "python-grpc": 50051,
-    "go-http": 8080,
-    "typescript-node": 3000,
-    "java-http": 8081,
+    "go-http": 8000,
+    "typescript-node": 8000,
+    "java-http": 8000,
 }
 DEFAULT_URLS: Final[Mapping[HandlerLang, str]] = {
-    "python-fastapi": "http://127.0.0.1:8000/events",
-    "python-grpc": "grpc://127.0.0.1:50051",
-    "go-http": "http://127.0.0.1:8080/events",
-    "typescript-node": "http://127.0.0.1:3000/events",
-    "java-http": "http://127.0.0.1:8081/events",
+    lang: f"grpc://127.0.0.1:{port}"
+    if lang.endswith("-grpc")
+    else f"http://127.0.0.1:{port}/events"
+    for lang, port in DEFAULT_PORTS.items()
 }
 # The Python templates share handler.py (common/); the others are whole in their folder.
 _WITH_COMMON: Final[frozenset[HandlerLang]] = frozenset({"python-fastapi", "python-grpc"})
