@@ -25,12 +25,14 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 
 import httpx
 import pytest
@@ -39,12 +41,15 @@ from nemesis.broker.port import ConsumerSpec, OutgoingMessage
 from nemesis.cli import build_parser
 from nemesis.config.models import TargetConfig
 from nemesis.delivery.signing import SIGNATURE_HEADER, sign
-from nemesis.onboarding.templates import signing_vectors_text
+from nemesis.onboarding.templates import (
+    DEFAULT_URLS,
+    HandlerLang,
+    new_handler,
+    signing_vectors_text,
+)
 from tests.conftest import Workspace
 
-pytestmark = pytest.mark.slow
-
-LANGS = ("go-http", "typescript-node", "java-http")
+LANGS: tuple[HandlerLang, ...] = ("go-http", "typescript-node", "java-http")
 PROJECT = "orders-handler"  # the folder's name: the Java package is orders_handler
 SECRET, OLD_SECRET = "s3cret-current", "s3cret-previous"
 HANDLED = re.compile(r"handled (\S+) (\S+) \(attempt (\d+)\)")
@@ -61,6 +66,7 @@ class Toolchain:
     vectors: str  # where the project keeps its copy of the vectors
     passed: re.Pattern[str]  # a line of the test output for each test passed
     failed: re.Pattern[str]
+    lint: tuple[str, ...] = ()  # prints nothing when the code is clean (else the build checks)
 
 
 JAVA_CLASSPATH = "build/classes:build/test-classes:src/test/resources"
@@ -73,6 +79,7 @@ TOOLCHAINS = {
         vectors="testdata/signing-vectors.json",
         passed=re.compile(r"^--- PASS", re.MULTILINE),
         failed=re.compile(r"^--- FAIL", re.MULTILINE),
+        lint=("gofmt", "-l", "."),
     ),
     "typescript-node": Toolchain(
         build=(("npm", "install", "--no-audit", "--no-fund"), ("npx", "tsc", "-p", ".")),
@@ -243,6 +250,7 @@ def signed_handler(project: Project) -> Iterator[Handler]:
     stop(started)
 
 
+@pytest.mark.slow
 def test_the_template_passes_its_own_tests_which_check_the_shared_vectors(
     project: Project,
 ) -> None:
@@ -253,6 +261,9 @@ def test_the_template_passes_its_own_tests_which_check_the_shared_vectors(
     assert tested.returncode == 0, output
     assert len(toolchain.passed.findall(output)) >= 10, output
     assert not toolchain.failed.search(output), output
+    if toolchain.lint:
+        linted = run(toolchain.lint, project.path, project.env)
+        assert (linted.returncode, linted.stdout + linted.stderr) == (0, "")
     vectors = project.path / toolchain.vectors
     assert vectors.read_text() == signing_vectors_text()
 
@@ -269,6 +280,7 @@ def test_the_template_passes_its_own_tests_which_check_the_shared_vectors(
     assert toolchain.failed.search(tampered.stdout + tampered.stderr), tampered.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [0, 3], ids=["single", "batch"])
 def test_the_handler_passes_check_handler(handler: Handler, tmp_path: Path, batch: int) -> None:
     checked = nemesis("check-handler", handler.url, "--batch", str(batch), cwd=tmp_path)
@@ -353,6 +365,7 @@ def stop_run(process: subprocess.Popen[bytes], space: Workspace) -> None:
     assert code == 0, (space.root / "run.log").read_text()
 
 
+@pytest.mark.slow
 def test_nemesis_run_delivers_single_batched_retried_and_dead_events(
     project: Project, handler: Handler, space: Workspace
 ) -> None:
@@ -413,6 +426,7 @@ def test_nemesis_run_delivers_single_batched_retried_and_dead_events(
     assert dead["attempts"] == 1  # dead-lettered at once, not retried
 
 
+@pytest.mark.slow
 def test_the_handler_checks_signatures_made_by_the_reference_signer(
     signed_handler: Handler,
 ) -> None:
@@ -444,6 +458,7 @@ def test_the_handler_checks_signatures_made_by_the_reference_signer(
     assert [i for _, i, _ in signed_handler.handled()[before:]] == ["e", "f", "g", "h"]
 
 
+@pytest.mark.slow
 def test_an_unsigned_probe_is_refused_by_a_handler_with_a_secret(
     signed_handler: Handler, tmp_path: Path
 ) -> None:
@@ -452,6 +467,7 @@ def test_an_unsigned_probe_is_refused_by_a_handler_with_a_secret(
     assert "HTTP 401" in checked.stdout
 
 
+@pytest.mark.slow
 def test_check_handler_signs_with_the_secret_from_the_environment(
     signed_handler: Handler, tmp_path: Path
 ) -> None:
@@ -474,6 +490,7 @@ def test_check_handler_signs_with_the_secret_from_the_environment(
         assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+@pytest.mark.slow
 def test_nemesis_run_delivers_signed_events(signed_handler: Handler, space: Workspace) -> None:
     if "signing" not in TargetConfig.model_fields:
         pytest.skip("nemesis run does not sign yet (no target.signing)")
@@ -504,3 +521,39 @@ def test_nemesis_run_delivers_signed_events(signed_handler: Handler, space: Work
     # Accepted at the first attempt: no 401 and retry on the way.
     signed = {(t, a) for t, _, a in signed_handler.handled() if t.startswith("order.signed")}
     assert signed == {("order.signed", 1), ("order.signed-batch", 1)}
+
+
+# --- what `nemesis new handler` writes, without building it -----------------------------------
+
+
+@pytest.mark.parametrize("lang", LANGS)
+def test_a_new_project_is_complete_and_every_placeholder_filled(
+    lang: HandlerLang, tmp_path: Path
+) -> None:
+    written = new_handler(tmp_path / "class", lang)  # a Java keyword as the folder's name
+    names = {path.relative_to(tmp_path / "class").as_posix() for path in written}
+    assert {"README.md", ".gitignore", TOOLCHAINS[lang].vectors} <= names
+    for path in written:
+        assert "{{" not in path.read_text(), path
+    assert (tmp_path / "class" / TOOLCHAINS[lang].vectors).read_text() == signing_vectors_text()
+    assert DEFAULT_URLS[lang] == "http://127.0.0.1:8000/events"  # where `new integration` points
+    if lang == "java-http":
+        # `class` cannot be a package; the sources sit in their package's folder.
+        assert "src/main/java/handler_class/Handler.java" in names
+        handler = (tmp_path / "class/src/main/java/handler_class/Handler.java").read_text()
+        assert handler.startswith("package handler_class;")
+        assert (tmp_path / "class/build.sh").stat().st_mode & stat.S_IXUSR
+        pom = ElementTree.parse(tmp_path / "class/pom.xml").getroot()
+        namespace = {"m": "http://maven.apache.org/POM/4.0.0"}
+        assert pom.findtext("m:artifactId", namespaces=namespace) == "class"
+    if lang == "typescript-node":
+        package = json.loads((tmp_path / "class/package.json").read_text())
+        assert set(package["devDependencies"]) == {"typescript", "@types/node"}
+        assert "dependencies" not in package  # nothing at run time
+        json.loads((tmp_path / "class/tsconfig.json").read_text())
+    if lang == "go-http":
+        assert (tmp_path / "class/go.mod").read_text().splitlines() == [
+            "module class",
+            "",
+            "go 1.19",
+        ]
