@@ -184,7 +184,10 @@ def project(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         "GOPATH": str(root / "go-path"),
         "GOPROXY": "off",  # no dependencies: nothing to download
         "GOTOOLCHAIN": "local",
-        "NEMESIS_SIGNING_SECRET": "",  # the handler's own environment decides, per test
+        # The handler's own environment decides, per test.
+        "NEMESIS_SIGNING_SECRET": "",
+        "NEMESIS_SIGNING_SECRET_PREVIOUS": "",
+        "NEMESIS_SIGNING_TOLERANCE_S": "",
     }
     created = nemesis("new", "handler", "--lang", lang, PROJECT, cwd=root)
     assert created.returncode == 0, created.stderr
@@ -202,7 +205,7 @@ def start_handler(project: Project, log: Path, **env: str) -> Handler:
         process = subprocess.Popen(
             project.toolchain.start,
             cwd=project.path,
-            env={**project.env, "HOST": "127.0.0.1", "PORT": str(port), **env},
+            env={**project.env, "LISTEN_HOST": "127.0.0.1", "PORT": str(port), **env},
             stdout=output,
             stderr=subprocess.STDOUT,
         )
