@@ -38,8 +38,6 @@ import httpx
 import pytest
 
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage
-from nemesis.cli import build_parser
-from nemesis.config.models import TargetConfig
 from nemesis.delivery.signing import SIGNATURE_HEADER, sign
 from nemesis.onboarding.templates import (
     DEFAULT_URLS,
@@ -289,7 +287,7 @@ def test_the_handler_passes_check_handler(handler: Handler, tmp_path: Path, batc
     checked = nemesis("check-handler", handler.url, "--batch", str(batch), cwd=tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     lines = checked.stdout.splitlines()
-    assert sum(line.startswith("  PASS") for line in lines) == (5 if batch else 4), checked.stdout
+    assert sum(line.startswith("  PASS") for line in lines) == (6 if batch else 4), checked.stdout
     assert not any(line.startswith(("  WARN", "  FAIL", "  SKIP")) for line in lines)
 
 
@@ -476,10 +474,6 @@ def test_an_unsigned_probe_is_refused_by_a_handler_with_a_secret(
 def test_check_handler_signs_with_the_secret_from_the_environment(
     signed_handler: Handler, tmp_path: Path
 ) -> None:
-    try:
-        build_parser().parse_args(["check-handler", "x", "--signing-secret-env", "X"])
-    except SystemExit:
-        pytest.skip("check-handler does not sign yet (no --signing-secret-env)")
     env = {**os.environ, "NEMESIS_TEST_SIGNING_SECRET": SECRET}
     for batch in ("0", "3"):
         checked = nemesis(
@@ -497,10 +491,8 @@ def test_check_handler_signs_with_the_secret_from_the_environment(
 
 @pytest.mark.slow
 def test_nemesis_run_delivers_signed_events(signed_handler: Handler, space: Workspace) -> None:
-    if "signing" not in TargetConfig.model_fields:
-        pytest.skip("nemesis run does not sign yet (no target.signing)")
     # The secret comes from the environment of `nemesis run` (start_run sets it).
-    signing = ", signing: {secret_env: NEMESIS_TEST_SIGNING_SECRET}"
+    signing = ", signing: {secrets_env: [NEMESIS_TEST_SIGNING_SECRET]}"
     for topic, name, batch in (("orders", "signed-to-x", 1), ("orders.batched", "batched-to-x", 3)):
         space.write_integration(
             name, integration(name, topic, signed_handler.url, batch=batch, extra=signing)
