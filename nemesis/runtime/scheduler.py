@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import Literal
 
+from nemesis.aio import first_of
 from nemesis.broker.port import Message
 from nemesis.clock import Clock
 from nemesis.runtime.acks import PartitionAcks
@@ -176,13 +177,7 @@ class Scheduler:
                 await self._delayed_changed.wait()
                 continue
             wait_s = self._delayed[0][0] - now
-            sleeper = asyncio.ensure_future(self._clock.sleep(wait_s))
-            changed = asyncio.ensure_future(self._delayed_changed.wait())
-            try:
-                await asyncio.wait({sleeper, changed}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                sleeper.cancel()
-                changed.cancel()
+            await first_of(self._clock.sleep(wait_s), self._delayed_changed.wait())
 
     def _push(self, work: Work) -> None:
         self._ready.append(work)

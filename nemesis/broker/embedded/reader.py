@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
+from nemesis.aio import first_of
 from nemesis.broker.embedded import leases, log
 from nemesis.broker.embedded.db import Database
 from nemesis.broker.embedded.tail import TailCache
@@ -640,14 +641,7 @@ class EmbeddedReader:
             delay = interval if self._settled else interval / 4
 
     async def _sleep_or_poke(self, seconds: float) -> None:
-        sleeper = asyncio.ensure_future(self._clock.sleep(seconds))
-        poked = asyncio.ensure_future(self._poke.wait())
-        try:
-            await asyncio.wait((sleeper, poked), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in (sleeper, poked):
-                waiter.cancel()
-            await asyncio.gather(sleeper, poked, return_exceptions=True)
+        await first_of(self._clock.sleep(seconds), self._poke.wait())
 
     def _fail(self, error: BrokerError) -> None:
         self._failure = error
