@@ -27,6 +27,7 @@ from nemesis.runtime.replay import requeue
 from nemesis.runtime.retries import replay_topic, tier_topic
 from nemesis.runtime.runner import RunnerOptions
 from nemesis.testing import HandlerServer, LedgerEntry
+from nemesis.testing.clock import FakeClock
 
 FAST = RunnerOptions(receive_timeout_s=0.05, commit_interval_s=0.02, shutdown_grace_s=2)
 
@@ -58,16 +59,19 @@ def integration(name: str, url: str, **sections: Any) -> IntegrationConfig:
     return IntegrationConfig.model_validate(document)
 
 
-async def publish(broker: EmbeddedBroker, count: int, consumers: tuple[str, ...] = ("it",)) -> None:
+async def publish(
+    broker: EmbeddedBroker, count: int, consumers: tuple[str, ...] = ("it",), start: int = 0
+) -> None:
     await broker.admin.create_topic(
         "orders", partitions=4, consumers=[ConsumerSpec(c) for c in consumers], exist_ok=True
     )
     writer = await broker.writer("orders")
-    for start in range(0, count, 1000):
+    end = start + count
+    for first in range(start, end, 1000):
         await writer.write(
             [
                 OutgoingMessage(value=orjson.dumps({"n": n}), metadata={"type": "order.created"})
-                for n in range(start, min(count, start + 1000))
+                for n in range(first, min(end, first + 1000))
             ]
         )
     await writer.close()
@@ -198,6 +202,41 @@ async def test_outage_opens_the_breaker_and_dead_letters_nothing(
     transitions = breaker.statistics().transitions
     assert transitions.get((BreakerState.CLOSED, BreakerState.OPEN), 0) >= 1
     assert transitions.get((BreakerState.HALF_OPEN, BreakerState.CLOSED), 0) == 1
+
+
+async def test_an_outage_with_tiers_shorter_than_the_breaker_needs_dead_letters_nothing(
+    broker: EmbeddedBroker, dlq: SqliteDeadLetterStore
+) -> None:
+    # The breaker weighs the 400 successes before the outage in its 30-second window, so
+    # it opens only seconds into the outage; the tiers run out in 0.3 s. Every message the
+    # outage fails must wait for the handler, in a topic or in place, and none be dead.
+    clock = FakeClock()
+    before, during = 400, 400
+    await publish(broker, before)
+    async with HandlerServer() as handler, clock.autojump(threshold_s=0.002):
+        config = integration(
+            "it",
+            handler.url,
+            retry={"tiers": ["100ms", "200ms"]},
+            rate_limits={"main": 100},  # failures come at 100/s: the window turns slowly
+            delivery={"workers": 8, "buffer": 200},
+        )
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, clock=clock, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        await handler.ledger.wait_for(before, timeout_s=60)
+        handler.behave(status=500)
+        await publish(broker, during, start=before)
+        await clock.sleep(15)  # the outage: 500s ...
+        await handler.refuse_connections()
+        await clock.sleep(15)  # ... then refused connections
+        assert await dlq.count(DeadLetterFilter()) == 0
+        handler.behave(status=200)
+        await handler.accept_connections()
+        await handler.ledger.wait_for(before + during, timeout_s=60)
+        proxy.stop()
+        await task
+    assert await dlq.count(DeadLetterFilter()) == 0
+    assert len(handler.ledger.done_ids()) == before + during
 
 
 async def test_retry_flow_stays_within_its_rate_limit(
