@@ -154,6 +154,27 @@ async def test_batches_by_size_or_wait(broker: EmbeddedBroker, handler: HandlerS
     assert await committed(broker) == {p: 250 for p in range(4)}
 
 
+async def test_a_batch_integration_sends_a_lone_message_as_a_batch_of_one(
+    broker: EmbeddedBroker, handler: HandlerServer
+) -> None:
+    # A handler that implements only batches must get a quiet hour's messages too,
+    # and their retries: every request of a batch integration is a batch.
+    await publish(broker, 1)
+    handler.fail_first(1, status=503)
+    runner = runner_for(
+        broker,
+        config(handler.url, delivery={"workers": 4, "batch": {"size": 50, "max_wait_ms": 0}}),
+    )
+    task = asyncio.create_task(runner.run())
+    await handler.ledger.wait_for(1, timeout_s=30)
+    runner.stop()
+    await task
+    assert [(e.mode, e.batch_size, e.attempt) for e in handler.ledger] == [
+        ("batch", 1, 1),
+        ("batch", 1, 2),
+    ]
+
+
 async def test_poison_message_stalls_neither_other_partitions_nor_memory(
     broker: EmbeddedBroker, handler: HandlerServer
 ) -> None:

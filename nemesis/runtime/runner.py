@@ -495,6 +495,8 @@ class IntegrationRunner:
                 await limits.acquire(self._limit_flow, count)
             self._in_flight += count
             try:
+                # A batch integration sends the batch form even for one message: its
+                # handler may implement only batches.
                 if count == 1 and self._batch_size == 1:
                     result = await self._transport.deliver(events[0])
                 else:
