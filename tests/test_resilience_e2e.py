@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,35 @@ async def test_an_outage_with_tiers_shorter_than_the_breaker_needs_dead_letters_
         await task
     assert await dlq.count(DeadLetterFilter()) == 0
     assert len(handler.ledger.done_ids()) == before + during
+
+
+async def test_dead_letters_and_retries_are_logged_at_the_default_level(
+    broker: EmbeddedBroker, dlq: SqliteDeadLetterStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)  # what `nemesis run` sets unless told otherwise
+    count = 40
+    await publish(broker, count)
+    async with HandlerServer() as handler:
+        handler.fail_ids({"orders:1:3"}, status=422)
+        handler.fail_first(1, status=503)
+        config = integration("it", handler.url, breaker={"min_requests": 100_000})
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        await handler.ledger.wait_for(count - 1, timeout_s=30)
+        proxy.stop()
+        await task
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    dead = [r.getMessage() for r in warnings if "dead-lettered" in r.getMessage()]
+    assert dead == [
+        "integration it: orders/1@3 dead-lettered (http_4xx) after 1 attempts: rejected (http 422)"
+    ]
+    # Retries are summed up, not logged one by one: the first at once.
+    retries = [r.getMessage() for r in warnings if "retries since" in r.getMessage()]
+    assert retries
+    assert retries[0].startswith("integration it, flow main: 1 retries since the last report")
+    assert len(retries) < count
+    # Never the payload.
+    assert not any('"n"' in r.getMessage() for r in caplog.records)
 
 
 async def test_retry_flow_stays_within_its_rate_limit(
