@@ -218,6 +218,7 @@ async def test_outage_opens_the_breaker_and_dead_letters_nothing(
     assert transitions.get((BreakerState.HALF_OPEN, BreakerState.CLOSED), 0) == 1
 
 
+@pytest.mark.slow
 async def test_an_outage_with_tiers_shorter_than_the_breaker_needs_dead_letters_nothing(
     broker: EmbeddedBroker, dlq: SqliteDeadLetterStore, clock: FakeClock
 ) -> None:
