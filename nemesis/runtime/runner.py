@@ -2,12 +2,18 @@
 
 ::
 
-    intake ──> scheduler (ordering) ──> N workers ──> transport ──> settler
-      │  bounded: at most delivery.buffer          │                  │
-      │  messages unfinished                       ▼                  ▼
-      └──────────── ack tracker <──── ack (done) ──┴── retry in place (delay)
+    intake ──> scheduler (ordering) ──> N workers: dispatch ──> transport
+      │  bounded: at most delivery.buffer          │ delivered,     │ failed
+      │  messages unfinished                       │ dropped        ▼
+      │                                            │       settlement: policy.decide
+      │                                            ▼         │ tier / DLQ  │ in place, halt
+      └──────────── ack tracker <──── ack (done) ──┴─────────┘             └─> scheduler
                          │
                  commit loop: contiguous done prefix per partition session
+
+A worker's dispatch delivers and measures; what becomes of a message that
+failed (a retry tier, the DLQ, a retry in place, a halted key) is decided by
+``nemesis.runtime.policy`` alone and carried out by the flow's ``Settlement``.
 
 The commit rule: an offset is committed only when every message before it
 in its partition is done (``nemesis.runtime.acks``). Messages of a revoked
@@ -436,9 +442,9 @@ class IntegrationRunner:
                 finally:
                     slot.idle = False
             if self._batch_size == 1:
-                await self._process([first])
+                await self._dispatch([first])
             else:
-                await self._process(await self._next_batch(first))
+                await self._dispatch(await self._next_batch(first))
 
     async def _next_batch(self, first: Work) -> list[Work]:
         # Read per batch: the batch settings may be changed while running.
@@ -466,7 +472,10 @@ class IntegrationRunner:
             batch += self._scheduler.take(size - len(batch))
         return batch
 
-    async def _process(self, batch: list[Work]) -> None:
+    async def _dispatch(self, batch: list[Work]) -> None:
+        """Delivers a batch: events, breaker permit, rate limit, in-flight count, transport,
+        metrics. A delivered or dropped batch finishes here; any other outcome goes to the
+        settlement (``nemesis.runtime.settle``: the failure policy and its executor)."""
         live = batch if _all_alive(batch) else self._drop_stale(batch)
         if not live:
             return
@@ -536,7 +545,7 @@ class IntegrationRunner:
         return live
 
     async def _prepare(self, batch: list[Work]) -> tuple[list[Work], list[Event]]:
-        """Runs the pipeline: filtered messages finish here, dead ones go to the settler."""
+        """Runs the pipeline: filtered messages finish here, dead ones go to the settlement."""
         if self._disabled:
             batch = self._skip_disabled(batch)
         pipeline, make_event, view = self._pipeline, self._events, self._view
