@@ -46,6 +46,8 @@ HEALTHS = {"healthy": HEALTHY, "open": OPEN, "half-open": HALF_OPEN, "failing": 
 
 Ordering = Literal["none", "key", "partition"]
 OnExhausted = Literal["dead_letter", "halt"]
+ORDERINGS: list[Ordering] = ["none", "key", "partition"]
+ON_EXHAUSTED: list[OnExhausted] = ["dead_letter", "halt"]
 
 
 def policy(
@@ -176,8 +178,8 @@ TABLE += [
     for (kind, reason), flow, ordering, rule, h in itertools.product(
         DEAD_REASONS.items(),
         ["main", "tier-2", "replay"],
-        ["none", "key", "partition"],
-        ["dead_letter", "halt"],
+        ORDERINGS,
+        ON_EXHAUSTED,
         ["healthy", "open"],
     )
     if ordering == "none" or flow != "tier-2"  # ordered flows have no tiers
@@ -203,8 +205,8 @@ def test_the_failure_policy(
         itertools.product(
             [K.SERVER_ERROR, K.NO_ANSWER, K.RATE_LIMITED],
             list(FLOWS),
-            ["none", "key", "partition"],
-            ["dead_letter", "halt"],
+            ORDERINGS,
+            ON_EXHAUSTED,
         )
     ),
 )
