@@ -242,11 +242,6 @@ class Decision:
     reason: Reason | None = None  # DEAD_LETTER: why
     waiting_out: bool = False  # RETRY_IN_PLACE: held back because the handler is down
 
-    @property
-    def finishes(self) -> bool:
-        """Whether the message leaves this flow (its offset may be committed)."""
-        return self.action is Action.TO_TIER or self.action is Action.DEAD_LETTER
-
 
 def backoff_s(attempt: int, delays_s: Sequence[float], retry_after_s: float | None) -> float:
     """The delay after failed attempt ``attempt``: that tier's delay, raised by Retry-After.

@@ -11,7 +11,9 @@ duplicate in a tier is delivered twice under the same ``ce-id``).
 Logs: each dead letter is a warning (integration, source coordinates,
 reason, attempts; never the payload). Retries are summed up in one warning
 per ``RETRY_LOG_INTERVAL_S`` per flow, not a line each: an outage fails every
-message, and a line per retry would flood the log at the delivery rate.
+message, and a line per retry would flood the log at the delivery rate. The
+first retry is reported at once; the ones after it with the first retry once
+the interval has passed. Each decision is logged at debug.
 """
 
 from __future__ import annotations
@@ -108,6 +110,19 @@ class Settlement:
         """Decides what becomes of a failed message and carries it out."""
         decision = decide(failure, work.attempt, self._flow.tier, self.policy, self.health())
         action = decision.action
+        if log.isEnabledFor(logging.DEBUG):
+            message = origin(work.message)
+            log.debug(
+                "integration %s: %s/%s@%s attempt %d: %s, %s",
+                self._name,
+                message.topic,
+                message.partition,
+                message.offset,
+                work.attempt,
+                failure.summary,
+                action.value,
+                extra={**_where(message), "attempt": work.attempt, "stage": failure.stage},
+            )
         if action is Action.DEAD_LETTER:
             assert decision.reason is not None
             await self._dead_letter(work, failure, decision.reason)
@@ -173,8 +188,8 @@ class Settlement:
         meta[META_LAST_ERROR] = (failure.error or failure.summary)[:_ERROR_CHARS]
         meta[META_STAGE] = failure.stage
         meta[META_TIER] = str(tier)
-        if failure.status is not None:
-            meta[META_LAST_STATUS] = str(failure.status)
+        if failure.http_status is not None:
+            meta[META_LAST_STATUS] = str(failure.http_status)
         await self._writers[tier - 1].write(
             [
                 OutgoingMessage(
