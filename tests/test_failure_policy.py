@@ -42,7 +42,15 @@ OPEN = Health(BreakerState.OPEN, None)
 HALF_OPEN = Health(BreakerState.HALF_OPEN, 0.0)
 FAILING = Health(BreakerState.CLOSED, 0.9)  # closed, but most recent answers failed
 BORDERLINE = Health(BreakerState.CLOSED, 0.5)  # at open_above, not above it
-HEALTHS = {"healthy": HEALTHY, "open": OPEN, "half-open": HALF_OPEN, "failing": FAILING}
+# Closed and mostly passing, but nothing answered since this message last failed.
+QUIET = Health(BreakerState.CLOSED, 0.2, answered_since_failure=False)
+HEALTHS = {
+    "healthy": HEALTHY,
+    "open": OPEN,
+    "half-open": HALF_OPEN,
+    "failing": FAILING,
+    "quiet": QUIET,
+}
 
 Ordering = Literal["none", "key", "partition"]
 OnExhausted = Literal["dead_letter", "halt"]
@@ -134,6 +142,9 @@ TABLE = [
     row(K.SERVER_ERROR, "tier-3", 9, "wait 10s", health="half-open"),
     row(K.NO_ANSWER, "tier-3", 5, "wait 10s", health="failing"),
     row(K.RATE_LIMITED, "tier-3", 7, "wait 10s", health="failing"),
+    # ... nor while nothing else was answered since it last failed: the handler may be down.
+    row(K.NO_ANSWER, "tier-3", 5, "wait 10s", health="quiet"),
+    row(K.SERVER_ERROR, "main", 2, "wait 10s", tiers=(), health="quiet"),
     # A retry verdict is the handler's word about this message, not about its health.
     row(K.VERDICT_RETRY, "tier-3", 4, "dead-letter retries_exhausted"),
     row(K.VERDICT_RETRY, "tier-3", 4, "dead-letter retries_exhausted", health="open"),
@@ -153,6 +164,24 @@ TABLE = [
     row(K.SERVER_ERROR, "main", 5, "wait 10s", ordering="key", on_exhausted="halt", health="open"),
     row(K.NO_ANSWER, "main", 8, "wait 10s", ordering="partition", health="failing"),
     row(K.VERDICT_RETRY, "main", 4, "dead-letter retries_exhausted", ordering="key", health="open"),
+    row(
+        K.SERVER_ERROR,
+        "main",
+        6,
+        "wait 10s",
+        ordering="partition",
+        on_exhausted="halt",
+        health="quiet",
+    ),
+    row(
+        K.VERDICT_RETRY,
+        "main",
+        4,
+        "halt in 15s",
+        ordering="key",
+        on_exhausted="halt",
+        health="quiet",
+    ),
     # on_exhausted: halt means nothing without ordering: the unordered tiers end in the DLQ.
     row(K.SERVER_ERROR, "tier-3", 5, "dead-letter retries_exhausted", on_exhausted="halt"),
     # --- no dead-letter store: nothing may be dropped, so everything stays in place -------
@@ -211,7 +240,7 @@ def test_the_failure_policy(
     ),
 )
 @pytest.mark.parametrize("tiers", [(), (0.1,), TIERS], ids=["no-tiers", "one-tier", "three-tiers"])
-@pytest.mark.parametrize("health", ["open", "half-open", "failing"])
+@pytest.mark.parametrize("health", ["open", "half-open", "failing", "quiet"])
 def test_a_health_failure_is_never_dead_lettered_while_the_handler_is_down(
     kind: FailureKind,
     flow: str,

@@ -253,6 +253,31 @@ async def test_an_outage_with_tiers_shorter_than_the_breaker_needs_dead_letters_
     assert len(handler.ledger.done_ids()) == before + during
 
 
+@pytest.mark.slow
+async def test_in_an_outage_of_a_quiet_integration_a_lone_message_waits_for_the_handler(
+    broker: EmbeddedBroker, dlq: SqliteDeadLetterStore, clock: FakeClock
+) -> None:
+    # The handler's last answers were successes, and only one message fails: nothing
+    # but the message's own failures says the handler is down. It waits, it is not dead.
+    await publish(broker, 30)
+    async with HandlerServer(clock=clock) as handler, clock.autojump(AUTOJUMP_S):
+        config = integration(
+            "it", handler.url, retry={"tiers": ["100ms", "200ms"]}, breaker={"cooldown_s": 1}
+        )
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, clock=clock, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        await handler.ledger.wait_for(30, timeout_s=30)
+        await handler.refuse_connections()
+        await publish(broker, 1, start=30)
+        await clock.sleep(60)  # the tiers and dozens of cooldowns
+        assert await dlq.count(DeadLetterFilter()) == 0
+        await handler.accept_connections()
+        await handler.ledger.wait_for(31, timeout_s=30)
+        proxy.stop()
+        await task
+    assert await dlq.count(DeadLetterFilter()) == 0
+
+
 async def test_dead_letters_and_retries_are_logged_at_the_default_level(
     broker: EmbeddedBroker,
     dlq: SqliteDeadLetterStore,

@@ -274,6 +274,7 @@ class CircuitBreaker:
         self._recent_at = 0
         self._recent_seen = 0
         self._recent_failures = 0
+        self._last_healthy_at: float | None = None
         self._round_issued = 0  # probes of this round handed out and not given back
         self._round_requests = 0
         self._round_failures = 0
@@ -317,6 +318,11 @@ class CircuitBreaker:
         least 10 and at most 1000), whatever the state; None before its first answer."""
         seen = self._recent_seen
         return self._recent_failures / seen if seen else None
+
+    @property
+    def last_healthy_at(self) -> float | None:
+        """When (monotonic) the handler last answered without a health failure, in any state."""
+        return self._last_healthy_at
 
     def add_listener(self, listener: BreakerListener) -> None:
         """Calls ``listener`` after every state change (for metrics and logs)."""
@@ -385,6 +391,8 @@ class CircuitBreaker:
         self._recent_at = at + 1 if at + 1 < len(recent) else 0
         if self._recent_seen < len(recent):
             self._recent_seen += 1
+        if healthy:
+            self._last_healthy_at = now
         if self._state is _CLOSED:
             # Whenever it was sent, an answer received while closed is fresh evidence.
             window = self._window

@@ -24,17 +24,21 @@ The table, in words:
   at the last delay and counts its key (or partition) as halted until the
   handler accepts it. Without a dead-letter store it stays in place at the
   last delay.
-- **The handler is down**: a health failure (every retry kind but the
-  verdict: 5xx, timeouts, refused connections, 429) is never dead-lettered
-  while the breaker is not closed or the handler's recent answers (the last
-  ``min_requests`` of them, however old) fail at more than the breaker's
-  ``open_above``. Where it would be exhausted it waits in place for the
-  breaker's ``cooldown_s`` (or Retry-After) instead, and is tried again. The
-  first time a health failure runs out it waits so once in any case: an
-  outage that has just begun may not show in the recent answers yet. So
-  during an outage messages wait in their topic or in place, never in the
-  DLQ, whatever the tiers and the breaker's window; a message the handler
-  fails alone reaches the DLQ one cooldown later than its tiers say.
+- **The handler may be down**: a health failure (every retry kind but the
+  verdict: 5xx, timeouts, refused connections, 429) is dead-lettered only
+  with evidence that the failure is the message's own: the breaker is
+  closed, the handler's recent answers (the last ``min_requests`` of them,
+  however old) fail at no more than the breaker's ``open_above``, and the
+  handler answered some other message without a health failure since this
+  one last failed. Where it would be exhausted without that evidence it
+  waits in place for the breaker's ``cooldown_s`` (or Retry-After) and is
+  tried again. The first time a health failure runs out it waits so once in
+  any case: an outage that has just begun may not show in the answers yet.
+  So during an outage messages wait in their topic or in place, never in the
+  DLQ, whatever the tiers, the breaker's window and the traffic; a message
+  the handler fails alone while others pass reaches the DLQ one cooldown
+  later than its tiers say, and one it fails while nothing else is sent
+  waits until something is.
 
 A delivered or dropped message never comes here: it is finished by the
 contract.
@@ -215,6 +219,9 @@ class Health:
 
     breaker: BreakerState = BreakerState.CLOSED
     failure_rate: float | None = None  # of the handler's last answers; None: no answer yet
+    # Whether the handler answered some message without a health failure since this one
+    # last failed: the evidence that its failure is its own, not the handler's.
+    answered_since_failure: bool = True
 
     def down(self, open_above: float) -> bool:
         """Whether the handler counts as down: a breaker not closed, or most answers failing."""
@@ -280,11 +287,14 @@ def decide(
     halts = policy.ordering != "none" and policy.on_exhausted == "halt"
     if not policy.dead_letters and not halts:
         return Decision(Action.RETRY_IN_PLACE, last_s)  # nowhere to go, and nothing may drop it
-    if failure.kind.health and (attempt <= tiers + 1 or health.down(policy.open_above)):
+    if failure.kind.health and (
+        attempt <= tiers + 1 or health.down(policy.open_above) or not health.answered_since_failure
+    ):
         # Maybe not the message's fault: it waits for the handler, wherever the tiers end.
         # The first time it runs out it waits once in any case, so that an outage that
         # began with it (after a run of successes, with tiers shorter than it takes the
-        # answers to turn) is seen before anything is dead-lettered.
+        # answers to turn) is seen before anything is dead-lettered; after that only the
+        # handler answering other messages meanwhile shows the failure is the message's.
         wait_s = policy.cooldown_s
         if retry_after is not None and retry_after > wait_s:
             wait_s = retry_after

@@ -36,7 +36,10 @@ class Work:
     returned it), so finishing it needs no lookup.
     """
 
-    __slots__ = ("acks", "attempt", "first_failure_at", "last_error", "message")
+    # failed_at (monotonic, the last failure here) is set on the failure path only and
+    # read with getattr: a message that never fails does not pay for it.
+    __slots__ = ("acks", "attempt", "failed_at", "first_failure_at", "last_error", "message")
+    failed_at: float
 
     def __init__(self, message: Message, acks: PartitionAcks | None = None) -> None:
         self.message = message

@@ -99,16 +99,19 @@ class Settlement:
         }
         self._retries = _RetryLog(config.name, flow.name, clock)
 
-    def health(self) -> Health:
-        """The handler's health as the breaker sees it now."""
+    def health(self, work: Work) -> Health:
+        """The handler's health as the breaker sees it now, and since ``work`` last failed."""
         breaker = self._breaker
         if breaker is None:
             return HEALTHY
-        return Health(breaker.state, breaker.recent_failure_rate)
+        failed_at: float | None = getattr(work, "failed_at", None)
+        healthy_at = breaker.last_healthy_at
+        answered = failed_at is not None and healthy_at is not None and healthy_at > failed_at
+        return Health(breaker.state, breaker.recent_failure_rate, answered)
 
     async def settle(self, work: Work, failure: Failure) -> Decision:
         """Decides what becomes of a failed message and carries it out."""
-        decision = decide(failure, work.attempt, self._flow.tier, self.policy, self.health())
+        decision = decide(failure, work.attempt, self._flow.tier, self.policy, self.health(work))
         action = decision.action
         if log.isEnabledFor(logging.DEBUG):
             message = origin(work.message)
@@ -144,6 +147,7 @@ class Settlement:
             work.first_failure_at = self._clock.time()
         work.attempt += 1
         work.last_error = failure.error
+        work.failed_at = self._clock.monotonic()
         self._m_retries.inc()
         self._retries.note(failure, decision)
         self._scheduler.put_later(work, decision.delay_s)
