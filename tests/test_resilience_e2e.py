@@ -11,6 +11,7 @@ machine is.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -87,6 +88,19 @@ async def publish(
             ]
         )
     await writer.close()
+
+
+async def publish_every(
+    broker: EmbeddedBroker, clock: FakeClock, every_s: float, *, key: str, start: int
+) -> None:
+    """Publishes one message with ``key`` every ``every_s`` (fake) seconds until cancelled."""
+    writer = await broker.writer("orders")
+    try:
+        for n in itertools.count(start):
+            await writer.write([OutgoingMessage(value=orjson.dumps({"n": n}), key=key)])
+            await clock.sleep(every_s)
+    finally:
+        await writer.close()
 
 
 def n_of(entry: LedgerEntry) -> int:
@@ -416,9 +430,11 @@ async def test_ordered_integration_retries_in_place_then_dead_letters_or_halts(
             broker, {"it": config}, dlq=dlq, metrics=metrics, clock=clock, runner_options=FAST
         )
         task = asyncio.create_task(proxy.run())
-        # Key "b" flows regardless of what happens to key "a".
+        # Key "b" keeps flowing, whatever happens to key "a": the handler visibly answers
+        # other messages, the evidence without which a 503 is waited out as an outage.
+        trickle = asyncio.create_task(publish_every(broker, clock, 0.05, key="b", start=100))
         await handler.ledger.wait_until(
-            lambda ledger: sum(1 for e in ledger if e.done and e.key == "b") == 20, timeout_s=20
+            lambda ledger: sum(1 for e in ledger if e.done and e.key == "b") >= 20, timeout_s=20
         )
         await clock.sleep(1.0)
         attempts_of_5 = [e.attempt for e in handler.ledger if n_of(e) == 5]
@@ -433,6 +449,7 @@ async def test_ordered_integration_retries_in_place_then_dead_letters_or_halts(
                 timeout_s=20,
             )
             assert metrics.registry.get_sample_value("nemesis_keys_halted", main) == 0
+        trickle.cancel()
         proxy.stop()
         await task
     # No retry tier topics for an ordered integration: retries happen in place.
@@ -457,3 +474,46 @@ async def test_ordered_integration_retries_in_place_then_dead_letters_or_halts(
         assert halted_now == 1  # the gauge: one key held back now
         resumed = [n_of(e) for e in handler.ledger if e.key == "a" and e.done and n_of(e) >= 5]
         assert resumed == list(range(5, 40, 2))  # then, once accepted, the rest in order
+
+
+async def test_a_key_held_by_a_message_waiting_for_the_handler_counts_as_halted(
+    broker: EmbeddedBroker, dlq: SqliteDeadLetterStore, clock: FakeClock
+) -> None:
+    # Nothing else is sent once key "b" is done, so nothing shows the handler is up: the
+    # 503s of message 5 may be an outage, and it waits. Its key is held all the same, and
+    # with on_exhausted: halt the gauge and the alert say so.
+    await broker.admin.create_topic("orders", partitions=2, consumers=[ConsumerSpec("it")])
+    writer = await broker.writer("orders")
+    await writer.write(
+        [
+            OutgoingMessage(value=orjson.dumps({"n": n}), key="a" if n % 2 else "b")
+            for n in range(40)
+        ]
+    )
+    await writer.close()
+    metrics = Metrics()
+    async with HandlerServer(clock=clock) as handler, clock.autojump(AUTOJUMP_S):
+        handler.when(lambda e: n_of(e) == 5, status=503)
+        config = integration(
+            "it",
+            handler.url,
+            delivery={"workers": 8, "buffer": 100, "ordering": "key"},
+            retry={"tiers": ["50ms", "100ms"], "on_exhausted": "halt"},
+            breaker={"min_requests": 100_000, "cooldown_s": 0.2},
+        )
+        proxy = Proxy(
+            broker, {"it": config}, dlq=dlq, metrics=metrics, clock=clock, runner_options=FAST
+        )
+        task = asyncio.create_task(proxy.run())
+        await handler.ledger.wait_until(
+            lambda ledger: sum(1 for e in ledger if e.done and e.key == "b") == 20, timeout_s=20
+        )
+        await clock.sleep(2.0)
+        halted_now = metrics.registry.get_sample_value(
+            "nemesis_keys_halted", {"integration": "it", "flow": "main"}
+        )
+        proxy.stop()
+        await task
+    assert len([e for e in handler.ledger if n_of(e) == 5]) > 4  # waiting, tried each cooldown
+    assert await dlq.count(DeadLetterFilter()) == 0
+    assert halted_now == 1

@@ -86,6 +86,8 @@ class Settlement:
         self._breaker = breaker
         self.policy = RetryPolicy.of(config, dead_letters=dlq is not None)
         self._unit = "partition" if config.delivery.ordering == "partition" else "key"
+        self._halts = config.delivery.ordering != "none" and config.retry.on_exhausted == "halt"
+        self._tiers = len(config.retry.tiers)
         # Messages past their retries that hold their key (or partition) back, with
         # retry.on_exhausted: halt; each leaves when it finishes or its partition goes.
         self.halted: set[Work] = set()
@@ -135,7 +137,11 @@ class Settlement:
             self._retries.note(failure, decision)
             self._finish(work)
         else:
-            if action is Action.HALT:
+            if action is Action.HALT or (
+                decision.waiting_out and self._halts and work.attempt > self._tiers
+            ):
+                # Past its retries, it holds its key back: halted, whether the handler
+                # rejects it alone or may be down (the key waits the same, and is shown).
                 self._halt(work)
             elif failure.kind.dead:
                 self._keep_dead(work, failure)
