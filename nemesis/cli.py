@@ -254,38 +254,41 @@ async def _run(config: NemesisConfig) -> int:
         return EXIT_INVALID
     directory = Path(config.integrations_dir)
     files = {name: _integration_file(directory, name) for name in integrations}
-    broker = await open_broker(config)
-    dlq = await open_dlq(config, broker)
-    proxy = Proxy(
-        broker,
-        integrations,
-        dlq=dlq,
-        pipelines_dir=config.pipelines_dir,
-        integration_files={name: path for name, path in files.items() if path is not None},
-        metrics=Metrics(process=True),
-        runner_options=RunnerOptions(shutdown_grace_s=config.shutdown_grace_s),
-        supervisor_options=SupervisorOptions(lag_refresh_s=config.metrics.lag_refresh_s),
-    )
-    reloader = ConfigReloader(
-        proxy,
-        directory,
-        watch=config.reload.watch,
-        debounce_ms=config.reload.debounce_ms,
-        force_polling=config.reload.force_polling,
-        initial_problems=problems,
-    )
-    with _stop_on_signals(proxy.stop), _on_signal(signal.SIGHUP, reloader.request):
-        log.info("running %d integrations: %s", len(integrations), ", ".join(sorted(integrations)))
-        try:
+    async with contextlib.AsyncExitStack() as opened:
+        # Each part is closed however the ones after it fail (a DLQ that does not open,
+        # a proxy that does not build), the last opened first.
+        broker = await open_broker(config)
+        opened.push_async_callback(broker.close)
+        dlq = await open_dlq(config, broker)
+        opened.push_async_callback(dlq.close)
+        proxy = Proxy(
+            broker,
+            integrations,
+            dlq=dlq,
+            pipelines_dir=config.pipelines_dir,
+            integration_files={name: path for name, path in files.items() if path is not None},
+            metrics=Metrics(process=True),
+            runner_options=RunnerOptions(shutdown_grace_s=config.shutdown_grace_s),
+            supervisor_options=SupervisorOptions(lag_refresh_s=config.metrics.lag_refresh_s),
+        )
+        reloader = ConfigReloader(
+            proxy,
+            directory,
+            watch=config.reload.watch,
+            debounce_ms=config.reload.debounce_ms,
+            force_polling=config.reload.force_polling,
+            initial_problems=problems,
+        )
+        with _stop_on_signals(proxy.stop), _on_signal(signal.SIGHUP, reloader.request):
+            log.info(
+                "running %d integrations: %s", len(integrations), ", ".join(sorted(integrations))
+            )
             services = [
                 *_side_services(config, proxy, reloader),
                 *plugin_services(config, proxy, dlq, broker),
             ]
             settle_heap()
             await serve_beside(proxy.run(), services, [reloader.run(), enforce_dlq_retention(dlq)])
-        finally:
-            await dlq.close()
-            await broker.close()
     return EXIT_OK
 
 

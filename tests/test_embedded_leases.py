@@ -172,6 +172,7 @@ async def all_committed(broker: EmbeddedBroker) -> bool:
     return all(p.committed["c"] == p.end_offset for p in described.partitions)
 
 
+@pytest.mark.slow
 async def test_a_killed_reader_process_is_replaced_within_the_lease(
     broker: EmbeddedBroker,
     processes: StartReader,
@@ -212,6 +213,7 @@ async def test_a_killed_reader_process_is_replaced_within_the_lease(
     assert await survivor.process.wait() == 0
 
 
+@pytest.mark.slow
 async def test_a_reader_process_that_stops_hands_over_before_its_lease_expires(
     broker: EmbeddedBroker,
     processes: StartReader,

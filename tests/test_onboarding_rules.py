@@ -152,6 +152,7 @@ def expected_problems() -> set[tuple[str, int, str]]:
     return expected
 
 
+@pytest.mark.slow
 def test_github_annotations_name_file_and_line_of_every_problem(repository: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "nemesis", "validate", "--format", "github", "integrations"],

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import logging
 import os
@@ -16,6 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from nemesis.aio import TaskScope
 from nemesis.broker.embedded import log
 from nemesis.broker.embedded.bells import Bell, Ringer, RingerStatistics, RingRows, Rings
 from nemesis.broker.embedded.db import Checkpoint, Database, checkpoint
@@ -201,7 +200,10 @@ class EmbeddedBroker:
         self._writers: set[EmbeddedWriter] = set()
         self._tail = TailCache()
         self._reader_numbers = itertools.count(1)
-        self._housekeeping_task: asyncio.Task[None] | None = None
+        # Owns the housekeeping loop: a failure is logged with its traceback and the
+        # loop started again (``_housekeeping_failed``); close() cancels and awaits it.
+        self._background = TaskScope("embedded broker", self._housekeeping_failed)
+        self._housekeeping_running = False
         self._closed = False
 
     @property
@@ -380,10 +382,20 @@ class EmbeddedBroker:
 
     def start_housekeeping(self) -> None:
         """Starts the periodic checkpoint and retention task (stopped by ``close``)."""
-        if self._housekeeping_task is None:
-            self._housekeeping_task = asyncio.create_task(
+        if not self._housekeeping_running:
+            self._housekeeping_running = True
+            self._background.start(
                 self._housekeeping_loop(), name=f"nemesis-housekeeping:{self.path.name}"
             )
+
+    def _housekeeping_failed(self, error: BaseException) -> None:
+        # Not a broker error (those are retried in the loop): a bug. Checkpoints must go
+        # on, or the WAL grows without bound: log it loudly and start the loop again (it
+        # waits a checkpoint interval before its first round, so a bug cannot spin).
+        logger.error("housekeeping of %s failed; starting it again", self.path, exc_info=error)
+        self._housekeeping_running = False
+        if not self._closed:
+            self.start_housekeeping()
 
     async def _housekeeping_loop(self) -> None:
         # Checkpoints often, so the WAL stays small (reads through a long WAL
@@ -414,11 +426,7 @@ class EmbeddedBroker:
         if self._closed:
             return
         self._closed = True
-        task, self._housekeeping_task = self._housekeeping_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._background.aclose()
         readers = [r for group in self._readers.values() for r in group]
         for reader in readers:
             await reader.close(timeout_s)
