@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
 
-from nemesis import backends
+from nemesis import __version__, backends
 from nemesis.admin.server import Service, plugin_services, serve_beside
 from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage, WriteStatus
 from nemesis.cli_dlq import DlqContext, add_dlq_commands
 from nemesis.config.loader import (
+    check_paths,
     format_problems,
     load_integrations,
     load_process_config,
-    validate_paths,
 )
 from nemesis.config.models import NemesisConfig, parse_duration
 from nemesis.dlq import DeadLetterStore
@@ -71,9 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reads topics and pushes every message to the handler of the team that "
         "registered an integration.",
     )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
+    parser.add_argument("--version", action="version", version=f"nemesis {__version__}")
+    _log_level_option(parser, default="info")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
     run = commands.add_parser("run", help="run the proxy for every integration")
@@ -89,12 +88,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="files or directories (default: integrations/ and pipelines/)",
     )
-    validate.add_argument("--format", choices=["text", "github"], default="text")
+    validate.add_argument(
+        "--format",
+        choices=["text", "github"],
+        default="text",
+        help="text lines (file:line: field: message) or GitHub annotations (default: text)",
+    )
+    validate.add_argument(
+        "--require-env",
+        action="store_true",
+        help="an unset ${VAR} without a default is an error, as `nemesis run` treats it."
+        " Without it (a pull request's CI has no production secrets) it is a warning that"
+        " does not change the exit code",
+    )
     validate.set_defaults(handler=cmd_validate)
 
     publish = commands.add_parser("publish", help="write messages to a topic")
     _config_option(publish)
-    publish.add_argument("topic")
+    publish.add_argument("topic", help="the topic to write to")
     publish.add_argument("data", nargs="?", help="the payload (default: --file, else stdin)")
     publish.add_argument("--file", type=Path, help="read the payload from a file ('-' for stdin)")
     publish.add_argument(
@@ -115,19 +126,25 @@ def build_parser() -> argparse.ArgumentParser:
     topic_commands = topics.add_subparsers(title="topic commands", metavar="ACTION", required=True)
     create = topic_commands.add_parser("create", help="create a topic")
     _config_option(create)
-    create.add_argument("name")
-    create.add_argument("--partitions", type=int, default=None)
+    create.add_argument("name", help="the topic's name")
+    create.add_argument(
+        "--partitions", type=int, default=None, help="partitions (default: the backend's)"
+    )
     create.add_argument("--retention", help="e.g. 7d, 12h (default: the backend's)")
-    create.add_argument("--consumer", action="append", default=[], help="register a consumer")
-    create.add_argument("--exist-ok", action="store_true")
+    create.add_argument(
+        "--consumer", action="append", default=[], help="register a consumer (repeatable)"
+    )
+    create.add_argument(
+        "--exist-ok", action="store_true", help="succeed when the topic already exists"
+    )
     create.set_defaults(handler=cmd_topics_create)
     listing = topic_commands.add_parser("list", help="list topics")
     _config_option(listing)
     listing.set_defaults(handler=cmd_topics_list)
     describe = topic_commands.add_parser("describe", help="partitions, offsets and consumer lag")
     _config_option(describe)
-    describe.add_argument("name")
-    describe.add_argument("--json", action="store_true")
+    describe.add_argument("name", help="the topic's name")
+    describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
     describe.set_defaults(handler=cmd_topics_describe)
 
     tests = commands.add_parser(
@@ -186,7 +203,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--viewer-port", type=int, default=8080, help="the DLQ viewer's port (0: any free one)"
     )
     demo.set_defaults(handler=cmd_demo)
+    _log_level_everywhere(parser)
     return parser
+
+
+_LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+def _log_level_option(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        choices=_LOG_LEVELS,
+        help="what goes to stderr (default: info); before or after the command",
+    )
+
+
+def _log_level_everywhere(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` after any command too (``nemesis run --log-level debug``).
+
+    A subcommand's copy defaults to SUPPRESS, so a level given before the
+    command is not reset by the subcommand's parser.
+    """
+    for action in parser._actions:  # argparse offers no public walk
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if "--log-level" not in sub._option_string_actions:
+                    _log_level_option(sub, default=argparse.SUPPRESS)
+                _log_level_everywhere(sub)
 
 
 def _config_option(parser: argparse.ArgumentParser) -> None:
@@ -386,21 +430,30 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """Exit 1 on any problem, and when there is nothing to validate (a wrong folder)."""
     paths: list[Path] = args.paths or [
         p for p in (Path("integrations"), Path("pipelines")) if p.exists()
     ]
     pipelines_dirs = [p for p in paths if p.is_dir() and p.name == "pipelines"] or [
         Path("pipelines")
     ]
-    problems = validate_paths(
+    report = check_paths(
         paths,
+        require_env=args.require_env,
         checkers=[PipelineChecker(pipelines_dirs=pipelines_dirs), IntegrationRulesChecker(paths)],
     )
-    if problems:
-        print(format_problems(problems, style=args.format))
-        print(f"{len(problems)} problem(s) found", file=sys.stderr)
+    if report.warnings:
+        print(format_problems(report.warnings, style=args.format, severity="warning"))
+    if report.problems:
+        print(format_problems(report.problems, style=args.format))
+        print(f"{len(report.problems)} problem(s) found", file=sys.stderr)
         return EXIT_INVALID
-    print("all valid")
+    if report.files == 0:
+        where = ", ".join(map(str, paths)) or "integrations/ or pipelines/ (neither exists)"
+        print(f"no integration or pipeline files found in {where}", file=sys.stderr)
+        return EXIT_INVALID
+    warned = f" ({len(report.warnings)} warning(s))" if report.warnings else ""
+    print(f"all valid: {report.files} file(s){warned}")
     return EXIT_OK
 
 

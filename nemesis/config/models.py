@@ -10,7 +10,9 @@ field says so.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Hashable, Iterator
+from typing import Annotated, Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -22,9 +24,12 @@ from pydantic import (
     IPvAnyNetwork,
     SecretStr,
     Tag,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -55,11 +60,82 @@ TOPIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 def _check_target_url(url: str) -> str:
     if not re.match(r"^(https?|grpcs?)://[^/\s]+", url):
         raise ValueError("must start with http://, https://, grpc:// or grpcs:// and name a host")
+    if "${" in url:
+        return url  # an unset variable while validating without secrets: checked where it is set
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError("the port must be a number from 1 to 65535")
     return url
+
+
+CROSS_FIELD_ERROR = "cross_field"
+# A rule across fields: given a model's input (raw data, or the validated model),
+# the problems it finds, each at a location relative to the model.
+CrossRule = Callable[[Any], Iterator[tuple[tuple[Hashable, ...], str]]]
+
+
+def _get(data: Any, *path: str, default: Any = None) -> Any:
+    """``data[a][b]`` whether ``data`` is raw input or a model; ``default`` where it is absent."""
+    for key in path:
+        if isinstance(data, dict):
+            data = data.get(key, default)
+        elif isinstance(data, BaseModel):
+            data = getattr(data, key, default)
+        else:
+            return default
+    return data
 
 
 class Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    # Rules across fields run on the input even when some other field is invalid,
+    # so that one run of ``nemesis validate`` reports every problem in a file.
+    # A rule judges only values it can read and says nothing about the rest.
+    cross_rules: ClassVar[tuple[CrossRule, ...]] = ()
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check_across_fields(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if not cls.cross_rules:
+            return handler(data)
+        try:
+            value = handler(data)
+        except ValidationError as exc:
+            found = _cross_errors(cls.cross_rules, data)
+            if not found:
+                raise
+            known = [_init_details(details) for details in exc.errors()]
+            raise ValidationError.from_exception_data(exc.title, [*known, *found]) from None
+        found = _cross_errors(cls.cross_rules, value)
+        if found:
+            raise ValidationError.from_exception_data(cls.__name__, found)
+        return value
+
+
+def _cross_errors(rules: tuple[CrossRule, ...], data: Any) -> list[InitErrorDetails]:
+    return [
+        InitErrorDetails(
+            type=PydanticCustomError(CROSS_FIELD_ERROR, "{message}", {"message": message}),
+            loc=tuple(str(part) if not isinstance(part, int) else part for part in loc),
+            input=_get(data, *(str(part) for part in loc)),
+        )
+        for rule in rules
+        for loc, message in rule(data)
+    ]
+
+
+def _init_details(details: Any) -> InitErrorDetails:
+    kind = details["type"]
+    if kind == CROSS_FIELD_ERROR:  # a nested model's rule: pydantic does not know the type
+        kind = PydanticCustomError(kind, "{message}", details["ctx"])
+    init = InitErrorDetails(type=kind, loc=details["loc"], input=details["input"])
+    if "ctx" in details and not isinstance(kind, PydanticCustomError):
+        init["ctx"] = details["ctx"]
+    return init
 
 
 # --- integration --------------------------------------------------------------
@@ -89,19 +165,36 @@ class BatchConfig(Model):
     max_wait_ms: Annotated[int, Field(ge=0, le=60_000)] = 0
 
 
+def _int_at(data: Any, *path: str, default: int) -> int | None:
+    value = _get(data, *path, default=default)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _number_at(data: Any, *path: str, default: float) -> float | None:
+    value = _get(data, *path, default=default)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _buffer_holds_a_batch(delivery: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    buffer, size = (
+        _int_at(delivery, "buffer", default=1000),
+        _int_at(delivery, "batch", "size", default=1),
+    )
+    if buffer is not None and size is not None and buffer < size:
+        yield (), f"buffer ({buffer}) must hold at least one batch ({size})"
+
+
 class DeliveryConfig(Model):
     workers: Annotated[int, Field(ge=1, le=4096)] = 32
     buffer: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
     batch: BatchConfig = BatchConfig()
     ordering: Literal["none", "key", "partition"] = "none"
 
-    @model_validator(mode="after")
-    def _buffer_holds_a_batch(self) -> DeliveryConfig:
-        if self.buffer < self.batch.size:
-            raise ValueError(
-                f"buffer ({self.buffer}) must hold at least one batch ({self.batch.size})"
-            )
-        return self
+    cross_rules = (_buffer_holds_a_batch,)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}s"
 
 
 class RetryConfig(Model):
@@ -114,10 +207,27 @@ class RetryConfig(Model):
 
     @field_validator("tiers")
     @classmethod
-    def _positive(cls, tiers: list[float]) -> list[float]:
+    def _positive_and_growing(cls, tiers: list[float]) -> list[float]:
         if any(t <= 0 for t in tiers):
             raise ValueError("every retry tier needs a delay above zero")
+        for index in range(1, len(tiers)):
+            if tiers[index] < tiers[index - 1]:
+                # A failing handler needs more time at each step, not less; and a message
+                # moves from tier to tier, so a shorter tier after a longer one only shortens
+                # the total wait for no gain: write the delays from the shortest up.
+                raise ValueError(
+                    f"tier {index + 1} ({_seconds(tiers[index])}) is shorter than tier {index}"
+                    f" ({_seconds(tiers[index - 1])}): each tier must wait at least as long as"
+                    " the one before it, since retries back off as failures go on"
+                )
         return tiers
+
+
+def _hysteresis(breaker: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    open_above = _number_at(breaker, "open_above", default=0.5)
+    close_below = _number_at(breaker, "close_below", default=0.2)
+    if open_above is not None and close_below is not None and close_below >= open_above:
+        yield (), "close_below must be lower than open_above"
 
 
 class BreakerConfig(Model):
@@ -127,11 +237,7 @@ class BreakerConfig(Model):
     min_requests: Annotated[int, Field(ge=1)] = 20
     cooldown_s: Annotated[float, Field(gt=0)] = 10.0
 
-    @model_validator(mode="after")
-    def _hysteresis(self) -> BreakerConfig:
-        if self.close_below >= self.open_above:
-            raise ValueError("close_below must be lower than open_above")
-        return self
+    cross_rules = (_hysteresis,)
 
 
 class RateLimitsConfig(Model):
@@ -144,6 +250,18 @@ class RateLimitsConfig(Model):
 
 class FlagsConfig(Model):
     disabled_types: list[str] = Field(default_factory=list)
+
+
+def _halt_needs_ordering(integration: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    on_exhausted = _get(integration, "retry", "on_exhausted", default="dead_letter")
+    ordering = _get(integration, "delivery", "ordering", default="none")
+    if on_exhausted == "halt" and ordering == "none":
+        yield (
+            ("retry", "on_exhausted"),
+            "halt needs delivery.ordering key or partition: only an ordered integration retries"
+            " in place and can hold a key back; with ordering none a message that runs out of"
+            " retries goes to the DLQ. Set delivery.ordering, or on_exhausted: dead_letter",
+        )
 
 
 class IntegrationConfig(Model):
@@ -159,6 +277,8 @@ class IntegrationConfig(Model):
     rate_limits: RateLimitsConfig = RateLimitsConfig()
     flags: FlagsConfig = FlagsConfig()
     paused: bool = False
+
+    cross_rules = (_halt_needs_ordering,)
 
 
 # --- process ------------------------------------------------------------------
@@ -271,8 +391,13 @@ DlqConfig = Annotated[
 
 
 class ListenConfig(Model):
+    """An address to listen on; the default port is the DLQ viewer's (the admin API has its own).
+
+    Every field has a default, so ``viewer: {enabled: false}`` needs no port.
+    """
+
     host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, le=65535)]
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
     enabled: bool = True
 
 
