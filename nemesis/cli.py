@@ -33,6 +33,7 @@ from nemesis.onboarding import IntegrationRulesChecker
 from nemesis.onboarding.commands import add_onboarding_commands
 from nemesis.pipeline import PipelineChecker, dry_run_file, run_pipeline_tests
 from nemesis.runtime.housekeeping import enforce_dlq_retention
+from nemesis.terminal import inert
 
 if TYPE_CHECKING:
     from nemesis.runtime.app import Proxy
@@ -59,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_problems(exc.problems), file=sys.stderr)
         return EXIT_INVALID
     except NemesisError as exc:
-        print(f"nemesis: {exc}", file=sys.stderr)
+        print(f"nemesis: {inert(str(exc), multiline=True)}", file=sys.stderr)
         return EXIT_INVALID
     except KeyboardInterrupt:
         return 130

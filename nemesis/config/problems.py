@@ -22,6 +22,7 @@ from pydantic_core import ErrorDetails
 from nemesis.config.document import DataPath, YamlDocument, format_path, yaml_kind
 from nemesis.config.models import NAME_PATTERN, TOPIC_PATTERN
 from nemesis.errors import ConfigProblem
+from nemesis.terminal import inert
 
 ProblemFormat = Literal["text", "github"]
 Severity = Literal["error", "warning"]
@@ -81,11 +82,12 @@ def format_problems(
     Warnings say so: ``file:line: field: warning: message`` (``::warning`` on GitHub).
     """
     ordered = sort_problems(problems)
+    # File names, keys and messages can hold what a pull request wrote: keep it inert.
     if style == "github":
-        return "\n".join(_github_annotation(p, severity) for p in ordered)
+        return "\n".join(inert(_github_annotation(p, severity)) for p in ordered)
     if severity == "warning":
         ordered = [replace(p, message=f"warning: {p.message}") for p in ordered]
-    return "\n".join(str(p) for p in ordered)
+    return "\n".join(inert(str(p)) for p in ordered)
 
 
 def _github_annotation(problem: ConfigProblem, severity: Severity = "error") -> str:
