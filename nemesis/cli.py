@@ -494,24 +494,41 @@ async def _publish(
     metadata: dict[str, str],
     payloads: Iterator[bytes],
 ) -> int:
+    """Writes in batches; a failure says how many messages were written before it.
+
+    A batch is written whole or not at all, so after a failure the input from
+    message ``written + duplicates + 1`` on is what to publish again.
+    """
     broker = await open_broker(config)
     written = duplicates = 0
     try:
         writer = await broker.writer(args.topic)
         batch: list[OutgoingMessage] = []
-        for payload in payloads:
-            key = args.key
-            if args.key_field:
-                key = _json_field(payload, args.key_field)
-            batch.append(
-                OutgoingMessage(value=payload, key=key, metadata=metadata, partition=args.partition)
-            )
-            if len(batch) >= args.batch:
+        try:
+            for payload in payloads:
+                key = args.key
+                if args.key_field:
+                    key = _json_field(payload, args.key_field)
+                batch.append(
+                    OutgoingMessage(
+                        value=payload, key=key, metadata=metadata, partition=args.partition
+                    )
+                )
+                if len(batch) >= args.batch:
+                    w, d = await _write(writer, batch)
+                    written, duplicates, batch = written + w, duplicates + d, []
+            if batch:
                 w, d = await _write(writer, batch)
-                written, duplicates, batch = written + w, duplicates + d, []
-        if batch:
-            w, d = await _write(writer, batch)
-            written, duplicates = written + w, duplicates + d
+                written, duplicates = written + w, duplicates + d
+        except (NemesisError, OSError):
+            done = written + duplicates
+            print(
+                f"nemesis publish: failed after writing {written} message(s) to {args.topic}"
+                + (f" ({duplicates} duplicate(s) skipped)" if duplicates else "")
+                + f"; the input from message {done + 1} on was not written",
+                file=sys.stderr,
+            )
+            raise
         await writer.close()
     finally:
         await broker.close()
