@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import orjson
 
 from nemesis import __version__, backends
-from nemesis.admin.server import Service, plugin_services, serve_beside
+from nemesis.admin.server import Service, ServiceFailures, plugin_services, serve_beside
 from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage, WriteStatus
 from nemesis.cli_dlq import DlqContext, add_dlq_commands
 from nemesis.config.loader import (
@@ -322,20 +322,37 @@ async def _run(config: NemesisConfig) -> int:
     with _stop_on_signals(proxy.stop), _on_signal(signal.SIGHUP, reloader.request):
         log.info("running %d integrations: %s", len(integrations), ", ".join(sorted(integrations)))
         try:
+            failures = ServiceFailures()
             services = [
-                *_side_services(config, proxy, reloader),
+                *_side_services(config, proxy, reloader, failures),
                 *plugin_services(config, proxy, dlq, broker),
             ]
             settle_heap()
-            await serve_beside(proxy.run(), services, [reloader.run(), enforce_dlq_retention(dlq)])
+            await serve_beside(
+                proxy.run(),
+                services,
+                [reloader.run(), enforce_dlq_retention(dlq)],
+                required=[ADMIN_API],
+                failures=failures,
+            )
         finally:
             await dlq.close()
             await broker.close()
     return EXIT_OK
 
 
-def _side_services(config: NemesisConfig, proxy: Proxy, reloader: ConfigReloader) -> list[Service]:
-    """What serves beside the proxy, in its event loop: the admin API (the viewer joins here)."""
+ADMIN_API = "admin API"
+
+
+def _side_services(
+    config: NemesisConfig, proxy: Proxy, reloader: ConfigReloader, failures: ServiceFailures
+) -> list[Service]:
+    """What serves beside the proxy, in its event loop: the admin API (the viewer joins here).
+
+    The admin API is required: if it cannot listen, ``nemesis run`` exits 1 (nothing
+    could report readiness). Another service that cannot listen is logged as an error
+    and makes ``/readyz`` answer 503 (``failures``), while deliveries go on.
+    """
     from nemesis.admin import UvicornService, create_admin_app
 
     services: list[Service] = []
@@ -345,9 +362,10 @@ def _side_services(config: NemesisConfig, proxy: Proxy, reloader: ConfigReloader
             proxy,
             token=None if token is None else token.get_secret_value(),
             reloader=reloader,
+            services=failures,
         )
         services.append(
-            UvicornService(app, host=config.admin.host, port=config.admin.port, name="admin API")
+            UvicornService(app, host=config.admin.host, port=config.admin.port, name=ADMIN_API)
         )
     return services
 
