@@ -48,8 +48,8 @@ def add_dlq_commands(
 
     show = actions.add_parser("show", help="one dead letter with its whole payload")
     config_option(show)
-    show.add_argument("id")
-    show.add_argument("--json", action="store_true")
+    show.add_argument("id", help="the dead letter's id (see `dlq list`)")
+    show.add_argument("--json", action="store_true", help="print the row as JSON")
     show.set_defaults(handler=cmd_show)
 
     for name, handler, verb in (
@@ -70,9 +70,13 @@ def add_dlq_commands(
 
 def _filter_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--integration", action="append", default=[], help="repeatable")
-    parser.add_argument("--reason", choices=[r.value for r in Reason])
-    parser.add_argument("--status", choices=[s.value for s in Status])
-    parser.add_argument("--http-status", type=int)
+    parser.add_argument(
+        "--reason", choices=[r.value for r in Reason], help="why the message was dead-lettered"
+    )
+    parser.add_argument(
+        "--status", choices=[s.value for s in Status], help="where the row stands now"
+    )
+    parser.add_argument("--http-status", type=int, help="the handler's last HTTP status")
     parser.add_argument("--text", help="inside the payload or the error text")
     parser.add_argument("--since", help="newer than this long ago: 15m, 2h, 7d")
     parser.add_argument("--group", help="a failure signature (one group)")
