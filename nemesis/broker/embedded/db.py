@@ -167,11 +167,11 @@ def _cause(primary: int | None, path: Path) -> str | None:
         stats = os.statvfs(folder)
     except OSError as exc:
         return f"cannot use the folder {folder}: {exc.strerror or exc}"
-    if primary == sqlite3.SQLITE_FULL or (
-        primary == sqlite3.SQLITE_IOERR and stats.f_bavail * stats.f_frsize < DISK_FULL_BYTES
-    ):
-        free = stats.f_bavail * stats.f_frsize
+    free = stats.f_bavail * stats.f_frsize
+    if primary in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR) and free < DISK_FULL_BYTES:
         return f"the disk is full ({free} bytes free in {folder}): free space or move the file"
+    if primary == sqlite3.SQLITE_FULL:  # with room on the disk: the file's own page limit
+        return "the database file reached its size limit (PRAGMA max_page_count)"
     if stats.f_flag & os.ST_RDONLY:
         return f"the file system holding {folder} is mounted read-only"
     if primary == sqlite3.SQLITE_IOERR:
