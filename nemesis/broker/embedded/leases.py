@@ -186,7 +186,7 @@ def heartbeat(
             "DELETE FROM members WHERE topic_id = ? AND consumer = ? AND expires_at < ?",
             (topic_id, consumer, now),
         )
-        _forget_dead_neighbours(conn, topic_id, consumer)
+        _forget_dead_neighbours(conn, topic_id, consumer, member_id)
         if bell is not None:
             bells.renew(
                 conn,
@@ -269,15 +269,17 @@ def heartbeat(
     )
 
 
-def _forget_dead_neighbours(conn: sqlite3.Connection, topic_id: int, consumer: str) -> None:
-    """Removes the members of this host whose process is gone, and frees their leases."""
+def _forget_dead_neighbours(
+    conn: sqlite3.Connection, topic_id: int, consumer: str, member_id: str
+) -> None:
+    """Removes the other members of this host whose process is gone, and frees their leases."""
     dead = [
         r[0]
         for r in conn.execute(
             "SELECT member_id FROM members WHERE topic_id = ? AND consumer = ?",
             (topic_id, consumer),
         )
-        if is_dead_neighbour(r[0])
+        if r[0] != member_id and is_dead_neighbour(r[0])
     ]
     for member in dead:
         conn.execute(
