@@ -472,7 +472,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(f"no integration or pipeline files found in {where}", file=sys.stderr)
         return EXIT_INVALID
     warned = f" ({len(report.warnings)} warning(s))" if report.warnings else ""
-    print(f"all valid: {report.files} file(s){warned}")
+    print(f"all valid{warned}")
+    print(f"{report.files} file(s) checked", file=sys.stderr)
     return EXIT_OK
 
 

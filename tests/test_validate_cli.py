@@ -192,7 +192,8 @@ def test_a_folder_with_a_valid_file_says_how_many_it_read(workspace: Workspace) 
     workspace.write_integration("loyalty", VALID)
     result = validate(workspace, "integrations")
     assert result.returncode == 0
-    assert result.stdout.strip() == "all valid: 1 file(s)"
+    assert result.stdout.strip() == "all valid"
+    assert result.stderr.strip() == "1 file(s) checked"
 
 
 def test_hostile_keys_are_printed_inert(workspace: Workspace) -> None:
@@ -203,3 +204,30 @@ def test_hostile_keys_are_printed_inert(workspace: Workspace) -> None:
     assert "\x1b" not in result.stdout
     assert "\u202e" not in result.stdout
     assert "\\x1b]0;owned\\x07\\u202e: unknown field" in result.stdout
+
+
+def test_the_pull_request_rules_still_run_on_a_file_with_a_field_error(
+    workspace: Workspace,
+) -> None:
+    """A type error in one section does not hide the owner, topic and target rules."""
+    workspace.write_integration(
+        "loyalty",
+        "name: loyalty\n"
+        "owners: [Team Loyalty!]\n"
+        "source: {topic: Orders_V2, consumer: loyalty}\n"
+        "target: {url: 'grpc://127.0.0.1:50051/extra/path'}\n"
+        "delivery: {workers: lots}\n",
+    )
+    result = validate(workspace, "integrations")
+    assert result.returncode == 1
+    file = "integrations/loyalty.yaml"
+    for start in (
+        f"{file}:2: owners[0]: 'Team Loyalty!' is not a team",
+        f"{file}:3: source.topic: 'Orders_V2' does not follow the naming convention",
+        f"{file}:4: target.url: a gRPC target is grpc://host:port",
+        f"{file}:5: delivery.workers: Input should be a valid integer",
+    ):
+        assert any(line.startswith(start) for line in result.stdout.splitlines()), (
+            start,
+            result.stdout,
+        )

@@ -21,10 +21,10 @@ cross-check what the core loaded.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -88,6 +88,9 @@ class ValidationContext:
     integrations: IntegrationSet
     # The file each loaded integration came from, by name (problems in it need its lines).
     integration_files: Mapping[str, Path] = field(default_factory=dict)
+    # Integration files that did not load, as data (variables expanded): a checker
+    # can still judge the sections that are valid, so one run reports every problem.
+    unloaded: Mapping[Path, Mapping[Hashable, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +251,12 @@ def check_paths(
     warnings.extend(w for item in loaded for w in item.unset_variables)
     integrations, sources = _integration_set(loaded)
     problems.extend(integrations.problems)
-    context = ValidationContext(env, require_env, process_configs, integrations, sources)
+    unloaded = {
+        item.path: item.data
+        for item in loaded
+        if item.config is None and item.data is not None and item.path not in sources.values()
+    }
+    context = ValidationContext(env, require_env, process_configs, integrations, sources, unloaded)
     # Checkers run even without claimed paths: they may cross-check integrations.
     for checker, checker_paths in zip(checkers, claimed, strict=True):
         problems.extend(checker.check(checker_paths, context))
@@ -268,6 +276,7 @@ class _IntegrationFile:
     config: IntegrationConfig | None
     problems: list[ConfigProblem] = field(default_factory=list)
     unset_variables: list[ConfigProblem] = field(default_factory=list)
+    data: Mapping[Hashable, Any] | None = None  # as read, variables expanded
 
 
 def _load_integration(
@@ -290,7 +299,9 @@ def _load_integration(
             )
         )
     config = parsed.value if not problems else None
-    return _IntegrationFile(path, name, name_line, config, problems, document.unset_variables)
+    return _IntegrationFile(
+        path, name, name_line, config, problems, document.unset_variables, document.data
+    )
 
 
 def _load_integration_set(
