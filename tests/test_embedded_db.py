@@ -315,7 +315,7 @@ async def test_a_full_database_names_the_file_and_the_limit(tmp_path: Path) -> N
 
 def test_translate_names_the_file_even_without_a_known_cause(tmp_path: Path) -> None:
     error = sqlite3.OperationalError("no such table: t")
-    error.sqlite_errorcode = sqlite3.SQLITE_ERROR  # type: ignore[attr-defined]
+    error.sqlite_errorcode = sqlite3.SQLITE_ERROR
     assert str(db.translate(error, tmp_path / "n.db")) == (
         f"{tmp_path / 'n.db'}: sqlite: no such table: t"
     )
