@@ -76,12 +76,25 @@ def build_parser() -> argparse.ArgumentParser:
     _log_level_option(parser, default="info")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
-    run = commands.add_parser("run", help="run the proxy for every integration")
+    run = commands.add_parser(
+        "run",
+        help="run the proxy for every integration",
+        description="Runs the proxy for every integration, with the admin API and the DLQ"
+        " viewer beside it. If the admin API cannot listen on its address, nothing could"
+        " report health or readiness: run exits 1 naming the address and the cause. If the"
+        " viewer cannot, deliveries go on, the error is logged and /readyz answers 503 with"
+        " the reason.",
+    )
     _config_option(run)
     run.set_defaults(handler=cmd_run)
 
     validate = commands.add_parser(
-        "validate", help="validate integration and process YAML (exit 1 on any error)"
+        "validate",
+        help="validate integration and process YAML (exit 1 on any error)",
+        description="Validates integration, pipeline and process YAML as `nemesis run` loads"
+        " it, reporting every problem of every file (file:line: field: message). Exit 1 on"
+        " any problem, and when no integration or pipeline file is found (a wrong folder"
+        " is not 'all valid').",
     )
     validate.add_argument(
         "paths",
