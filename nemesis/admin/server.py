@@ -10,7 +10,9 @@ A service that cannot listen (its port is taken, say by a second
 - a *required* one (the admin API: without it nothing reports health or
   readiness, and an orchestrator would wait on a process it cannot see)
   stops the start with ``ServiceStartError``, naming the address and the
-  cause: ``nemesis run`` exits 1 before it reads a message;
+  cause: ``nemesis run`` exits 1 before it reads a message (a second
+  ``nemesis run`` on one machine needs its own ``admin.port``, or 0 for any
+  free one);
 - any other (the DLQ viewer) is logged as an error naming the address and
   the cause, and recorded in ``ServiceFailures``, which ``/readyz`` reports
   as a reason for not being ready: deliveries go on, and the missing viewer
