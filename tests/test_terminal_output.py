@@ -115,4 +115,3 @@ def test_inert_json_parses_to_the_same_value(value: object) -> None:
     text = inert_json(orjson.dumps(value).decode())
     assert_inert(text)
     assert json.loads(text) == value
-
