@@ -8,6 +8,8 @@ fills a real SQLite file to its page limit.
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +38,18 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield mountpoint
     finally:
         subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Writes ``path`` until the disk refuses (ENOSPC)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 65536):
+            pass
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC  # noqa: PT017 - the disk is full, nothing else
+    finally:
+        os.close(fd)
 
 
 def workspace_on(disk: Path) -> Workspace:
@@ -93,3 +107,17 @@ def test_a_data_directory_that_cannot_be_created_names_the_folder(tmp_path: Path
     assert "Traceback" not in listed.stderr
     assert "cannot create the folder" in listed.stderr
     assert "blocker/x" in listed.stderr
+
+
+def test_an_io_error_on_a_full_disk_is_called_a_full_disk(small_disk: Path) -> None:
+    """SQLite says "disk I/O error" when a write fails for want of space: name the real cause."""
+    import sqlite3
+
+    from nemesis.broker.embedded.db import translate
+
+    fill(small_disk / "filler")
+    error = sqlite3.OperationalError("disk I/O error")
+    error.sqlite_errorcode = sqlite3.SQLITE_IOERR_WRITE
+    message = str(translate(error, small_disk / "nemesis.db"))
+    assert message.startswith(f"{small_disk / 'nemesis.db'}: the disk is full (")
+    assert message.endswith("(sqlite: disk I/O error)")

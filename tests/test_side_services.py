@@ -80,3 +80,15 @@ async def test_a_viewer_that_cannot_listen_is_an_error_and_a_readiness_reason(
         f"DLQ viewer NOT STARTED: cannot listen on http://127.0.0.1:{taken_port}" in line
         for line in errors
     ), workspace.logs()
+
+
+async def test_the_viewer_server_names_the_address_and_the_cause(taken_port: int) -> None:
+    from fastapi import FastAPI
+
+    from dlq_viewer.server import ViewerStartError, serve_viewer
+
+    with pytest.raises(ViewerStartError) as info:
+        await serve_viewer(FastAPI(), "127.0.0.1", taken_port, stop=asyncio.Event())
+    assert str(info.value) == (
+        f"the DLQ viewer cannot listen on 127.0.0.1:{taken_port}: Address already in use"
+    )
