@@ -161,8 +161,7 @@ def test_a_credential_that_is_not_a_hash_is_still_refused(workspace: Workspace) 
 
 
 def test_a_disabled_viewer_needs_no_port(workspace: Workspace) -> None:
-    config = workspace.root / "nemesis.yaml"
-    config.write_text(config.read_text() + "viewer: {enabled: false}\n")
+    workspace.write_config("viewer: {enabled: false}\n")
     workspace.write_integration("loyalty", VALID)
     result = validate(workspace, "nemesis.yaml", "integrations")
     assert result.returncode == 0, result.stdout + result.stderr
