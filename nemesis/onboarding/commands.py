@@ -44,7 +44,12 @@ def add_onboarding_commands(commands: Any, run_async: AsyncRunner) -> None:
 
     handler = kinds.add_parser("handler", help="a runnable handler project with tests")
     handler.add_argument("directory", type=Path, help="where to write it (new or empty)")
-    handler.add_argument("--lang", choices=HANDLER_LANGS, default="python-fastapi")
+    handler.add_argument(
+        "--lang",
+        choices=HANDLER_LANGS,
+        default="python-fastapi",
+        help="the handler's language and framework (default: %(default)s)",
+    )
     handler.add_argument("--force", action="store_true", help="write into a non-empty folder")
     handler.set_defaults(handler=cmd_new_handler)
 
@@ -80,7 +85,9 @@ def add_onboarding_commands(commands: Any, run_async: AsyncRunner) -> None:
     check.add_argument("--type", default="nemesis.probe", help="ce-type of the probes")
     check.add_argument("--data", help=f"a realistic payload (default: {DEFAULT_DATA.decode()})")
     check.add_argument("--data-file", type=Path, help="the payload from a file")
-    check.add_argument("--content-type", default="application/json")
+    check.add_argument(
+        "--content-type", default="application/json", help="of the probes (default: %(default)s)"
+    )
     check.add_argument(
         "--header", action="append", default=[], metavar="K=V", help="request header, repeatable"
     )
@@ -97,7 +104,13 @@ def add_onboarding_commands(commands: Any, run_async: AsyncRunner) -> None:
     check.set_defaults(handler=functools.partial(cmd_check_handler, run_async=run_async))
 
     schema = commands.add_parser("schema", help="JSON Schema of a YAML file kind, for editors")
-    schema.add_argument("kind", nargs="?", choices=SCHEMA_KINDS, default="integration")
+    schema.add_argument(
+        "kind",
+        nargs="?",
+        choices=SCHEMA_KINDS,
+        default="integration",
+        help="which file kind (default: %(default)s)",
+    )
     schema.add_argument("-o", "--output", type=Path, help="write to a file instead of stdout")
     schema.set_defaults(handler=cmd_schema)
 

@@ -6,7 +6,6 @@ import itertools
 import logging
 import os
 import secrets
-import socket
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nemesis.aio import TaskScope
-from nemesis.broker.embedded import log
+from nemesis.broker.embedded import leases, log
 from nemesis.broker.embedded.bells import Bell, Ringer, RingerStatistics, RingRows, Rings
 from nemesis.broker.embedded.db import Checkpoint, Database, checkpoint
 from nemesis.broker.embedded.reader import EmbeddedReader, Wakeups
@@ -443,8 +442,8 @@ class EmbeddedBroker:
 
 
 def default_member_id() -> str:
-    """host:pid:random: unique per broker, and readable in the leases table."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+    """host:pid:random:node: unique per broker, readable, and says where it runs (see leases)."""
+    return leases.local_member_id()
 
 
 async def open_embedded(
