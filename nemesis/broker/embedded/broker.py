@@ -8,7 +8,7 @@ import os
 import secrets
 import socket
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -21,8 +21,11 @@ from nemesis.broker.embedded.db import Checkpoint, Database, checkpoint
 from nemesis.broker.embedded.reader import EmbeddedReader, Wakeups
 from nemesis.broker.embedded.tail import TailCache
 from nemesis.broker.port import (
+    EARLIEST,
     ConsumerSpec,
     OutgoingMessage,
+    Seek,
+    StartFrom,
     TopicDescription,
     WriteResult,
 )
@@ -108,6 +111,47 @@ class EmbeddedAdmin:
         topic_id = await broker.db.writer.run(drop, timeout_s=ADMIN_TIMEOUT_S)
         broker.forget_topic(topic_id)
         await broker.purge_dropped()
+
+    async def offsets_for_time(self, topic: str, at: float) -> Mapping[int, int]:
+        """Per partition, the first offset written at or after ``at``; the end where none."""
+        return await self._broker.db.reader.run(
+            partial(log.offsets_for_time, name=topic, at=at), timeout_s=ADMIN_TIMEOUT_S
+        )
+
+    async def seek(self, topic: str, consumer: str, partition: int, offset: int) -> Seek:
+        """Sets the committed offset and takes the partition's lease from its holder.
+
+        The holder finds its lease gone at its next heartbeat (within
+        ``lease_s / 3``) and takes the partition again from the new offset.
+        """
+        broker = self._broker
+        moved = await broker.db.writer.run(
+            partial(
+                log.seek,
+                topic=topic,
+                consumer=consumer,
+                partition=partition,
+                offset=offset,
+                now=broker.clock.time(),
+            ),
+            timeout_s=ADMIN_TIMEOUT_S,
+        )
+        return Seek(moved.partition, moved.before, moved.after)
+
+    async def live_readers(self, topic: str, consumer: str) -> Sequence[str]:
+        """Member ids (host:pid:random/n) whose lease heartbeat has not expired."""
+        return await self._broker.db.reader.run(
+            partial(
+                log.live_members, topic=topic, consumer=consumer, now=self._broker.clock.time()
+            ),
+            timeout_s=ADMIN_TIMEOUT_S,
+        )
+
+    async def write_times(self, topic: str, offsets: Mapping[int, int]) -> Mapping[int, float]:
+        """The write time of the message at each offset: one point lookup per partition."""
+        return await self._broker.db.reader.run(
+            partial(log.write_times, topic=topic, offsets=dict(offsets)), timeout_s=ADMIN_TIMEOUT_S
+        )
 
 
 class EmbeddedWriter:
@@ -214,8 +258,14 @@ class EmbeddedBroker:
     def admin(self) -> EmbeddedAdmin:
         return self._admin
 
-    async def reader(self, topic: str, consumer: str) -> EmbeddedReader:
-        """Joins ``consumer``'s readers of ``topic`` and takes this reader's share of partitions."""
+    async def reader(
+        self, topic: str, consumer: str, *, start_from: StartFrom = EARLIEST
+    ) -> EmbeddedReader:
+        """Joins ``consumer``'s readers of ``topic`` and takes this reader's share of partitions.
+
+        ``start_from`` places the partitions the consumer never committed
+        (see ``leases._start_position``).
+        """
         self._check_open()
         found = await self.db.reader.run(
             partial(log.find_consumer, topic=topic, consumer=consumer), timeout_s=ADMIN_TIMEOUT_S
@@ -233,6 +283,7 @@ class EmbeddedBroker:
             on_close=self._forget_reader,
             wakeups=self.wakeups,
             bell=None if bell is None else bell.address,
+            start_from=start_from,
         )
         try:
             await reader.start(timeout_s=max(self.config.lease_s, 5.0))

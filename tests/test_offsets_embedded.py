@@ -1,0 +1,70 @@
+"""The embedded backend's side of offsets for operators: what the contract leaves to backends.
+
+A seek takes the partition from the reader holding it (its commits are
+fenced off), and a start other than earliest is committed at once, so a
+restart before the first commit starts at the same place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nemesis.broker.embedded import open_embedded
+from nemesis.broker.port import ConsumerSpec, OutgoingMessage, StartFrom
+from nemesis.config.models import EmbeddedBackendConfig
+from tests.contract.test_broker import receive_all
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def config(tmp_path: Path) -> EmbeddedBackendConfig:
+    return EmbeddedBackendConfig(path=str(tmp_path / "nemesis.db"), lease_s=30.0)
+
+
+async def test_a_seek_takes_the_partition_from_its_reader_which_reads_on_from_the_seek(
+    tmp_path: Path,
+) -> None:
+    broker = await open_embedded(config(tmp_path))
+    try:
+        await broker.admin.create_topic("t", partitions=1, consumers=[ConsumerSpec("c")])
+        writer = await broker.writer("t")
+        await writer.write([OutgoingMessage(value=b"%d" % i) for i in range(5)])
+        reader = await broker.reader("t", "c")
+        held = await receive_all(reader, 5)
+        await reader.commit(held[:1])
+
+        moved = await broker.admin.seek("t", "c", 0, 3)
+        assert (moved.before, moved.after) == (1, 3)
+        # The reader's session is over once its heartbeat sees the lease gone...
+        await reader.heartbeat()
+        assert not held[1].alive
+        # ...so its commit of what it had read cannot move the offset the seek set,
+        await reader.commit(held[1:2])
+        assert (await broker.admin.describe_topic("t")).partitions[0].committed["c"] == 3
+        # and it took the partition again, from the seek.
+        assert [m.value for m in await receive_all(reader, 2)] == [b"3", b"4"]
+    finally:
+        await broker.close()
+
+
+async def test_latest_is_committed_when_taken_so_a_restart_starts_there_too(
+    tmp_path: Path,
+) -> None:
+    broker = await open_embedded(config(tmp_path))
+    await broker.admin.create_topic("t", partitions=1, consumers=[ConsumerSpec("c")])
+    writer = await broker.writer("t")
+    await writer.write([OutgoingMessage(value=b"before")])
+    reader = await broker.reader("t", "c", start_from=StartFrom("latest"))
+    assert (await broker.admin.describe_topic("t")).partitions[0].committed["c"] == 1
+    await reader.close()
+    await writer.write([OutgoingMessage(value=b"between")])
+    await broker.close()
+
+    restarted = await open_embedded(config(tmp_path))
+    try:
+        again = await restarted.reader("t", "c", start_from=StartFrom("latest"))
+        assert [m.value for m in await receive_all(again, 1)] == [b"between"]
+    finally:
+        await restarted.close()
