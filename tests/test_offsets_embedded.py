@@ -7,6 +7,7 @@ restart before the first commit starts at the same place.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,15 @@ async def test_a_seek_takes_the_partition_from_its_reader_which_reads_on_from_th
         held = await receive_all(reader, 5)
         await reader.commit(held[:1])
 
-        moved = await broker.admin.seek("t", "c", 0, 3)
-        assert (moved.before, moved.after) == (1, 3)
-        # The reader's session is over once its heartbeat sees the lease gone...
+        # The seek returns once the reader took the partition back (its next heartbeat).
+        seeking = asyncio.create_task(broker.admin.seek("t", "c", 0, 3))
+        while (await broker.admin.describe_topic("t")).partitions[0].committed["c"] != 3:
+            await asyncio.sleep(0.01)
+        assert not seeking.done()
         await reader.heartbeat()
+        moved = await seeking
+        assert (moved.before, moved.after) == (1, 3)
+        # The reader's session ended when its heartbeat found the lease gone...
         assert not held[1].alive
         # ...so its commit of what it had read cannot move the offset the seek set,
         await reader.commit(held[1:2])

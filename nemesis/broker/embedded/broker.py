@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 # more than a few milliseconds; appends queue behind them on the same thread.
 DELETE_BATCH = 1000
 ADMIN_TIMEOUT_S = 30.0
+SEEK_POLL_S = 0.05  # how often a seek looks whether the partition's readers took it back
 CHECKPOINT_INTERVAL_S = 1.0
 # A WAL this long (4 KiB pages: 64 MB) is restarted even when appends never pause (see
 # checkpoint). Each restart holds appends up for a few ms (1.5-6 measured); at 1,000
@@ -123,6 +124,9 @@ class EmbeddedAdmin:
 
         The holder finds its lease gone at its next heartbeat (within
         ``lease_s / 3``) and takes the partition again from the new offset.
+        Returns once a reader holds the partition again, or none is alive
+        (bounded by ``lease_s``): a paused reader resumed after that reads
+        from the new offset, not from where it had stopped.
         """
         broker = self._broker
         moved = await broker.db.writer.run(
@@ -136,6 +140,21 @@ class EmbeddedAdmin:
             ),
             timeout_s=ADMIN_TIMEOUT_S,
         )
+        deadline = broker.clock.monotonic() + broker.config.lease_s
+        while broker.clock.monotonic() < deadline:
+            taken_back = await broker.db.reader.run(
+                partial(
+                    log.lease_settled,
+                    topic=topic,
+                    consumer=consumer,
+                    partition=partition,
+                    now=broker.clock.time(),
+                ),
+                timeout_s=ADMIN_TIMEOUT_S,
+            )
+            if taken_back:
+                break
+            await broker.clock.sleep(SEEK_POLL_S)
         return Seek(moved.partition, moved.before, moved.after)
 
     async def live_readers(self, topic: str, consumer: str) -> Sequence[str]:

@@ -681,6 +681,25 @@ def seek(
     return Moved(partition, before, after)
 
 
+def lease_settled(
+    conn: sqlite3.Connection, topic: str, consumer: str, partition: int, now: float
+) -> bool:
+    """After a seek: a reader holds the partition again, or no reader of the consumer is alive."""
+    with read_transaction(conn):
+        found = find_topic(conn, topic)
+        owner = conn.execute(
+            "SELECT owner FROM leases WHERE topic_id = ? AND consumer = ? AND partition_id = ?",
+            (found.id, consumer, partition),
+        ).fetchone()
+        if owner is not None and owner[0] is not None:
+            return True
+        alive = conn.execute(
+            "SELECT 1 FROM members WHERE topic_id = ? AND consumer = ? AND expires_at >= ?",
+            (found.id, consumer, now),
+        ).fetchone()
+        return alive is None
+
+
 def live_members(conn: sqlite3.Connection, topic: str, consumer: str, now: float) -> list[str]:
     """The members of a consumer whose heartbeat has not expired."""
     with read_transaction(conn):
