@@ -40,7 +40,7 @@ def free_port() -> int:
 class Space:
     """A workspace whose proxy serves its admin API on a port of its own."""
 
-    def __init__(self, workspace: Workspace) -> None:
+    def __init__(self, workspace: Workspace, lease_s: float = 3.0) -> None:
         self.workspace = workspace
         self.admin_port = free_port()
         root = workspace.root
@@ -48,8 +48,8 @@ class Space:
             "backend:\n"
             "  kind: embedded\n"
             f"  path: {workspace.db_path}\n"
-            # Short leases: a seek waits for the reader's next heartbeat (lease_s / 3).
-            "  lease_s: 3\n"
+            # A seek waits for the reader's next heartbeat (lease_s / 3).
+            f"  lease_s: {lease_s}\n"
             f"data_dir: {root}\n"
             "integrations_dir: integrations\n"
             f"admin: {{port: {self.admin_port}, token: {TOKEN}}}\n"
@@ -251,7 +251,12 @@ async def test_seek_and_skip_are_refused_while_it_runs_unpaused_even_with_force(
     assert [p["committed"] for p in space.show()] == [0]
 
 
-async def test_skip_while_paused_passes_over_exactly_the_poison_message(space: Space) -> None:
+async def test_skip_while_paused_passes_over_exactly_the_poison_message(
+    workspace: Workspace,
+) -> None:
+    # Long enough that the reader's next heartbeat comes after the resume unless
+    # the skip waits for it: the paused reader must not read on from where it stopped.
+    space = Space(workspace, lease_s=60)
     space.create_topic(1)
     space.publish("m-0")
     async with HandlerServer() as handler:
