@@ -15,7 +15,7 @@ import pytest
 from nemesis.broker.embedded import open_embedded
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage, StartFrom
 from nemesis.config.models import EmbeddedBackendConfig
-from tests.contract.test_broker import receive_all
+from tests.contract.test_broker import eventually, receive_all
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,8 +38,11 @@ async def test_a_seek_takes_the_partition_from_its_reader_which_reads_on_from_th
 
         # The seek returns once the reader took the partition back (its next heartbeat).
         seeking = asyncio.create_task(broker.admin.seek("t", "c", 0, 3))
-        while (await broker.admin.describe_topic("t")).partitions[0].committed["c"] != 3:
-            await asyncio.sleep(0.01)
+
+        async def committed_moved() -> bool:
+            return (await broker.admin.describe_topic("t")).partitions[0].committed["c"] == 3
+
+        await eventually(committed_moved)
         assert not seeking.done()
         await reader.heartbeat()
         moved = await seeking
