@@ -258,11 +258,12 @@ class YdbAdmin:
         )
 
     async def seek(self, topic: str, consumer: str, partition: int, offset: int) -> Seek:
-        """Sets the committed offset with ``CommitOffset`` (outside any read session).
+        """Sets the committed offset with ``CommitOffset``, outside any read session.
 
-        YDB takes an offset below the committed one too. The read session
-        holding the partition is not fenced by it: seek while the consumer's
-        readers are paused or gone, as the port says.
+        Without a read session id the server interrupts the read session
+        holding the partition; the partition is then assigned again and read
+        from the new offset. (The messages the old session had handed out
+        are dropped by the reader as stale, see ``reader``.)
         """
         described = await self._describe(topic, include_stats=True)
         found = next((p for p in described.partitions if p.partition_id == partition), None)
