@@ -50,7 +50,8 @@ from nemesis.runtime.retries import FlowSpec, flows_of
 ADMIN_TIMEOUT_S = 5.0
 TO_HELP = (
     "earliest, latest, an offset (one partition: with --partition), a time with its zone"
-    " (2026-12-01T09:00:00Z) or a duration back from now (-1h)"
+    " (2026-12-01T09:00:00Z) or a duration back from now (--to=-1h: with '=', as it starts"
+    " with a dash)"
 )
 
 
@@ -260,6 +261,11 @@ def _change(args: argparse.Namespace, action: Action, what: str, target: Target)
                 for p in described.partitions
                 if args.partition is None or p.partition == args.partition
             ]
+            if flow.consumer not in described.consumers:
+                raise NemesisError(
+                    f"topic {flow.topic} has no consumer {flow.consumer} yet: `nemesis init`"
+                    " registers it (so does the integration's first run)"
+                )
             if not partitions:
                 raise NemesisError(
                     f"topic {flow.topic} has no partition {args.partition}"

@@ -316,3 +316,32 @@ def test_seek_names_what_it_cannot_take(space: Space) -> None:
     code, _, err = space.cli("offsets", "skip", "billing", "--count", "1")
     assert code == 1
     assert "no valid integration billing" in err
+
+
+def test_seek_to_a_time_or_an_offset_when_nothing_runs(space: Space) -> None:
+    space.workspace.write_integration("loyalty", integration_yaml("loyalty", "http://127.0.0.1:9/"))
+    space.create_topic(1)
+    space.publish("a-0", "a-1")
+    at = datetime.datetime.now(datetime.UTC)
+    time.sleep(0.05)  # apart from the first batch in the broker's write time
+    space.publish("b-0")
+    stamp = at.isoformat().replace("+00:00", "Z")
+
+    code, _, err = space.cli("offsets", "seek", "loyalty", f"--to={stamp}", "--force")
+    assert code == 1
+    assert "topic orders has no consumer loyalty yet: `nemesis init` registers it" in err
+    code, _, err = space.cli("init")
+    assert code == 0, err
+    code, out, err = space.cli("offsets", "seek", "loyalty", f"--to={stamp}", "--force")
+    assert code == 0, err
+    assert "no process runs it (no live reader; --force)" in out
+    assert "partition 0: 0 -> 2 (+2)" in out
+    code, out, err = space.cli(
+        "offsets", "seek", "loyalty", "--to", "1", "--partition", "0", "--force"
+    )
+    assert code == 0, err
+    assert "partition 0: 2 -> 1 (-1)" in out
+    code, out, err = space.cli("offsets", "seek", "loyalty", "--to=-1h", "--force")
+    assert code == 0, err
+    assert "partition 0: 1 -> 0 (-1)" in out
+    assert [p["committed"] for p in space.show()] == [0]

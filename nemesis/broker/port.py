@@ -201,10 +201,13 @@ class TopicAdmin(Protocol):
         """Sets ``consumer``'s committed offset (the next to read) on one partition.
 
         Moves either way; an offset outside the retained range is clamped to
-        it. A reader holding the partition loses it (its later commits of the
-        partition are ignored) and its next owner reads from ``offset``: seek
-        while the consumer's readers are paused or gone, or they may deliver
-        what they had read already.
+        it; a partition that does not exist is a ValueError. A reader holding
+        the partition loses it (its later commits of the partition are
+        ignored) and its next owner reads from ``offset``: seek while the
+        consumer's readers are paused or gone, or they may deliver what they
+        had read already. A backend that cannot move the offset of a consumer
+        with live readers (Kafka: a group that has members) raises BrokerError
+        saying so, and the caller stops the readers first.
         """
         ...
 
