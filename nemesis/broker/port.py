@@ -155,9 +155,6 @@ class StartFrom:
         if (self.kind == "time") != (self.at is not None):
             raise ValueError("a start from a time needs `at`, and only it")
 
-    def describe(self) -> str:
-        return self.kind if self.at is None else f"time {self.at:.3f}"
-
 
 EARLIEST = StartFrom("earliest")
 

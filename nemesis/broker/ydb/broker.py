@@ -83,16 +83,17 @@ class YdbBroker:
             raise TopicNotFound(f"topic {topic} has no consumer {consumer}")
         path = self._admin.path(topic)
         buffer_bytes = self.config.reader_buffer_bytes
-        read_from: list[datetime.datetime | None] = [None]
+        first_read_from: datetime.datetime | None = None
         if start_from.kind != "earliest" and not any(
             (await self._admin.committed(topic, consumer)).values()
         ):
             at = self._clock.time() if start_from.at is None else start_from.at
-            read_from[0] = datetime.datetime.fromtimestamp(at, datetime.UTC)
+            first_read_from = datetime.datetime.fromtimestamp(at, datetime.UTC)
 
         def open_sdk() -> TopicReaderAsyncIO:
-            first, read_from[0] = read_from[0], None
-            return open_sdk_reader(self._topics, path, consumer, buffer_bytes, first)
+            nonlocal first_read_from
+            read_from, first_read_from = first_read_from, None
+            return open_sdk_reader(self._topics, path, consumer, buffer_bytes, read_from)
 
         reader = YdbReader(
             open_sdk,
