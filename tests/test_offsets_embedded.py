@@ -15,6 +15,7 @@ import pytest
 from nemesis.broker.embedded import open_embedded
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage, StartFrom
 from nemesis.config.models import EmbeddedBackendConfig
+from nemesis.testing.clock import FakeClock
 from tests.contract.test_broker import eventually, receive_all
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,3 +78,34 @@ async def test_latest_is_committed_when_taken_so_a_restart_starts_there_too(
         assert [m.value for m in await receive_all(again, 1)] == [b"between"]
     finally:
         await restarted.close()
+
+
+async def test_offsets_for_time_finds_the_boundary_in_a_long_partition(tmp_path: Path) -> None:
+    clock = FakeClock(wall_start=1_800_000_000.0)
+    broker = await open_embedded(config(tmp_path), clock=clock)
+    try:
+        await broker.admin.create_topic("t", partitions=2, retention_s=0)
+        writer = await broker.writer("t")
+        # Partition 0: offset n written at wall_start + n, three messages per second
+        # from 100 on; partition 1 stays empty.
+        for n in range(100):
+            await writer.write([OutgoingMessage(value=b"%d" % n, partition=0)])
+            clock.advance(1.0)
+        for _ in range(3):
+            await writer.write([OutgoingMessage(value=b"same", partition=0)])
+        t0 = 1_800_000_000.0
+
+        async def at(seconds: float) -> dict[int, int]:
+            return dict(await broker.admin.offsets_for_time("t", t0 + seconds))
+
+        assert await at(-5) == {0: 0, 1: 0}
+        assert await at(0) == {0: 0, 1: 0}
+        assert await at(37) == {0: 37, 1: 0}
+        assert await at(37.5) == {0: 38, 1: 0}
+        assert await at(99) == {0: 99, 1: 0}
+        assert await at(100) == {0: 100, 1: 0}  # the first of three written at once
+        assert await at(100.5) == {0: 103, 1: 0}  # after everything: the end
+        times = await broker.admin.write_times("t", {0: 37, 1: 0})
+        assert times == {0: t0 + 37}  # partition 1 has no message 0
+    finally:
+        await broker.close()
