@@ -18,6 +18,7 @@ from nemesis import __version__, backends
 from nemesis.admin.server import Service, ServiceFailures, plugin_services, serve_beside
 from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage, WriteStatus
 from nemesis.cli_dlq import DlqContext, add_dlq_commands
+from nemesis.cli_offsets import add_offsets_commands
 from nemesis.config.loader import (
     check_paths,
     format_problems,
@@ -170,16 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     tests.add_argument("--pipeline", type=Path, help="with --sample: the pipeline file to run")
     tests.set_defaults(handler=cmd_test_pipelines)
 
-    add_dlq_commands(
-        commands,
-        _config_option,
-        DlqContext(
-            load_config=_process_config,
-            run_async=run_async,
-            open_dlq=open_dlq,
-            open_broker=open_broker,
-        ),
+    stores = DlqContext(
+        load_config=_process_config,
+        run_async=run_async,
+        open_dlq=open_dlq,
+        open_broker=open_broker,
     )
+    add_dlq_commands(commands, _config_option, stores)
+    add_offsets_commands(commands, _config_option, stores)
 
     # --- onboarding: new, check-handler, schema (nemesis.onboarding.commands) ----------
     add_onboarding_commands(commands, run_async)

@@ -9,6 +9,7 @@ field says so.
 
 from __future__ import annotations
 
+import datetime
 import re
 from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
+    BeforeValidator,
     Field,
     IPvAnyNetwork,
     SecretStr,
@@ -30,6 +32,7 @@ from nemesis.backends.ydb import YdbBackendConfig as YdbBackendConfig
 from nemesis.backends.ydb import YdbConnectionConfig as YdbConnectionConfig
 from nemesis.backends.ydb import YdbCredentialsConfig as YdbCredentialsConfig
 from nemesis.backends.ydb import YdbDlqConfig as YdbDlqConfig
+from nemesis.broker.port import StartFrom
 from nemesis.config_base import CROSS_FIELD_ERROR as CROSS_FIELD_ERROR
 from nemesis.config_base import CrossRule as CrossRule
 from nemesis.config_base import DurationS as DurationS
@@ -61,11 +64,58 @@ def _check_target_url(url: str) -> str:
 # --- integration --------------------------------------------------------------
 
 
+START_FROM_HELP = (
+    "earliest, latest, a time with its zone (2026-12-01T09:00:00Z) or a duration back"
+    " from now (-1h, -30m, -2d)"
+)
+
+
+def parse_start_from(value: Any) -> str:
+    """Checks a ``start_from`` value (see ``START_FROM_HELP``); returns it as written."""
+    if not isinstance(value, str):
+        # pydantic turns only ValueError into a validation error.
+        raise ValueError(f"expected {START_FROM_HELP}, got {value!r}")  # noqa: TRY004
+    text = value.strip()
+    if text in ("earliest", "latest"):
+        return text
+    if text.startswith("-"):
+        try:
+            parse_duration(text[1:])
+        except ValueError:
+            raise ValueError(f"expected {START_FROM_HELP}, got {value!r}") from None
+        return text
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"expected {START_FROM_HELP}, got {value!r}") from None
+    if moment.tzinfo is None:
+        raise ValueError(f"{value!r} has no zone: add Z or +03:00, so it means one moment")
+    return text
+
+
+def start_from_at(text: str, now: float) -> StartFrom:
+    """The position a checked ``start_from`` names; a duration is counted back from ``now``."""
+    text = parse_start_from(text)
+    if text in ("earliest", "latest"):
+        return StartFrom(text)  # type: ignore[arg-type]  # one of the two literals
+    if text.startswith("-"):
+        return StartFrom("time", now - parse_duration(text[1:]))
+    return StartFrom("time", datetime.datetime.fromisoformat(text).timestamp())
+
+
 class SourceConfig(Model):
     topic: Annotated[str, Field(pattern=SOURCE_TOPIC_PATTERN)]
     consumer: Annotated[str, Field(pattern=TOPIC_PATTERN)]
     # The metadata key that names a message's type (ce-type, flags.disabled_types).
     type_key: str = "type"
+    # Where the consumer starts on partitions it never committed (the retry tier and
+    # replay flows always start at earliest): see ``START_FROM_HELP``. A duration
+    # counts back from when the integration starts reading.
+    start_from: Annotated[str, BeforeValidator(parse_start_from)] = "earliest"
+
+    def start_position(self, now: float) -> StartFrom:
+        """``start_from`` as the broker port takes it."""
+        return start_from_at(self.start_from, now)
 
 
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"

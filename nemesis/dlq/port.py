@@ -59,10 +59,12 @@ class Status(enum.StrEnum):
 
 
 class Action(enum.StrEnum):
-    """What a person did to dead letters (the audit log)."""
+    """What a person did to dead letters, or to an integration's offsets (the audit log)."""
 
     REQUEUE = "requeue"
     DISCARD = "discard"
+    SEEK = "seek"  # nemesis offsets seek: committed offsets moved
+    SKIP = "skip"  # nemesis offsets skip: messages passed over unread
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,14 @@ from dataclasses import dataclass, field
 
 from nemesis import logs
 from nemesis.aio import first_of
-from nemesis.broker.port import Broker, Message, PartitionSession, TopicReader, TopicWriter
+from nemesis.broker.port import (
+    EARLIEST,
+    Broker,
+    Message,
+    PartitionSession,
+    TopicReader,
+    TopicWriter,
+)
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig
 from nemesis.delivery.port import DeliveryResult, Event, Outcome, Transport
@@ -295,7 +302,14 @@ class IntegrationRunner:
 
     async def run(self) -> None:
         """Reads, delivers and commits until ``stop()``, then drains and returns."""
-        reader = await self._broker.reader(self.flow.topic, self.flow.consumer)
+        # Only the source follows start_from: a retry tier or replay topic holds
+        # messages Nemesis owes the handler, all of them.
+        start_from = EARLIEST
+        if self.flow.name == "main":
+            start_from = self.config.source.start_position(self._clock.time())
+        reader = await self._broker.reader(
+            self.flow.topic, self.flow.consumer, start_from=start_from
+        )
         self._reader = reader
         label = f"{self.name}:{self.flow.name}"
         try:

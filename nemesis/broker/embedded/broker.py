@@ -7,7 +7,7 @@ import logging
 import os
 import secrets
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -20,8 +20,11 @@ from nemesis.broker.embedded.db import Checkpoint, Database, checkpoint
 from nemesis.broker.embedded.reader import EmbeddedReader, Wakeups
 from nemesis.broker.embedded.tail import TailCache
 from nemesis.broker.port import (
+    EARLIEST,
     ConsumerSpec,
     OutgoingMessage,
+    Seek,
+    StartFrom,
     TopicDescription,
     WriteResult,
 )
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 # more than a few milliseconds; appends queue behind them on the same thread.
 DELETE_BATCH = 1000
 ADMIN_TIMEOUT_S = 30.0
+SEEK_POLL_S = 0.05  # how often a seek looks whether the partition's readers took it back
 CHECKPOINT_INTERVAL_S = 1.0
 # A WAL this long (4 KiB pages: 64 MB) is restarted even when appends never pause (see
 # checkpoint). Each restart holds appends up for a few ms (1.5-6 measured); at 1,000
@@ -107,6 +111,65 @@ class EmbeddedAdmin:
         topic_id = await broker.db.writer.run(drop, timeout_s=ADMIN_TIMEOUT_S)
         broker.forget_topic(topic_id)
         await broker.purge_dropped()
+
+    async def offsets_for_time(self, topic: str, at: float) -> Mapping[int, int]:
+        """Per partition, the first offset written at or after ``at``; the end where none."""
+        return await self._broker.db.reader.run(
+            partial(log.offsets_for_time, name=topic, at=at), timeout_s=ADMIN_TIMEOUT_S
+        )
+
+    async def seek(self, topic: str, consumer: str, partition: int, offset: int) -> Seek:
+        """Sets the committed offset and takes the partition's lease from its holder.
+
+        The holder finds its lease gone at its next heartbeat (within
+        ``lease_s / 3``) and takes the partition again from the new offset.
+        Returns once a reader holds the partition again, or none is alive
+        (bounded by ``lease_s``): a paused reader resumed after that reads
+        from the new offset, not from where it had stopped.
+        """
+        broker = self._broker
+        moved = await broker.db.writer.run(
+            partial(
+                log.seek,
+                topic=topic,
+                consumer=consumer,
+                partition=partition,
+                offset=offset,
+                now=broker.clock.time(),
+            ),
+            timeout_s=ADMIN_TIMEOUT_S,
+        )
+        deadline = broker.clock.monotonic() + broker.config.lease_s
+        while broker.clock.monotonic() < deadline:
+            taken_back = await broker.db.reader.run(
+                partial(
+                    log.lease_settled,
+                    topic=topic,
+                    consumer=consumer,
+                    partition=partition,
+                    now=broker.clock.time(),
+                ),
+                timeout_s=ADMIN_TIMEOUT_S,
+            )
+            if taken_back:
+                break
+            await broker.clock.sleep(SEEK_POLL_S)
+        return Seek(moved.partition, moved.before, moved.after)
+
+    async def live_readers(self, topic: str, consumer: str) -> Sequence[str]:
+        """Member ids (host:pid:random/n) whose lease heartbeat has not expired."""
+        return await self._broker.db.reader.run(
+            partial(
+                log.live_members, topic=topic, consumer=consumer, now=self._broker.clock.time()
+            ),
+            timeout_s=ADMIN_TIMEOUT_S,
+        )
+
+    async def write_times(self, topic: str, offsets: Mapping[int, int]) -> Mapping[int, float]:
+        """The write time of the message at each offset: one point lookup per partition."""
+        return await self._broker.db.reader.run(
+            partial(log.write_times, topic=topic, offsets=dict(offsets)), timeout_s=ADMIN_TIMEOUT_S
+        )
 
 
 class EmbeddedWriter:
@@ -213,8 +276,14 @@ class EmbeddedBroker:
     def admin(self) -> EmbeddedAdmin:
         return self._admin
 
-    async def reader(self, topic: str, consumer: str) -> EmbeddedReader:
-        """Joins ``consumer``'s readers of ``topic`` and takes this reader's share of partitions."""
+    async def reader(
+        self, topic: str, consumer: str, *, start_from: StartFrom = EARLIEST
+    ) -> EmbeddedReader:
+        """Joins ``consumer``'s readers of ``topic`` and takes this reader's share of partitions.
+
+        ``start_from`` places the partitions the consumer never committed
+        (see ``leases._start_position``).
+        """
         self._check_open()
         found = await self.db.reader.run(
             partial(log.find_consumer, topic=topic, consumer=consumer), timeout_s=ADMIN_TIMEOUT_S
@@ -232,6 +301,7 @@ class EmbeddedBroker:
             on_close=self._forget_reader,
             wakeups=self.wakeups,
             bell=None if bell is None else bell.address,
+            start_from=start_from,
         )
         try:
             await reader.start(timeout_s=max(self.config.lease_s, 5.0))

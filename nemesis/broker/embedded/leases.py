@@ -42,7 +42,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nemesis.broker.embedded import bells
+from nemesis.broker.embedded import bells, log
+from nemesis.broker.port import EARLIEST, StartFrom
 from nemesis.errors import TopicNotFound
 from nemesis.sqlite_thread import when_unlocked, write_transaction
 
@@ -123,7 +124,7 @@ class Acquired:
 
     partition: int
     generation: int
-    position: int  # the committed offset, or the oldest retained one
+    position: int  # the committed offset, or where ``start_from`` says
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +151,7 @@ def heartbeat(
     lease_s: float,
     bell: bytes | None = None,
     leaving: bool = False,
+    start_from: StartFrom = EARLIEST,
 ) -> HeartbeatResult:
     """Runs one round of the lease protocol for ``member_id`` (see the module docstring).
 
@@ -157,6 +159,7 @@ def heartbeat(
     generations. ``bell`` is the address writers ring for this member.
     ``leaving`` releases everything the member holds and removes the member
     (and its bell), so the others rebalance at their next heartbeat.
+    ``start_from`` places a partition the consumer never committed.
     """
     expires_at = now + lease_s
     with write_transaction(conn):
@@ -245,7 +248,9 @@ def heartbeat(
                 continue
             acquired.append(
                 Acquired(
-                    partition, generation + 1, _start_position(conn, topic_id, consumer, partition)
+                    partition,
+                    generation + 1,
+                    _start_position(conn, topic_id, consumer, partition, start_from, now),
                 )
             )
         conn.executemany(
@@ -294,14 +299,42 @@ def _forget_dead_neighbours(
         bells.remove(conn, topic_id=topic_id, member_id=member)
 
 
-def _start_position(conn: sqlite3.Connection, topic_id: int, consumer: str, partition: int) -> int:
+def _start_position(
+    conn: sqlite3.Connection,
+    topic_id: int,
+    consumer: str,
+    partition: int,
+    start_from: StartFrom,
+    now: float,
+) -> int:
+    """The committed offset; for a partition never committed, where ``start_from`` says.
+
+    A position other than the oldest message is committed at once, in the
+    heartbeat's transaction: the next owner of the partition (a restart
+    before the first commit, a rebalance) starts there too, not at a later
+    ``latest``.
+    """
     row = conn.execute(
-        "SELECT MAX(p.start_offset, COALESCE(o.committed, 0)) FROM partitions p"
+        "SELECT p.start_offset, p.end_offset, o.committed FROM partitions p"
         " LEFT JOIN offsets o ON o.topic_id = p.topic_id AND o.partition_id = p.partition_id"
         " AND o.consumer = ? WHERE p.topic_id = ? AND p.partition_id = ?",
         (consumer, topic_id, partition),
     ).fetchone()
-    return 0 if row is None else int(row[0])
+    if row is None:
+        return 0
+    start, end, committed = int(row[0]), int(row[1]), row[2]
+    if committed is not None or start_from.kind == "earliest":
+        return max(start, 0 if committed is None else int(committed))
+    if start_from.at is None:
+        position = end
+    else:
+        position = log.first_offset_at(conn, topic_id, partition, start_from.at)
+    conn.execute(
+        "INSERT INTO offsets (topic_id, consumer, partition_id, committed, committed_at)"
+        " VALUES (?, ?, ?, ?, ?)",
+        (topic_id, consumer, partition, position, now),
+    )
+    return position
 
 
 def commit_offset(

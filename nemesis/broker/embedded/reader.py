@@ -14,7 +14,7 @@ from nemesis.aio import TaskScope, first_of
 from nemesis.broker.embedded import leases, log
 from nemesis.broker.embedded.db import Database
 from nemesis.broker.embedded.tail import TailCache
-from nemesis.broker.port import Message, PartitionSession
+from nemesis.broker.port import EARLIEST, Message, PartitionSession, StartFrom
 from nemesis.clock import Clock
 from nemesis.errors import BrokerError, TopicNotFound
 
@@ -172,8 +172,10 @@ class EmbeddedReader:
         wakeups: Wakeups,
         bell: bytes | None = None,
         commit_timeout_s: float = 10.0,
+        start_from: StartFrom = EARLIEST,
     ) -> None:
         self._db = db
+        self._start_from = start_from
         self._tail = tail
         # When the tail cache began answering instead of the file (see _read_tail).
         self._tail_since: float | None = None
@@ -564,6 +566,7 @@ class EmbeddedReader:
                     held=held,
                     lease_s=self._lease_s,
                     bell=self._bell,
+                    start_from=self._start_from,
                 ),
                 timeout_s=self._lease_s if timeout_s is None else timeout_s,
             )
@@ -704,6 +707,7 @@ def _heartbeat_job(
     lease_s: float,
     bell: bytes | None = None,
     leaving: bool = False,
+    start_from: StartFrom = EARLIEST,
 ) -> leases.HeartbeatResult:
     # The time is read on the write thread, when the transaction starts, not
     # when the job was queued: expiry decisions must use the time they run at.
@@ -717,6 +721,7 @@ def _heartbeat_job(
         lease_s=lease_s,
         bell=bell,
         leaving=leaving,
+        start_from=start_from,
     )
 
 
