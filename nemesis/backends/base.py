@@ -1,8 +1,8 @@
 """What a backend kind is: a config model and a factory, registered together by name.
 
 ``BackendModel``, ``DlqModel`` and ``StateModel`` are the bases of the
-``backend:``, ``dlq:`` and ``state:`` sections' models: what every kind has, so the CLI and the runner
-can read it whatever the kind. ``Backends`` is the registry; see
+``backend:``, ``dlq:`` and ``state:`` sections' models: what every kind
+has, so the CLI and the runner can read it whatever the kind. ``Backends`` is the registry; see
 ``nemesis.backends`` for how a kind joins it.
 """
 

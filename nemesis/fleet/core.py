@@ -8,8 +8,8 @@ subclass of ``SqlStateStore`` that gives:
   PostgreSQL run (``INSERT ... ON CONFLICT DO NOTHING``, no ``RETURNING``,
   no upsert of several columns), so a new store mostly swaps placeholders;
 - ``_transaction(job, write=...)``: runs ``job(tx)`` in one transaction (a
-  read-only one for ``write=False``) and returns its result, where ``tx`` is a ``Tx`` (``execute`` returns the row
-  count, ``query`` the rows).
+  read-only one for ``write=False``) and returns its result, where ``tx``
+  is a ``Tx`` (``execute`` returns the row count, ``query`` the rows).
 
 Everything else lives here: when the generation moves, how an expired
 member is forgotten, how values travel as JSON, how rows become the
@@ -79,7 +79,7 @@ class SqlStateStore(abc.ABC):
 
     @abc.abstractmethod
     async def _transaction(self, job: Callable[[Tx], T], *, write: bool = True) -> T:
-        """Runs ``job`` in one transaction (rolled back if it raises); ``write=False``: reads only."""
+        """Runs ``job`` in one transaction, rolled back if it raises (``write=False``: reads)."""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -1,13 +1,18 @@
-"""Who runs which integration: rendezvous hashing over the live members, and rate shares.
+"""Who runs which integration: rendezvous hashing with bounded loads, and rate shares.
 
 Every member computes the same answer from the same inputs (the active
-members' ids, an integration's name and its ``replicas``), so the fleet
+members' ids, the integrations' names and their ``replicas``), so the fleet
 agrees without a leader. Rendezvous (highest-random-weight) hashing scores
-each (member, integration) pair with a hash and gives the integration to
-its ``replicas`` highest-scoring members. A member that leaves moves only
-its own integrations (each to its next-highest member); a member that joins
-takes from each of the others only the integrations it now scores highest
-for: about 1/n of them, never a shuffle.
+each (member, integration) pair with a stable hash; an integration goes to
+its ``replicas`` highest-scoring members. Plain rendezvous hashing spreads
+60 integrations over 3 members anywhere from about 13 to 27 each; so each
+member takes at most ``ceil(slots / members * (1 + LOAD_SLACK))``
+integrations, the integrations taking their members in name order, each
+its highest-scoring member with room (bounded loads). 60 over 3 is then
+18 to 21 each. Movement stays close to the minimum: a member that joins 3
+takes about 17 of 60 (15 at best), one that leaves hands over about 21 (20
+at best), because every integration still prefers the same members.
+``replicas: all`` runs on every active member and counts against no cap.
 
 A rate limit is the integration's as a whole: each runner takes
 ``budget / runners`` (``share_of``).
@@ -16,10 +21,14 @@ A rate limit is the integration's as a whole: each runner takes
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+import math
+from collections.abc import Iterable, Mapping
+from typing import Final, Literal
 
 Replicas = int | Literal["all"]
+
+# How far above the even share a member may be loaded (see the module docstring).
+LOAD_SLACK: Final = 0.05
 
 
 def score(member_id: str, integration: str) -> int:
@@ -30,19 +39,38 @@ def score(member_id: str, integration: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-def owners(integration: str, members: Sequence[str], replicas: Replicas) -> tuple[str, ...]:
-    """The members that should run ``integration``, best first (all of them for ``all``)."""
-    ranked = sorted(members, key=lambda member: (score(member, integration), member), reverse=True)
-    if replicas == "all":
-        return tuple(ranked)
-    return tuple(ranked[:replicas])
+def ranked(integration: str, members: Iterable[str]) -> list[str]:
+    """The members by their preference for ``integration``, best first."""
+    return sorted(members, key=lambda member: (score(member, integration), member), reverse=True)
 
 
 def assign(
-    integrations: Mapping[str, Replicas], members: Sequence[str]
+    integrations: Mapping[str, Replicas], members: Iterable[str], *, slack: float = LOAD_SLACK
 ) -> dict[str, tuple[str, ...]]:
-    """Every integration's owners among ``members``."""
-    return {name: owners(name, members, replicas) for name, replicas in integrations.items()}
+    """Every integration's owners among ``members``, best first."""
+    active = sorted(set(members))
+    if not active:
+        return dict.fromkeys(integrations, ())
+    slots = sum(min(r, len(active)) for r in integrations.values() if r != "all")
+    cap = max(1, math.ceil(slots / len(active) * (1 + slack)))
+    load = dict.fromkeys(active, 0)
+    placed: dict[str, tuple[str, ...]] = {}
+    for name in sorted(integrations):
+        replicas = integrations[name]
+        preferred = ranked(name, active)
+        if replicas == "all":
+            placed[name] = tuple(preferred)
+            continue
+        wanted = min(replicas, len(active))
+        chosen = [member for member in preferred if load[member] < cap][:wanted]
+        if len(chosen) < wanted:  # only when replicas outgrow the cap: take the best ones left
+            chosen += [member for member in preferred if member not in chosen][
+                : wanted - len(chosen)
+            ]
+        for member in chosen:
+            load[member] += 1
+        placed[name] = tuple(chosen)
+    return placed
 
 
 def spread(assignment: Mapping[str, Iterable[str]], members: Iterable[str]) -> dict[str, int]:

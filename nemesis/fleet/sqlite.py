@@ -104,9 +104,7 @@ class SqliteStateStore(SqlStateStore):
     def __init__(self, path: Path, *, timeout_s: float = TIMEOUT_S) -> None:
         self.path = path
         self._timeout_s = timeout_s
-        self._thread = SqliteThread(
-            path, "fleet-state", busy_timeout_s=timeout_s, poll_locks=True
-        )
+        self._thread = SqliteThread(path, "fleet-state", busy_timeout_s=timeout_s, poll_locks=True)
 
     @property
     def location(self) -> str:
