@@ -156,12 +156,31 @@ def build_parser() -> argparse.ArgumentParser:
     size = commands.add_parser(
         "size", help="workers N = R x T with headroom, and the buffer it implies"
     )
-    size.add_argument("--rps", type=float, required=True, help="messages per second to deliver")
+    size.add_argument(
+        "--rps",
+        type=float,
+        required=True,
+        help="messages per second written to the source topic",
+    )
     size.add_argument(
         "--latency-ms", type=float, required=True, help="the handler's time per delivery"
     )
     size.add_argument("--batch-size", type=int, default=1, help="messages per request")
     size.add_argument("--headroom", type=float, default=None, help="factor (default 1.5)")
+    passing = size.add_mutually_exclusive_group()
+    passing.add_argument(
+        "--pass-rate",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="the share of messages the pipeline passes to the handler, 0-1 (default 1)",
+    )
+    passing.add_argument(
+        "--handler-rps",
+        type=float,
+        default=None,
+        help="messages per second that reach the handler, after the pipeline's filtering",
+    )
     size.set_defaults(handler=cmd_size)
 
     init = commands.add_parser(
@@ -342,16 +361,21 @@ def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
 
 
 def cmd_size(args: argparse.Namespace) -> int:
-    from nemesis.runtime.sizing import DEFAULT_HEADROOM, describe, size_for
+    from nemesis.runtime.sizing import DEFAULT_HEADROOM, describe, handler_rate, size_for
 
     headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
     try:
-        figure = size_for(
-            args.rps, args.latency_ms / 1000, batch_size=args.batch_size, headroom=headroom
-        )
+        rps = handler_rate(args.rps, pass_rate=args.pass_rate, handler_rps=args.handler_rps)
+        latency_s = args.latency_ms / 1000
+        figure = size_for(rps, latency_s, batch_size=args.batch_size, headroom=headroom)
     except ValueError as exc:
         print(f"nemesis size: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if rps != args.rps:
+        print(
+            f"written:   {args.rps:g} messages/s; the pipeline passes {rps:g}/s to the handler"
+            " (filtered messages need no worker)"
+        )
     print(describe(figure))
     return EXIT_OK
 
