@@ -35,6 +35,7 @@ from nemesis.pipeline import PipelineChecker, dry_run_file, run_pipeline_tests
 from nemesis.runtime.housekeeping import enforce_dlq_retention
 
 if TYPE_CHECKING:
+    from nemesis.fleet.member import FleetMember
     from nemesis.runtime.app import Proxy
     from nemesis.runtime.reload import ConfigReloader
 
@@ -153,6 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     # --- onboarding: new, check-handler, schema (nemesis.onboarding.commands) ----------
     add_onboarding_commands(commands, run_async)
 
+    fleet = commands.add_parser("fleet", help="the replicas sharing this configuration")
+    fleet_commands = fleet.add_subparsers(title="fleet commands", metavar="ACTION", required=True)
+    fleet_status = fleet_commands.add_parser(
+        "status", help="members, who runs which integration, and the live overrides"
+    )
+    _config_option(fleet_status)
+    fleet_status.add_argument("--json", action="store_true", help="print JSON")
+    fleet_status.set_defaults(handler=cmd_fleet_status)
+
     size = commands.add_parser(
         "size", help="workers N = R x T with headroom, and the buffer it implies"
     )
@@ -260,6 +270,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 async def _run(config: NemesisConfig) -> int:
+    from nemesis.fleet.member import FleetMember, FleetOptions
     from nemesis.metrics import Metrics
     from nemesis.runtime.app import Proxy, SupervisorOptions
     from nemesis.runtime.reload import ConfigReloader
@@ -273,42 +284,67 @@ async def _run(config: NemesisConfig) -> int:
         return EXIT_INVALID
     directory = Path(config.integrations_dir)
     files = {name: _integration_file(directory, name) for name in integrations}
-    broker = await open_broker(config)
-    dlq = await open_dlq(config, broker)
-    proxy = Proxy(
-        broker,
-        integrations,
-        dlq=dlq,
-        pipelines_dir=config.pipelines_dir,
-        integration_files={name: path for name, path in files.items() if path is not None},
-        metrics=Metrics(process=True),
-        runner_options=RunnerOptions(shutdown_grace_s=config.shutdown_grace_s),
-        supervisor_options=SupervisorOptions(lag_refresh_s=config.metrics.lag_refresh_s),
-    )
-    reloader = ConfigReloader(
-        proxy,
-        directory,
-        watch=config.reload.watch,
-        debounce_ms=config.reload.debounce_ms,
-        force_polling=config.reload.force_polling,
-        initial_problems=problems,
-    )
-    with _stop_on_signals(proxy.stop), _on_signal(signal.SIGHUP, reloader.request):
-        log.info("running %d integrations: %s", len(integrations), ", ".join(sorted(integrations)))
-        try:
+    async with contextlib.AsyncExitStack() as opened:
+        # Each part is closed however the ones after it fail (a DLQ that does not open,
+        # a proxy that does not build), the last opened first.
+        broker = await open_broker(config)
+        opened.push_async_callback(broker.close)
+        dlq = await open_dlq(config, broker)
+        opened.push_async_callback(dlq.close)
+        state = await backends.open_state(config)
+        opened.push_async_callback(state.close)
+        proxy = Proxy(
+            broker,
+            integrations,
+            dlq=dlq,
+            pipelines_dir=config.pipelines_dir,
+            integration_files={name: path for name, path in files.items() if path is not None},
+            metrics=Metrics(process=True),
+            runner_options=RunnerOptions(shutdown_grace_s=config.shutdown_grace_s),
+            supervisor_options=SupervisorOptions(lag_refresh_s=config.metrics.lag_refresh_s),
+        )
+        fleet = FleetMember(
+            state,
+            proxy,
+            options=FleetOptions(
+                lease_s=config.state.lease_s,
+                poll_s=config.state.poll_s,
+                handover_wait_s=config.shutdown_grace_s + config.state.lease_s,
+            ),
+        )
+        reloader = ConfigReloader(
+            proxy,
+            directory,
+            watch=config.reload.watch,
+            debounce_ms=config.reload.debounce_ms,
+            force_polling=config.reload.force_polling,
+            initial_problems=problems,
+        )
+        with _stop_on_signals(proxy.stop), _on_signal(signal.SIGHUP, reloader.request):
+            await fleet.join()
+            here = fleet.statistics().running
+            log.info(
+                "member %s of the fleet at %s; runs %d of %d integrations here: %s",
+                fleet.member_id,
+                state.location,
+                len(here),
+                len(integrations),
+                ", ".join(here) or "none yet",
+            )
             services = [
-                *_side_services(config, proxy, reloader),
+                *_side_services(config, proxy, reloader, fleet),
                 *plugin_services(config, proxy, dlq, broker),
             ]
             settle_heap()
-            await serve_beside(proxy.run(), services, [reloader.run(), enforce_dlq_retention(dlq)])
-        finally:
-            await dlq.close()
-            await broker.close()
+            await serve_beside(
+                proxy.run(), services, [reloader.run(), enforce_dlq_retention(dlq), fleet.run()]
+            )
     return EXIT_OK
 
 
-def _side_services(config: NemesisConfig, proxy: Proxy, reloader: ConfigReloader) -> list[Service]:
+def _side_services(
+    config: NemesisConfig, proxy: Proxy, reloader: ConfigReloader, fleet: FleetMember
+) -> list[Service]:
     """What serves beside the proxy, in its event loop: the admin API (the viewer joins here)."""
     from nemesis.admin import UvicornService, create_admin_app
 
@@ -319,6 +355,7 @@ def _side_services(config: NemesisConfig, proxy: Proxy, reloader: ConfigReloader
             proxy,
             token=None if token is None else token.get_secret_value(),
             reloader=reloader,
+            fleet=fleet,
         )
         services.append(
             UvicornService(app, host=config.admin.host, port=config.admin.port, name="admin API")
@@ -355,6 +392,37 @@ def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+
+
+# --- fleet ------------------------------------------------------------------------
+
+
+def cmd_fleet_status(args: argparse.Namespace) -> int:
+    import time
+
+    from nemesis.fleet.status import as_json, describe, fleet_status
+
+    config = _process_config(args)
+    integrations, problems = load_integrations(Path(config.integrations_dir))
+    for problem in problems:
+        log.warning("%s (left out of the placement)", problem)
+
+    async def status() -> int:
+        store = await backends.open_state(config)
+        try:
+            view = await store.view()
+        finally:
+            await store.close()
+        replicas = {name: integration.replicas for name, integration in integrations.items()}
+        figure = fleet_status(view, replicas, now=time.time(), location=store.location)
+        if args.json:
+            sys.stdout.write(orjson.dumps(as_json(figure), option=orjson.OPT_INDENT_2).decode())
+            sys.stdout.write("\n")
+        else:
+            print(describe(figure))
+        return EXIT_OK
+
+    return run_async(status())
 
 
 # --- size -------------------------------------------------------------------------
