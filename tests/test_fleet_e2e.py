@@ -24,7 +24,8 @@ from tests.conftest import Workspace, integration_yaml, kill_hard, stop_graceful
 pytestmark = pytest.mark.slow
 
 TOKEN = "fleet-test-token-0123456789"
-LEASE_S = 2.0
+# Long enough that a replica starting 60 integrations on a loaded machine keeps its lease.
+LEASE_S = 5.0
 
 
 def free_port() -> int:
@@ -106,10 +107,10 @@ class Fleet:
 async def eventually(
     check: Callable[[], Awaitable[Any]], *, timeout_s: float, what: str, logs: Callable[[], str]
 ) -> Any:
-    """Polls ``check`` until it returns something truthy."""
+    """Polls ``check`` until it returns something truthy (other processes change it)."""
     try:
         async with asyncio.timeout(timeout_s):
-            while not (found := await check()):
+            while not (found := await check()):  # noqa: ASYNC110 - other processes change it
                 await asyncio.sleep(0.25)
     except TimeoutError:
         pytest.fail(f"not within {timeout_s}s: {what}\n{logs()[-6000:]}")
@@ -144,7 +145,7 @@ async def test_three_replicas_share_sixty_integrations_and_a_killed_one_hands_ov
         for name in names:
             workspace.write_integration(
                 name,
-                integration_yaml(name, f"{handler.url}/{name}", workers=4, buffer=100, tiers=()),
+                integration_yaml(name, f"{handler.url}{name}", workers=4, buffer=100, tiers=()),
             )
         publish(workspace, "orders", range(20))
         for n in range(3):
@@ -156,7 +157,6 @@ async def test_three_replicas_share_sixty_integrations_and_a_killed_one_hands_ov
             logs=workspace.logs,
         )
         counts = {m["member_id"]: m["running"] for m in placed["members"]}
-        assert sorted(counts.values()) == sorted(counts.values())  # shown per member
         assert all(16 <= count <= 24 for count in counts.values()), counts
         assert sum(counts.values()) == 60
 
@@ -181,9 +181,12 @@ async def test_three_replicas_share_sixty_integrations_and_a_killed_one_hands_ov
         async def everything() -> bool:
             return delivered() >= expected
 
-        await eventually(
-            everything, timeout_s=120, what="every message delivered", logs=workspace.logs
-        )
+        def missing() -> str:
+            lost = sorted(expected - delivered())
+            paths = sorted({path for path, _ in lost})
+            return workspace.logs() + f"\n{len(lost)} missing, of {paths}"
+
+        await eventually(everything, timeout_s=120, what="every message delivered", logs=missing)
         for process in fleet.processes[:2]:
             assert await stop_gracefully(process) == 0, workspace.logs()[-4000:]
     assert delivered() == expected  # nothing lost, nothing from elsewhere
