@@ -35,6 +35,7 @@ from pydantic import ValidationError
 
 from nemesis import __version__
 from nemesis.admin import schemas
+from nemesis.admin.server import ServiceFailures
 from nemesis.admin.status import integration_status, reload_result
 from nemesis.config.models import NAME_PATTERN
 from nemesis.errors import StateError
@@ -72,12 +73,15 @@ def create_admin_app(
     *,
     token: str | None = None,
     reloader: ConfigReloader | None = None,
+    services: ServiceFailures | None = None,
     fleet: FleetMember | None = None,
 ) -> FastAPI:
     """The admin API over a proxy; ``token`` guards changes (None: read-only).
 
-    With ``fleet``, live changes are stored for the whole fleet before they
-    apply here (``nemesis.fleet.member``), and ``GET /fleet`` shows it.
+    ``services``: the side services (the DLQ viewer) that are not serving, a
+    reason for ``/readyz`` to answer 503. With ``fleet``, live changes are
+    stored for the whole fleet before they apply here
+    (``nemesis.fleet.member``), and ``GET /fleet`` shows it.
     """
     app = FastAPI(
         title="Nemesis admin API",
@@ -145,6 +149,8 @@ def create_admin_app(
             down_s = proxy.clock.monotonic() - unreachable
             if down_s >= BROKER_UNREACHABLE_S:
                 reasons.append(f"broker unreachable for {down_s:.0f}s: {lag.last_error}")
+        if services is not None:
+            reasons.extend(services.reasons())
         if reasons:
             response.status_code = 503
         return schemas.Readiness(
