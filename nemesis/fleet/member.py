@@ -354,9 +354,12 @@ class FleetMember:
                 # Forgotten while this member could not renew its lease: it runs it still.
                 await self.store.assign(name, me, now=now)
             self._proxy.set_runners(name, max(len(wanted), len(running)))
-            if me not in wanted and name not in self._releasing and self._tasks is not None:
+            if me not in wanted and name not in self._releasing:
                 self._releasing.add(name)
-                self._tasks.create_task(self._release(name), name=f"fleet:release:{name}")
+                if self._tasks is None:
+                    await self._release(name)  # before run(): nothing started, nothing to drain
+                else:
+                    self._tasks.create_task(self._release(name), name=f"fleet:release:{name}")
         for name in self._running - set(groups):  # removed by a reload
             self._running.discard(name)
             await self.store.unassign(name, me)
