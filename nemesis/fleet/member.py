@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -220,6 +221,9 @@ class FleetMember:
                         await self.tick()
                     except StateError as exc:
                         self._failed(exc)
+                    except Exception:
+                        # A supervisor boundary: a bug here must not stop the deliveries.
+                        log.exception("fleet: looking at the state store failed; trying again")
         finally:
             self._tasks = None
             with contextlib.suppress(StateError, TimeoutError):
@@ -229,13 +233,7 @@ class FleetMember:
         """One look at the store; acts on what changed."""
         now = self._clock.time()
         if self._proxy.stopping and not self._info.draining:
-            self._info = MemberInfo(
-                self._info.member_id,
-                self._info.host,
-                self._info.pid,
-                self._info.started_at,
-                draining=True,
-            )
+            self._info = dataclasses.replace(self._info, draining=True)
             self._next_heartbeat = now
         if now >= self._next_heartbeat:
             generation = await self._heartbeat()
@@ -370,6 +368,9 @@ class FleetMember:
         try:
             log.info("fleet: integration %s moves to another member; draining it here", name)
             await self._proxy.release_integration(name)
+        except Exception:
+            # It stopped here all the same (or never ran); the new owner must not wait for it.
+            log.exception("fleet: integration %s: stopping it here failed", name)
         finally:
             self._running.discard(name)
             self._releasing.discard(name)

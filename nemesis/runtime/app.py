@@ -344,12 +344,10 @@ class Proxy:
         old = self._groups[name]
         if old.task is None:
             return
-        fresh = self._build_group(old.yaml, old.file, old.overrides)
         await self._halt_group(old)
-        # Overrides set while the old one drained count too.
-        fresh.overrides = dict(old.overrides)
-        fresh.config = self._with_overrides(old.yaml, fresh.overrides, old.file)
-        fresh.limits.apply(fresh.config.rate_limits)
+        # Built after the drain, so overrides set meanwhile count too. One that no longer
+        # builds stays halted (ConfigError): it cannot start here again until its YAML does.
+        fresh = self._build_group(old.yaml, old.file, old.overrides)
         self._deactivate(old)
         self._activate(fresh)
         log.info("integration %s: stopped here, runs elsewhere", name, extra={"integration": name})
