@@ -223,3 +223,23 @@ async def test_the_admin_api_stores_changes_for_the_fleet_and_answers_503_withou
         assert [m["member_id"] for m in last["members"]] == ["a"]
         assert "closed" in last["last_error"]
     assert here.groups["team-1"].config.delivery.workers == 16  # nothing changed here either
+
+
+async def test_a_change_of_replicas_places_the_integration_again_without_a_restart(
+    broker: EmbeddedBroker, stores: list[SqliteStateStore]
+) -> None:
+    clock = FakeClock()
+    first, second = proxy(broker, clock), proxy(broker, clock)
+    a = FleetMember(stores[0], first, options=OPTIONS, clock=clock, member_id="a", pid=1)
+    b = FleetMember(stores[1], second, options=OPTIONS, clock=clock, member_id="b", pid=2)
+    await a.join()
+    await b.join()
+    await a.tick()
+    name = next(n for n in NAMES if a.owners_of(n) == ("a",))
+    everywhere = integration(name, "http://127.0.0.1:9/", replicas="all")
+    assert live.needs_restart(first.groups[name].yaml, everywhere) == []
+    for member in (first, second):
+        member.update_file_config(everywhere)  # the reload of each replica
+    await b.tick()
+    assert sorted(b.owners_of(name)) == ["a", "b"]
+    assert name in b.statistics().running
