@@ -37,6 +37,7 @@ from nemesis.runtime.housekeeping import enforce_dlq_retention
 from nemesis.terminal import inert
 
 if TYPE_CHECKING:
+    from nemesis.fleet.member import FleetMember
     from nemesis.runtime.app import Proxy
     from nemesis.runtime.reload import ConfigReloader
 
@@ -183,15 +184,43 @@ def build_parser() -> argparse.ArgumentParser:
     # --- onboarding: new, check-handler, schema (nemesis.onboarding.commands) ----------
     add_onboarding_commands(commands, run_async)
 
+    fleet = commands.add_parser("fleet", help="the replicas sharing this configuration")
+    fleet_commands = fleet.add_subparsers(title="fleet commands", metavar="ACTION", required=True)
+    fleet_status = fleet_commands.add_parser(
+        "status", help="members, who runs which integration, and the live overrides"
+    )
+    _config_option(fleet_status)
+    fleet_status.add_argument("--json", action="store_true", help="print JSON")
+    fleet_status.set_defaults(handler=cmd_fleet_status)
+
     size = commands.add_parser(
         "size", help="workers N = R x T with headroom, and the buffer it implies"
     )
-    size.add_argument("--rps", type=float, required=True, help="messages per second to deliver")
+    size.add_argument(
+        "--rps",
+        type=float,
+        required=True,
+        help="messages per second written to the source topic",
+    )
     size.add_argument(
         "--latency-ms", type=float, required=True, help="the handler's time per delivery"
     )
     size.add_argument("--batch-size", type=int, default=1, help="messages per request")
     size.add_argument("--headroom", type=float, default=None, help="factor (default 1.5)")
+    passing = size.add_mutually_exclusive_group()
+    passing.add_argument(
+        "--pass-rate",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="the share of messages the pipeline passes to the handler, 0-1 (default 1)",
+    )
+    passing.add_argument(
+        "--handler-rps",
+        type=float,
+        default=None,
+        help="messages per second that reach the handler, after the pipeline's filtering",
+    )
     size.set_defaults(handler=cmd_size)
 
     init = commands.add_parser(
@@ -298,6 +327,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 async def _run(config: NemesisConfig) -> int:
+    from nemesis.fleet.member import FleetMember, FleetOptions
     from nemesis.metrics import Metrics
     from nemesis.runtime.app import Proxy, SupervisorOptions
     from nemesis.runtime.reload import ConfigReloader
@@ -318,6 +348,8 @@ async def _run(config: NemesisConfig) -> int:
         opened.push_async_callback(broker.close)
         dlq = await open_dlq(config, broker)
         opened.push_async_callback(dlq.close)
+        state = await backends.open_state(config)
+        opened.push_async_callback(state.close)
         proxy = Proxy(
             broker,
             integrations,
@@ -328,6 +360,15 @@ async def _run(config: NemesisConfig) -> int:
             runner_options=RunnerOptions(shutdown_grace_s=config.shutdown_grace_s),
             supervisor_options=SupervisorOptions(lag_refresh_s=config.metrics.lag_refresh_s),
         )
+        fleet = FleetMember(
+            state,
+            proxy,
+            options=FleetOptions(
+                lease_s=config.state.lease_s,
+                poll_s=config.state.poll_s,
+                handover_wait_s=config.shutdown_grace_s + config.state.lease_s,
+            ),
+        )
         reloader = ConfigReloader(
             proxy,
             directory,
@@ -337,19 +378,26 @@ async def _run(config: NemesisConfig) -> int:
             initial_problems=problems,
         )
         with _stop_on_signals(proxy.stop), _on_signal(signal.SIGHUP, reloader.request):
+            await fleet.join()
+            here = fleet.statistics().running
             log.info(
-                "running %d integrations: %s", len(integrations), ", ".join(sorted(integrations))
+                "member %s of the fleet at %s; runs %d of %d integrations here: %s",
+                fleet.member_id,
+                state.location,
+                len(here),
+                len(integrations),
+                ", ".join(here) or "none yet",
             )
             failures = ServiceFailures()
             services = [
-                *_side_services(config, proxy, reloader, failures),
+                *_side_services(config, proxy, reloader, failures, fleet),
                 *plugin_services(config, proxy, dlq, broker),
             ]
             settle_heap()
             await serve_beside(
                 proxy.run(),
                 services,
-                [reloader.run(), enforce_dlq_retention(dlq)],
+                [reloader.run(), enforce_dlq_retention(dlq), fleet.run()],
                 required=[ADMIN_API],
                 failures=failures,
             )
@@ -360,7 +408,11 @@ ADMIN_API = "admin API"
 
 
 def _side_services(
-    config: NemesisConfig, proxy: Proxy, reloader: ConfigReloader, failures: ServiceFailures
+    config: NemesisConfig,
+    proxy: Proxy,
+    reloader: ConfigReloader,
+    failures: ServiceFailures,
+    fleet: FleetMember,
 ) -> list[Service]:
     """What serves beside the proxy, in its event loop: the admin API (the viewer joins here).
 
@@ -378,6 +430,7 @@ def _side_services(
             token=None if token is None else token.get_secret_value(),
             reloader=reloader,
             services=failures,
+            fleet=fleet,
         )
         services.append(
             UvicornService(app, host=config.admin.host, port=config.admin.port, name=ADMIN_API)
@@ -416,20 +469,56 @@ def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
             loop.remove_signal_handler(sig)
 
 
+# --- fleet ------------------------------------------------------------------------
+
+
+def cmd_fleet_status(args: argparse.Namespace) -> int:
+    import time
+
+    from nemesis.fleet.status import as_json, describe, fleet_status
+
+    config = _process_config(args)
+    integrations, problems = load_integrations(Path(config.integrations_dir))
+    for problem in problems:
+        log.warning("%s (left out of the placement)", problem)
+
+    async def status() -> int:
+        store = await backends.open_state(config)
+        try:
+            view = await store.view()
+        finally:
+            await store.close()
+        replicas = {name: integration.replicas for name, integration in integrations.items()}
+        figure = fleet_status(view, replicas, now=time.time(), location=store.location)
+        if args.json:
+            sys.stdout.write(orjson.dumps(as_json(figure), option=orjson.OPT_INDENT_2).decode())
+            sys.stdout.write("\n")
+        else:
+            print(describe(figure))
+        return EXIT_OK
+
+    return run_async(status())
+
+
 # --- size -------------------------------------------------------------------------
 
 
 def cmd_size(args: argparse.Namespace) -> int:
-    from nemesis.runtime.sizing import DEFAULT_HEADROOM, describe, size_for
+    from nemesis.runtime.sizing import DEFAULT_HEADROOM, describe, handler_rate, size_for
 
     headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
     try:
-        figure = size_for(
-            args.rps, args.latency_ms / 1000, batch_size=args.batch_size, headroom=headroom
-        )
+        rps = handler_rate(args.rps, pass_rate=args.pass_rate, handler_rps=args.handler_rps)
+        latency_s = args.latency_ms / 1000
+        figure = size_for(rps, latency_s, batch_size=args.batch_size, headroom=headroom)
     except ValueError as exc:
         print(f"nemesis size: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if rps != args.rps:
+        print(
+            f"written:   {args.rps:g} messages/s; the pipeline passes {rps:g}/s to the handler"
+            " (filtered messages need no worker)"
+        )
     print(describe(figure))
     return EXIT_OK
 

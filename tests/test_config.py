@@ -40,7 +40,8 @@ target:
   url: http://127.0.0.1:9001/events/order
 """
 KNOWN_FIELDS = (
-    "name, owners, source, pipeline, target, delivery, retry, breaker, rate_limits, flags, paused"
+    "name, owners, source, pipeline, target, delivery, retry, breaker, rate_limits, flags, paused,"
+    " replicas"
 )
 
 

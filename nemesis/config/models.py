@@ -25,9 +25,10 @@ from pydantic import (
     model_validator,
 )
 
-from nemesis.backends import BackendModel, DlqModel, default_backends
+from nemesis.backends import BackendModel, DlqModel, StateModel, default_backends
 from nemesis.backends.embedded import EmbeddedBackendConfig as EmbeddedBackendConfig
 from nemesis.backends.sqlite import SqliteDlqConfig as SqliteDlqConfig
+from nemesis.backends.sqlite import SqliteStateConfig as SqliteStateConfig
 from nemesis.backends.ydb import YdbBackendConfig as YdbBackendConfig
 from nemesis.backends.ydb import YdbConnectionConfig as YdbConnectionConfig
 from nemesis.backends.ydb import YdbCredentialsConfig as YdbCredentialsConfig
@@ -283,6 +284,9 @@ class IntegrationConfig(Model):
     rate_limits: RateLimitsConfig = RateLimitsConfig()
     flags: FlagsConfig = FlagsConfig()
     paused: bool = False
+    # How many members of the fleet run it; "all" for a heavy one, whose partitions
+    # the broker then spreads over every member.
+    replicas: Annotated[int, Field(ge=1, le=1000)] | Literal["all"] = 1
 
     cross_rules = (_halt_needs_ordering,)
 
@@ -295,9 +299,11 @@ class IntegrationConfig(Model):
 if TYPE_CHECKING:
     BackendConfig = BackendModel
     DlqConfig = DlqModel
+    StateConfig = StateModel
 else:
     BackendConfig = default_backends().backend_config()
     DlqConfig = default_backends().dlq_config()
+    StateConfig = default_backends().state_config()
 
 
 class ListenConfig(Model):
@@ -475,6 +481,8 @@ class AuthConfig(Model):
 class NemesisConfig(Model):
     backend: BackendConfig = EmbeddedBackendConfig()
     dlq: DlqConfig = SqliteDlqConfig()
+    # Where the replicas of this configuration meet (nemesis.fleet).
+    state: StateConfig = SqliteStateConfig()
     data_dir: str = "data"
     integrations_dir: str = "integrations"
     pipelines_dir: str = "pipelines"
