@@ -67,21 +67,25 @@ def add_offsets_commands(
 
     show = actions.add_parser("show", help="committed offset, end offset and lag per partition")
     config_option(show)
-    show.add_argument("integration")
+    show.add_argument("integration", help="the integration whose offsets to show")
     show.add_argument("--flow", help="one flow (main, retry-N, replay); default: all")
     show.add_argument("--json", action="store_true", help="one JSON document")
     show.set_defaults(handler=cmd_show)
 
     seek = actions.add_parser("seek", help="move committed offsets (paused or stopped only)")
     config_option(seek)
-    seek.add_argument("integration")
+    seek.add_argument(
+        "integration", help="the integration to move (paused, or stopped with --force)"
+    )
     seek.add_argument("--to", required=True, help=TO_HELP)
     _change_options(seek)
     seek.set_defaults(handler=cmd_seek)
 
     skip = actions.add_parser("skip", help="pass over the next N messages (paused or stopped only)")
     config_option(skip)
-    skip.add_argument("integration")
+    skip.add_argument(
+        "integration", help="the integration to move (paused, or stopped with --force)"
+    )
     skip.add_argument("--count", type=int, required=True, help="messages to skip per partition")
     _change_options(skip)
     skip.set_defaults(handler=cmd_skip)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from playwright.async_api import expect
 
 from dlq_viewer.testing import (
     STANDARD_ACCESS,
@@ -97,10 +98,9 @@ async def test_sign_in_filter_and_read_a_message(env: ViewerEnv, tab: Tab) -> No
         await tab.page.fill("#f-q", "ord-8 ")
         async with tab.page.expect_navigation():
             await tab.page.click("#apply-filters")
-        # A text search is counted after the page arrives.
-        await tab.page.wait_for_function(
-            "document.getElementById('match-count').textContent === '1'"
-        )
+        # A text search is counted after the page arrives. (Waited for through the
+        # locator: a string predicate is evaluated as script, which the CSP refuses.)
+        await expect(tab.page.locator("#match-count")).to_have_text("1")
         await tab.shot("messages-filtered", full_page=False)
 
         async with tab.page.expect_navigation():
