@@ -50,6 +50,9 @@ DurationS = Annotated[float, BeforeValidator(parse_duration)]
 
 NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
 TOPIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
+# A source topic may also be an absolute path (YDB: /<database>/<path>, a topic
+# outside the backend's directory); topics Nemesis creates are always relative.
+SOURCE_TOPIC_PATTERN = r"^/?[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 
 
 def _check_target_url(url: str) -> str:
@@ -66,7 +69,7 @@ class Model(BaseModel):
 
 
 class SourceConfig(Model):
-    topic: Annotated[str, Field(pattern=TOPIC_PATTERN)]
+    topic: Annotated[str, Field(pattern=SOURCE_TOPIC_PATTERN)]
     consumer: Annotated[str, Field(pattern=TOPIC_PATTERN)]
     # The metadata key that names a message's type (ce-type, flags.disabled_types).
     type_key: str = "type"
@@ -268,9 +271,11 @@ class YdbBackendConfig(YdbConnectionConfig):
     retention: DurationS = 7 * 86400.0
     default_partitions: Annotated[int, Field(ge=1, le=1024)] = 4
     reader_buffer_bytes: Annotated[int, Field(ge=64 * 1024)] = 16 * 1024 * 1024
-    # Messages of a paused partition held in memory before the whole reader
-    # stops taking messages (YDB cannot pause one partition: see the README).
+    # Messages, and bytes, of a paused partition held in memory; past either the
+    # partition's messages are dropped and read again after its resume (YDB
+    # cannot pause one partition: see nemesis/broker/ydb/README.md).
     pause_stash_messages: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
+    pause_stash_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
 
 
 class YdbDlqConfig(Model):

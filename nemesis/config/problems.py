@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from nemesis.config.document import DataPath, YamlDocument, format_path, yaml_kind
-from nemesis.config.models import NAME_PATTERN, TOPIC_PATTERN
+from nemesis.config.models import NAME_PATTERN, SOURCE_TOPIC_PATTERN, TOPIC_PATTERN
 from nemesis.errors import ConfigProblem
 
 ProblemFormat = Literal["text", "github"]
@@ -29,6 +29,8 @@ _PATTERN_HELP = {
     " starting and ending with a letter or a digit",
     TOPIC_PATTERN: "must be letters, digits, '.', '_', '/' and '-' (at most 200),"
     " starting with a letter or a digit",
+    SOURCE_TOPIC_PATTERN: "must be letters, digits, '.', '_', '/' and '-' (at most 200),"
+    " starting with a letter or a digit, or with '/' for an absolute path",
 }
 # Type errors say what was expected and what kind of value was found, in YAML
 # words, and never the value itself: it may come from a secret.

@@ -23,7 +23,12 @@ from typing import Final, Literal, get_args
 import yaml
 
 from nemesis import __version__
-from nemesis.config.models import NAME_PATTERN, TOPIC_PATTERN, IntegrationConfig
+from nemesis.config.models import (
+    NAME_PATTERN,
+    SOURCE_TOPIC_PATTERN,
+    TOPIC_PATTERN,
+    IntegrationConfig,
+)
 from nemesis.errors import NemesisError
 from nemesis.proto import handler_proto_text
 
@@ -113,8 +118,11 @@ def render_integration(spec: IntegrationSpec, *, schema_ref: str | None = None) 
     topic = spec.topic or source_part
     consumer = spec.consumer or spec.name
     owners = list(spec.owners) or [f"team-{target_part or spec.name}"]
-    for what, value in (("topic", topic), ("consumer", consumer)):
-        if not re.match(TOPIC_PATTERN, value):
+    for what, value, pattern in (
+        ("topic", topic, SOURCE_TOPIC_PATTERN),
+        ("consumer", consumer, TOPIC_PATTERN),
+    ):
+        if not re.match(pattern, value):
             raise TemplateError(f"{value!r} is not a valid {what} name")
     if spec.pipeline is not None:
         if not re.match(NAME_PATTERN, spec.pipeline):

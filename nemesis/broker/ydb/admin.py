@@ -9,16 +9,35 @@ the database root of a busy database.
 
 ``describe_topic`` costs one ``DescribeTopic`` and one ``DescribeConsumer``
 per consumer (the committed offsets live in the consumer's statistics).
+
+Directories. The Topic API creates a topic in its parent directory and does
+not create missing directories, so ``create_topic`` first makes every
+missing directory on the way with the scheme client (``MakeDirectory``, one
+level at a time, once per admin). A directory that cannot be made is a
+BrokerError naming it, not a missing topic.
+
+A topic name that starts with ``/`` is an absolute path inside the database
+(``connection.object_path``).
+
+Topics Nemesis owns. The consumers of the retry tiers and of the replay
+topics (``INTERNAL_TOPIC_PREFIXES``) are always *important*: YDB deletes
+nothing such a consumer has not committed, whatever the retention, so a
+paused integration loses none of its retries or replays. The price is disk:
+a topic of an integration that is gone keeps growing until it is dropped
+(``ydb topic drop``). A consumer registered before, not important,
+is made important by ``add_consumer``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, cast
 
 import ydb
 from ydb import (
+    TopicAlterConsumer,
     TopicClientAsyncIO,
     TopicConsumer,
     TopicConsumerDescription,
@@ -31,10 +50,18 @@ from nemesis.broker.port import TopicDescription as PortDescription
 from nemesis.broker.ydb.connection import object_path
 from nemesis.broker.ydb.errors import topic_call
 from nemesis.broker.ydb.mapping import unix_seconds
-from nemesis.errors import TopicExists, TopicNotFound
+from nemesis.errors import BrokerError, TopicExists, TopicNotFound
 
 MAX_LIST_DEPTH = 4
 MAX_LISTED = 10_000
+
+# The topics Nemesis creates for itself (nemesis.runtime.retries: tier_topic, replay_topic).
+INTERNAL_TOPIC_PREFIXES = ("nemesis.retry.", "nemesis.replay.")
+
+
+def is_internal(topic: str) -> bool:
+    """Whether ``topic`` is a retry tier or replay topic of Nemesis' own."""
+    return topic.rsplit("/", 1)[-1].startswith(INTERNAL_TOPIC_PREFIXES)
 
 
 class SchemeEntry(Protocol):
@@ -53,6 +80,7 @@ class Directory(Protocol):
 
 
 ListDirectory = Callable[[str], Awaitable[Directory]]
+MakeDirectory = Callable[[str], Awaitable[object]]
 
 
 class YdbAdmin:
@@ -63,6 +91,7 @@ class YdbAdmin:
         topics: TopicClientAsyncIO,
         list_directory: ListDirectory,
         *,
+        make_directory: MakeDirectory,
         database: str,
         directory: str,
         default_retention_s: float,
@@ -70,6 +99,8 @@ class YdbAdmin:
     ) -> None:
         self._topics = topics
         self._list_directory = list_directory
+        self._make_directory = make_directory
+        self._made: set[str] = set()  # directories known to exist
         self._database = database
         self._directory = directory
         self._default_retention_s = default_retention_s
@@ -96,15 +127,18 @@ class YdbAdmin:
         if retention_s is None:
             retention_s = self._default_retention_s
         retention = datetime.timedelta(seconds=retention_s) if retention_s else None
+        path = self.path(name)
+        parent = path.rsplit("/", 1)[0]
+        await self.make_directories(parent)
         try:
             await topic_call(
                 f"create topic {name}",
                 self._topics.create_topic(
-                    self.path(name),
+                    path,
                     min_active_partitions=partitions,
                     max_active_partitions=partitions,
                     retention_period=retention,
-                    consumers=[_consumer(c) for c in consumers],
+                    consumers=[_consumer(_spec(name, c)) for c in consumers],
                 ),
                 self._timeout_s,
             )
@@ -113,11 +147,53 @@ class YdbAdmin:
                 raise
             for consumer in consumers:
                 await self.add_consumer(name, consumer)
+        except TopicNotFound as exc:
+            # The server's word for a parent directory that is not there (any more).
+            self._made.discard(parent)
+            raise BrokerError(f"{exc} (is the directory {parent} there?)") from exc
+
+    async def make_directories(self, path: str) -> None:
+        """Makes ``path`` and every missing directory above it, up to the database root.
+
+        BrokerError naming the directory when one cannot be made (access, a
+        topic or table of that name in the way).
+        """
+        root = self._database.rstrip("/")
+        if path in self._made or not path.startswith(root + "/"):
+            return  # known, or the database root itself
+        levels = path[len(root) + 1 :].split("/")
+        for depth in range(1, len(levels) + 1):
+            directory = "/".join([root, *levels[:depth]])
+            if directory in self._made:
+                continue
+            try:
+                await topic_call(
+                    f"create directory {directory}",
+                    self._make_directory(directory),
+                    self._timeout_s,
+                )
+            except TopicExists:
+                pass  # made meanwhile by another process
+            except TopicNotFound as exc:  # the scheme's error, for a directory: not a topic
+                raise BrokerError(str(exc)) from exc
+            self._made.add(directory)
 
     async def add_consumer(self, topic: str, consumer: ConsumerSpec) -> None:
-        """Registers a consumer; a consumer that exists already is left alone."""
+        """Registers a consumer; one that exists already is left alone (but for importance:
+        the consumers of Nemesis' own topics are made important, see the module docstring)."""
+        consumer = _spec(topic, consumer)
         described = await self._describe(topic)
-        if any(c.name == consumer.name for c in described.consumers):
+        existing = next((c for c in described.consumers if c.name == consumer.name), None)
+        if existing is not None:
+            if consumer.important and not existing.important:
+                await topic_call(
+                    f"make consumer {consumer.name} of {topic} important",
+                    self._topics.alter_topic(
+                        self.path(topic),
+                        alter_consumers=[TopicAlterConsumer(consumer.name, set_important=True)],
+                    ),
+                    self._timeout_s,
+                )
             return
         try:
             await topic_call(
@@ -235,6 +311,17 @@ def _consumer(spec: ConsumerSpec) -> TopicConsumer | str:
     return TopicConsumer(spec.name, important=spec.important)
 
 
+def _spec(topic: str, spec: ConsumerSpec) -> ConsumerSpec:
+    if is_internal(topic) and not spec.important:
+        return dataclasses.replace(spec, important=True)
+    return spec
+
+
 def scheme_lister(driver: Driver) -> ListDirectory:
     """The scheme client's ``list_directory``, typed (the SDK leaves it untyped)."""
     return cast(ListDirectory, driver.scheme_client.list_directory)
+
+
+def scheme_maker(driver: Driver) -> MakeDirectory:
+    """The scheme client's ``make_directory``, typed (the SDK leaves it untyped)."""
+    return cast(MakeDirectory, driver.scheme_client.make_directory)

@@ -7,9 +7,15 @@ import logging
 from ydb import TopicClientAsyncIO
 from ydb.aio.driver import Driver
 
-from nemesis.broker.ydb.admin import ListDirectory, YdbAdmin, scheme_lister
+from nemesis.broker.ydb.admin import (
+    ListDirectory,
+    MakeDirectory,
+    YdbAdmin,
+    scheme_lister,
+    scheme_maker,
+)
 from nemesis.broker.ydb.connection import open_driver
-from nemesis.broker.ydb.reader import YdbReader
+from nemesis.broker.ydb.reader import YdbReader, open_sdk_reader
 from nemesis.broker.ydb.writer import YdbWriter, default_producer_id
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import YdbBackendConfig
@@ -30,6 +36,7 @@ class YdbBroker:
         clock: Clock = SYSTEM_CLOCK,
         topics: TopicClientAsyncIO | None = None,
         list_directory: ListDirectory | None = None,
+        make_directory: MakeDirectory | None = None,
     ) -> None:
         self.driver = driver
         self.config = config
@@ -39,6 +46,7 @@ class YdbBroker:
         self._admin = YdbAdmin(
             self._topics,
             list_directory if list_directory is not None else scheme_lister(driver),
+            make_directory=make_directory if make_directory is not None else scheme_maker(driver),
             database=config.database,
             directory=config.directory,
             default_retention_s=config.retention,
@@ -62,16 +70,14 @@ class YdbBroker:
         self._check_open()
         if consumer not in await self._admin.consumers(topic):
             raise TopicNotFound(f"topic {topic} has no consumer {consumer}")
-        sdk = self._topics.reader(
-            self._admin.path(topic),
-            consumer=consumer,
-            buffer_size_bytes=self.config.reader_buffer_bytes,
-        )
+        path = self._admin.path(topic)
+        buffer_bytes = self.config.reader_buffer_bytes
         reader = YdbReader(
-            sdk,
+            lambda: open_sdk_reader(self._topics, path, consumer, buffer_bytes),
             topic=topic,
             consumer=consumer,
             stash_limit=self.config.pause_stash_messages,
+            stash_bytes=self.config.pause_stash_bytes,
             commit_timeout_s=self.config.request_timeout_s,
         )
         self._readers = [r for r in self._readers if not r.closed]
