@@ -54,7 +54,7 @@ import ipaddress
 import re
 import socket
 import ssl
-from collections.abc import Collection, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import unquote, urlsplit
@@ -127,6 +127,7 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._headers_done = False
         self._message_done = False
+        self._keep_alive = False  # the answer lets the connection serve another request
         self.status = 0
         self.headers: dict[str, str] = {}
         self.body = b""
@@ -158,13 +159,13 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._broken_answer(str(exc) or type(exc).__name__)
             return
-        if self.answered():
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._fail(WireError(WireFailure.TOO_LARGE, f"headers over {MAX_HEAD_BYTES} bytes"))
+        elif self.answered():
             self._finish()
         elif self._body_bytes > DRAIN_LIMIT_BYTES:
             # A longer body is not read to the end: closing the connection is cheaper.
             self._finish()
-        elif not self._headers_done and self._head_bytes > MAX_HEAD_BYTES:
-            self._fail(WireError(WireFailure.TOO_LARGE, f"headers over {MAX_HEAD_BYTES} bytes"))
 
     def eof_received(self) -> bool:
         self.closed = True
@@ -194,6 +195,8 @@ class _Connection(asyncio.Protocol):
         self.headers = {}
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # Counted here too: a head that arrives in one read is parsed whole before the check.
+        self._head_bytes += len(name) + len(value)
         if not self._stray:
             self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
@@ -203,6 +206,8 @@ class _Connection(asyncio.Protocol):
         self.status = self._parser.get_status_code()
         if self.status >= 200:
             self._headers_done = True
+            # Read now: llhttp forgets it once the message is complete.
+            self._keep_alive = self._parser.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
         if self._stray:
@@ -226,6 +231,7 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._headers_done = False
         self._message_done = False
+        self._keep_alive = False
         self.status = 0
         self.body = b""
         self._body_bytes = 0
@@ -244,7 +250,7 @@ class _Connection(asyncio.Protocol):
             complete
             and not self._stray
             and not self.closed
-            and self._parser.should_keep_alive()
+            and self._keep_alive
             and transport is not None
             and not transport.is_closing()
             # An answer that came before the whole request was written (a handler
@@ -310,7 +316,9 @@ class _Target:
             raise ConfigError([_problem(integration, "target.url", "names no host")])
         # user:password@ in the URL: sent as Basic credentials, as HTTP clients do.
         self.basic_credentials: str | None = None
+        self.secrets: list[str] = []  # to be kept out of error text
         if parts.username is not None or parts.password is not None:
+            self.secrets = [unquote(parts.password or "")]
             pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
             self.basic_credentials = "Basic " + base64.b64encode(pair.encode()).decode()
         self.tls = parts.scheme == "https"
@@ -331,6 +339,17 @@ class _Target:
         self.request_line = f"POST {path} HTTP/1.1\r\nhost: {host_header}\r\n"
 
 
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
+
+
+async def resolve_host(host: str, port: int) -> list[str]:
+    """The addresses of ``host``, asked of the system resolver each time (never cached)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+    )
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
 class PoolClosed(Exception):
     """The transport was closed while a request waited for a connection."""
 
@@ -338,8 +357,11 @@ class PoolClosed(Exception):
 class _Pool:
     """At most ``limit`` connections to one target; idle ones kept for ``keepalive_s``."""
 
-    def __init__(self, target: _Target, limit: int, keepalive_s: float) -> None:
+    def __init__(
+        self, target: _Target, limit: int, keepalive_s: float, resolve: Resolver | None
+    ) -> None:
         self._target = target
+        self._resolve = resolve or resolve_host
         self._limit = limit
         self._keepalive_s = keepalive_s
         self._idle: collections.deque[_Connection] = collections.deque()  # oldest left
@@ -441,19 +463,16 @@ class _Pool:
         loop = asyncio.get_running_loop()
         target = self._target
         if target.address is not None:
-            addresses = [target.address]
+            addresses: Sequence[str] = [target.address]
         else:
-            infos = await loop.getaddrinfo(
-                target.host, target.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
-            )
-            addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+            addresses = await self._resolve(target.host, target.port)
             if not addresses:
                 raise socket.gaierror(socket.EAI_NONAME, "no address")
         # Each new connection starts at the next address: the load spreads over all of them.
         start = self._rotation % len(addresses)
         self._rotation += 1
         failure: OSError | None = None
-        for address in addresses[start:] + addresses[:start]:
+        for address in [*addresses[start:], *addresses[:start]]:
             try:
                 _, connection = await loop.create_connection(
                     lambda: _Connection(loop),
@@ -484,6 +503,7 @@ class H1Transport:
         max_connections: int,
         clock: Clock = SYSTEM_CLOCK,
         keepalive_s: float = KEEPALIVE_S,
+        resolve: Resolver | None = None,
     ) -> None:
         if target.scheme not in ("http", "https"):
             raise ConfigError(
@@ -502,7 +522,10 @@ class H1Transport:
         if credentials is not None and "authorization" not in checked_headers:
             checked_headers["authorization"] = credentials
         self._contract = contract_for(
-            target, integration=integration, clock=clock, redact=checked_headers.values()
+            target,
+            integration=integration,
+            clock=clock,
+            redact=[*checked_headers.values(), *self._target.secrets],
         )
         self._signs = self._contract.signs
         extra = {
@@ -518,7 +541,7 @@ class H1Transport:
         )
         # The head of every event of a (type, topic, content type), up to its own headers.
         self._constant_heads: dict[tuple[str, str, str], str] = {}
-        self._pool = _Pool(self._target, max_connections, keepalive_s)
+        self._pool = _Pool(self._target, max_connections, keepalive_s, resolve)
         self._closed = False
         self._requests = 0
         self._in_flight = 0
