@@ -12,20 +12,25 @@ same routes (``servers/``):
 
 Each keeps idle connections open ``KEEPALIVE_S``, far shorter than the
 transport's own keep-alive, so that the tests can watch a server close them.
+
+Every test runs twice: on asyncio's own event loop and on uvloop (what
+``nemesis run`` uses when the ``speed`` extra is installed).
 """
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import uvloop
 
 SERVERS_DIR = Path(__file__).parent / "servers"
 KEEPALIVE_S = 1.0
@@ -42,6 +47,13 @@ class RealServer:
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """asyncio's loop, then uvloop's, for every test of the suite."""
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
 def free_port() -> int:
