@@ -115,7 +115,7 @@ class _Connection(asyncio.Protocol):
     """One keep-alive connection: one request at a time, its answer parsed by httptools."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.closed = False  # the peer closed (EOF) or the connection was lost
         self.reusable = False  # the last answer left it ready for another request
@@ -235,7 +235,7 @@ class _Connection(asyncio.Protocol):
         self.body = b""
         self._body_bytes = 0
         self.error = None
-        waiter = self._waiter = self._loop.create_future()
+        waiter = self._waiter = self.loop.create_future()
         if body is None:
             self.transport.write(data)
         else:
@@ -398,6 +398,19 @@ class _Pool:
                 raise
         if self._closed:
             raise PoolClosed
+        connection = self.take_idle()
+        if connection is not None:
+            return connection
+        self._busy += 1
+        try:
+            return await self._connect()
+        except BaseException:
+            self._busy -= 1
+            self._wake_next()
+            raise
+
+    def take_idle(self) -> _Connection | None:
+        """A pooled connection still open, if there is one (``acquire`` without waiting)."""
         idle = self._idle
         while idle:
             connection = idle.pop()  # the most recently used: least likely to be closed
@@ -408,19 +421,13 @@ class _Pool:
                 continue
             self._busy += 1
             return connection
-        self._busy += 1
-        try:
-            return await self._connect()
-        except BaseException:
-            self._busy -= 1
-            self._wake_next()
-            raise
+        return None
 
     def release(self, connection: _Connection) -> None:
         """Takes a connection back after its request: pooled if reusable, closed otherwise."""
         self._busy -= 1
         if connection.reusable and not connection.closed and not self._closed:
-            loop = asyncio.get_running_loop()
+            loop = connection.loop
             connection.idle_since = loop.time()
             self._idle.append(connection)
             if self._reaper is None:
@@ -623,7 +630,7 @@ class H1Transport:
         connection: _Connection | None = None
         try:
             try:
-                connection = await pool.acquire()
+                connection = pool.take_idle() or await pool.acquire()
             except PoolClosed:
                 return contract.wire_error(WireError(WireFailure.CLOSED), None)
             except ssl.SSLError as exc:
