@@ -57,6 +57,8 @@ class RawServer:
     read_body: bool = True
     port: int = 0
     requests: list[Request] = field(default_factory=list)
+    closed_by_client: int = 0  # connections the client closed (EOF between requests)
+    _client_closed: asyncio.Event = field(default_factory=asyncio.Event)
     _server: asyncio.Server | None = None
     _connections: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
@@ -78,6 +80,12 @@ class RawServer:
             writer.transport.abort()
         await self._server.wait_closed()
 
+    async def wait_closed_by_client(self, count: int) -> None:
+        """Until the client has closed ``count`` connections."""
+        while self.closed_by_client < count:
+            self._client_closed.clear()
+            await self._client_closed.wait()
+
     def url(self, path: str = "/") -> str:
         return f"http://{self.host}:{self.port}{path}"
 
@@ -95,7 +103,11 @@ class RawServer:
                 self.requests.append(request)
                 if not await self.script(request, reader, writer):
                     break
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except asyncio.IncompleteReadError as eof:
+            if not eof.partial:
+                self.closed_by_client += 1
+                self._client_closed.set()
+        except ConnectionError:
             pass
         finally:
             writer.transport.abort()
@@ -415,6 +427,46 @@ async def test_the_pool_never_opens_more_than_its_limit() -> None:
 
     assert {r.outcome for r in results} == {Outcome.DELIVERED}
     assert len({r.connection for r in server.requests}) == 3
+
+
+async def test_idle_connections_are_closed_after_the_keep_alive_period() -> None:
+    async with RawServer(always(NO_CONTENT)) as server:
+        target = TargetConfig.model_validate({"url": server.url()})
+        transport = H1Transport(target, integration="c", max_connections=4, keepalive_s=0.2)
+        try:
+            await asyncio.gather(*(transport.deliver(event(n)) for n in range(3)))
+            opened = transport.statistics().connects
+            async with asyncio.timeout(10):
+                await server.wait_closed_by_client(opened)
+            stats = transport.statistics()
+            after = await transport.deliver(event(9))
+        finally:
+            await transport.close()
+
+    assert (stats.open_connections, stats.idle_connections) == (0, 0)
+    assert after.outcome is Outcome.DELIVERED
+    assert transport.statistics().connects == opened + 1
+
+
+async def test_waiting_for_a_connection_counts_against_the_deadline() -> None:
+    async def hang(_: Request, __: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool:
+        await asyncio.sleep(30)
+        return False
+
+    async with RawServer(hang) as server:
+        transport = make(server.url(), timeout_s=0.3, max_connections=1)
+        try:
+            first, second = await asyncio.gather(
+                transport.deliver(event(1)), transport.deliver(event(2))
+            )
+        finally:
+            await transport.close()
+
+    for result in (first, second):
+        assert (result.outcome, result.error) == (Outcome.RETRY, "timeout after 0.3s")
+    # The second never got a connection: only the first request was sent.
+    assert len(server.requests) == 1
+    assert transport.statistics().in_flight == 0
 
 
 async def test_new_connections_rotate_over_the_resolved_addresses_and_follow_changes() -> None:
