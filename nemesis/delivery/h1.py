@@ -107,7 +107,7 @@ class H1TransportStatistics:
     open_connections: int
     idle_connections: int
     connects: int  # connections opened
-    discarded: int  # pooled connections found closed by the handler before reuse
+    discarded: int  # pooled connections the handler closed (dropped before any reuse)
     max_connections: int
 
 
@@ -127,6 +127,8 @@ class _Connection(asyncio.Protocol):
         self._headers_done = False
         self._message_done = False
         self._keep_alive = False  # the answer lets the connection serve another request
+        # Called when the connection is lost while no request uses it (set by the pool).
+        self.on_idle_lost: Callable[[_Connection], None] | None = None
         self.status = 0
         self.headers: dict[str, str] = {}
         self.body = b""
@@ -173,7 +175,11 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.reusable = False
-        if self._waiter is None or self._waiter.done():
+        if self._waiter is None:
+            if self.on_idle_lost is not None:
+                self.on_idle_lost(self)  # closed by the handler while pooled
+            return
+        if self._waiter.done():
             return
         if self._headers_done:
             # The status arrived and decides; a body read until close ends here too.
@@ -429,6 +435,7 @@ class _Pool:
         if connection.reusable and not connection.closed and not self._closed:
             loop = connection.loop
             connection.idle_since = loop.time()
+            connection.on_idle_lost = self._lost_while_idle
             self._idle.append(connection)
             if self._reaper is None:
                 self._reaper = loop.call_later(self._keepalive_s, self._reap, loop)
@@ -447,6 +454,14 @@ class _Pool:
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _lost_while_idle(self, connection: _Connection) -> None:
+        # The handler closed a pooled connection: it leaves the pool at once, so that it
+        # holds no place under the limit and is never picked for a request.
+        if connection in self._idle:
+            self._idle.remove(connection)
+            self.discarded += 1
+            self._wake_next()
 
     def _wake_next(self) -> None:
         while self._waiters:

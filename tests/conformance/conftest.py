@@ -43,7 +43,6 @@ class RealServer:
 
     name: str
     port: int
-    keepalive_s: float = KEEPALIVE_S
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -193,10 +192,8 @@ def _serve(name: str, directory: Path) -> Iterator[RealServer]:
             [node, str(SERVERS_DIR / "node_app.js"), str(port), str(int(KEEPALIVE_S * 1000))],
             port,
         )
-    # Node closes an idle connection up to a second after its keepAliveTimeout.
-    closes_idle_within_s = KEEPALIVE_S + (1.0 if name == "node" else 0.0)
     for _ in started:
-        yield RealServer(name, port, closes_idle_within_s)
+        yield RealServer(name, port)
 
 
 @pytest.fixture(scope="module", params=["nginx", "uvicorn", "aiohttp", "node"])
