@@ -35,6 +35,7 @@ from pydantic import ValidationError
 
 from nemesis import __version__
 from nemesis.admin import schemas
+from nemesis.admin.server import ServiceFailures
 from nemesis.admin.status import integration_status, reload_result
 from nemesis.config.models import NAME_PATTERN
 from nemesis.runtime.app import Proxy
@@ -66,8 +67,13 @@ def create_admin_app(
     *,
     token: str | None = None,
     reloader: ConfigReloader | None = None,
+    services: ServiceFailures | None = None,
 ) -> FastAPI:
-    """The admin API over a proxy; ``token`` guards changes (None: read-only)."""
+    """The admin API over a proxy; ``token`` guards changes (None: read-only).
+
+    ``services``: the side services (the DLQ viewer) that are not serving, a
+    reason for ``/readyz`` to answer 503.
+    """
     app = FastAPI(
         title="Nemesis admin API",
         version=__version__,
@@ -115,6 +121,8 @@ def create_admin_app(
             down_s = proxy.clock.monotonic() - unreachable
             if down_s >= BROKER_UNREACHABLE_S:
                 reasons.append(f"broker unreachable for {down_s:.0f}s: {lag.last_error}")
+        if services is not None:
+            reasons.extend(services.reasons())
         if reasons:
             response.status_code = 503
         return schemas.Readiness(

@@ -17,7 +17,9 @@ TypeName = Annotated[str, Field(min_length=1, max_length=200)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: a field the schema calls boolean takes true/false, not 0 or "yes"; an
+    # integer takes 4, not "4" or 4.0 (a number still takes an integer: 5 is 5.0).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class BatchPatch(_Request):

@@ -29,6 +29,7 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
+from nemesis.aio import first_of
 from nemesis.broker.port import Broker, ConsumerSpec, TopicWriter
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig, TargetConfig
@@ -43,9 +44,8 @@ from nemesis.resilience.breaker import BreakerListener, CircuitBreaker, bind_bre
 from nemesis.resilience.limits import FlowLimits, wait_recorder
 from nemesis.runtime import overrides as live
 from nemesis.runtime.lag import LagMonitor, LagTarget, PartitionLag, oldest_unfinished_from
-from nemesis.runtime.retries import FlowSpec, TieredSettler, flows_of, tier_topic
+from nemesis.runtime.retries import FlowSpec, flows_of, tier_topic
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
-from nemesis.runtime.settle import RetryInPlace, Settler
 from nemesis.runtime.sizing import LiveSizing
 from nemesis.runtime.telemetry import IntegrationSnapshot, ProxySnapshot, metric_families
 
@@ -520,7 +520,8 @@ class Proxy:
             self.broker,
             group.transport,
             flow=flow,
-            settler=self._settler(group, flow),
+            dlq=self.dlq,
+            tier_writers=group.tier_writers,
             pipeline=group.pipeline,
             breaker=group.breaker,
             limits=group.limits,
@@ -528,20 +529,6 @@ class Proxy:
             clock=self._clock,
             options=self._runner_options,
             owns_transport=False,
-        )
-
-    def _settler(self, group: IntegrationGroup, flow: FlowSpec) -> Settler:
-        config = group.config
-        if self.dlq is None:
-            return RetryInPlace(config.name, config.retry.tiers)
-        return TieredSettler(
-            config,
-            flow,
-            tier_writers=group.tier_writers,
-            dlq=self.dlq,
-            clock=self._clock,
-            breaker=group.breaker,
-            metrics=self.metrics,
         )
 
     async def _telemetry(self) -> None:
@@ -666,16 +653,7 @@ class Proxy:
         return self._stopping.is_set() or group.stopping.is_set()
 
     async def _sleep_unless_halted(self, group: IntegrationGroup, seconds: float) -> None:
-        waiters = [
-            asyncio.ensure_future(self._stopping.wait()),
-            asyncio.ensure_future(group.stopping.wait()),
-        ]
-        try:
-            await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
-            await asyncio.gather(*waiters, return_exceptions=True)
+        await first_of(self._clock.sleep(seconds), self._stopping.wait(), group.stopping.wait())
 
 
 def _state_of(group: IntegrationGroup) -> str:

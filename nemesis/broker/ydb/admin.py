@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol, cast
 
 import ydb
@@ -45,7 +45,7 @@ from ydb import (
 )
 from ydb.aio.driver import Driver
 
-from nemesis.broker.port import ConsumerSpec, PartitionInfo
+from nemesis.broker.port import ConsumerSpec, PartitionInfo, Seek
 from nemesis.broker.port import TopicDescription as PortDescription
 from nemesis.broker.ydb.connection import object_path
 from nemesis.broker.ydb.errors import topic_call
@@ -248,6 +248,65 @@ class YdbAdmin:
         """Deletes a topic; its readers fail at their next read."""
         await topic_call(
             f"drop topic {name}", self._topics.drop_topic(self.path(name)), self._timeout_s
+        )
+
+    async def offsets_for_time(self, topic: str, at: float) -> Mapping[int, int]:
+        """YDB has no lookup of an offset by time: a reader's ``read_from`` is its only use."""
+        raise BrokerError(
+            f"topic {topic}: YDB cannot look up an offset by time; seek to an offset,"
+            " or to earliest or latest"
+        )
+
+    async def seek(self, topic: str, consumer: str, partition: int, offset: int) -> Seek:
+        """Sets the committed offset with ``CommitOffset``, outside any read session.
+
+        Without a read session id the server interrupts the read session
+        holding the partition; the partition is then assigned again and read
+        from the new offset. (The messages the old session had handed out
+        are dropped by the reader as stale, see ``reader``.)
+        """
+        described = await self._describe(topic, include_stats=True)
+        found = next((p for p in described.partitions if p.partition_id == partition), None)
+        if found is None:
+            raise ValueError(
+                f"partition {partition} is out of range: topic {topic} has"
+                f" {len(described.partitions)}"
+            )
+        stats = found.partition_stats
+        start = stats.partition_start if stats is not None else 0
+        end = stats.partition_end if stats is not None else 0
+        before = max((await self.committed(topic, consumer)).get(partition, 0), start)
+        after = min(max(offset, start), end)
+        await topic_call(
+            f"commit offset {after} of {topic}/{partition} for {consumer}",
+            self._topics.commit_offset(self.path(topic), consumer, partition, after),
+            self._timeout_s,
+        )
+        return Seek(partition, before, after)
+
+    async def live_readers(self, topic: str, consumer: str) -> Sequence[str]:
+        """The read sessions holding a partition of ``consumer``, as the server reports them."""
+        about = await self._describe_consumer(topic, consumer)
+        sessions = {
+            f"{stats.reader_name or 'reader'} ({stats.read_session_id})"
+            for p in about.partitions
+            if (stats := p.partition_consumer_stats) is not None and stats.read_session_id
+        }
+        return sorted(sessions)
+
+    async def write_times(self, topic: str, offsets: Mapping[int, int]) -> Mapping[int, float]:
+        """Not cheap on YDB (it would take a read): nothing."""
+        return {}
+
+    async def committed(self, topic: str, consumer: str) -> dict[int, int]:
+        """``consumer``'s committed offset per partition, as the server reports it (0: never)."""
+        return consumer_offsets(await self._describe_consumer(topic, consumer))
+
+    async def _describe_consumer(self, topic: str, consumer: str) -> TopicConsumerDescription:
+        return await topic_call(
+            f"describe consumer {consumer} of {topic}",
+            self._topics.describe_consumer(self.path(topic), consumer, include_stats=True),
+            self._timeout_s,
         )
 
     async def partitions(self, name: str) -> int:

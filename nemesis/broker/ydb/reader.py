@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import functools
 import itertools
 import logging
@@ -67,6 +68,7 @@ from ydb import (
     TopicReaderAsyncIO,
     TopicReaderBatch,
     TopicReaderMessage,
+    TopicReaderSelector,
     issues,
 )
 from ydb._grpc.grpcwrapper.ydb_topic import Codec
@@ -121,11 +123,22 @@ def decoders() -> dict[int, Callable[[bytes], bytes]]:
 
 
 def open_sdk_reader(
-    topics: TopicClientAsyncIO, path: str, consumer: str, buffer_size_bytes: int
+    topics: TopicClientAsyncIO,
+    path: str,
+    consumer: str,
+    buffer_size_bytes: int,
+    read_from: datetime.datetime | None = None,
 ) -> TopicReaderAsyncIO:
-    """An SDK reader of ``path`` as ``consumer`` with this module's decoders."""
+    """An SDK reader of ``path`` as ``consumer`` with this module's decoders.
+
+    ``read_from`` (a time) makes the server skip the messages written
+    before it, on every partition of this read session.
+    """
+    selector: str | TopicReaderSelector = path
+    if read_from is not None:
+        selector = TopicReaderSelector(path, read_from=read_from)
     return topics.reader(
-        path, consumer=consumer, buffer_size_bytes=buffer_size_bytes, decoders=decoders()
+        selector, consumer=consumer, buffer_size_bytes=buffer_size_bytes, decoders=decoders()
     )
 
 
