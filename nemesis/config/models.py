@@ -161,6 +161,9 @@ class TargetConfig(Model):
     headers: dict[str, str] = Field(default_factory=dict)
     # None: requests are not signed.
     signing: SigningConfig | None = None
+    # The HTTP client of http(s):// targets: Nemesis' own HTTP/1.1 transport (h1), or
+    # aiohttp's. gRPC targets ignore it.
+    transport: Literal["h1", "aiohttp"] = "h1"
 
     @property
     def scheme(self) -> str:

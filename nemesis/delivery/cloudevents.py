@@ -140,6 +140,32 @@ def binary_headers_from(constant: dict[str, str], event: Event) -> dict[str, str
     return headers
 
 
+def binary_header_lines(event: Event) -> tuple[str, str]:
+    """The event's own headers of ``binary_headers_from`` as HTTP/1.1 lines, and its ce-id.
+
+    For a transport that writes the request head itself (``nemesis.delivery.h1``):
+    the same names and values in the same order, without a dict in between.
+    Every value is percent-encoded or a number, so no line can hold a CR, LF or
+    NUL of its own.
+    """
+    message = event.message
+    event_id = event.id
+    if not _is_header_safe(event_id):
+        event_id = encode_header_value(event_id)
+    lines = "ce-id: %s\r\nce-partition: %d\r\nce-offset: %d\r\nce-attempt: %d\r\n" % (  # noqa: UP031
+        event_id,
+        message.partition,
+        message.offset,
+        event.attempt,
+    )
+    unix_s = message.created_at or message.written_at
+    if unix_s > 0:
+        lines += "ce-time: " + rfc3339(unix_s) + "\r\n"
+    if message.key is not None:
+        lines += "ce-partitionkey: " + encode_header_value(message.key) + "\r\n"
+    return event_id, lines
+
+
 def _utf8(text: str) -> str:
     # orjson refuses lone surrogates; one odd key must not fail a whole batch.
     if text.isascii():

@@ -448,10 +448,12 @@ def _transport_for(scheme: str) -> tuple[TransportFactory, Describe, str]:
 
         return grpc_factory, grpc_answer, "grpc"
 
-    from nemesis.delivery.http import HttpTransport
+    from nemesis.delivery.http_clients import http_transport_for
 
     def http_factory(target: TargetConfig, clock: Clock) -> Transport:
-        return HttpTransport(target, integration=PROBE_INTEGRATION, max_connections=2, clock=clock)
+        return http_transport_for(
+            target, integration=PROBE_INTEGRATION, max_connections=2, clock=clock
+        )
 
     def http_answer(result: DeliveryResult) -> str:
         return "no answer" if result.status is None else f"HTTP {result.status}"

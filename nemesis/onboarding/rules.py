@@ -56,9 +56,9 @@ TransportFactory = Callable[[TargetConfig, str, int], Transport]
 
 
 def _http(target: TargetConfig, integration: str, max_connections: int) -> Transport:
-    from nemesis.delivery.http import http_transport
+    from nemesis.delivery.http_clients import http_transport_for
 
-    return http_transport(target, integration=integration, max_connections=max_connections)
+    return http_transport_for(target, integration=integration, max_connections=max_connections)
 
 
 def _grpc(target: TargetConfig, integration: str, max_connections: int) -> Transport:

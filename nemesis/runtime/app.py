@@ -40,7 +40,7 @@ from nemesis.aio import first_of
 from nemesis.broker.port import Broker, ConsumerSpec, TopicWriter
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig, TargetConfig
-from nemesis.delivery.http import http_transport
+from nemesis.delivery.http_clients import http_transport_for
 from nemesis.delivery.port import Transport
 from nemesis.delivery.signing import secrets_from_environment
 from nemesis.dlq import DeadLetterStore
@@ -69,7 +69,7 @@ MAX_CONNECTIONS: Final = 4096
 
 
 def _http(target: TargetConfig, integration: str, max_connections: int) -> Transport:
-    return http_transport(target, integration=integration, max_connections=max_connections)
+    return http_transport_for(target, integration=integration, max_connections=max_connections)
 
 
 def _grpc(target: TargetConfig, integration: str, max_connections: int) -> Transport:

@@ -1,11 +1,14 @@
 """Delivery benchmark: the proxy against a bare HTTP client, measured in the same run.
 
 Prints, on this machine:
-  (a) messages/s through `nemesis run` (a subprocess) to a fast local handler,
-  (b) the same handler driven by a bare loop of the same client (aiohttp) at the
-      same concurrency, and the ratio a/b (target >= 0.8); also the loop without
-      aiohttp's per-request timeout, and a against that,
-  (c) (a) with batches of 100 per request (target >= 50,000 msg/s),
+  (a) messages/s through `nemesis run` (a subprocess) to a fast local handler, on
+      Nemesis' own HTTP/1.1 transport (h1, the default) and on `target.transport:
+      aiohttp` side by side,
+  (b) the same handler driven by a bare aiohttp loop at the same concurrency, and
+      the ratio a/b (target >= 3 per CPU second); also the loop without aiohttp's
+      per-request timeout, and a against that,
+  (b') a bare loop of the h1 transport (the ceiling of (a)), and a/b' (target >= 0.4),
+  (c) (a) with batches of 100 per request (target >= 150,000 msg/s per CPU second),
   (d) embedded log append and read rates,
   (e) p50/p99 latency added by the proxy at 1,000 msg/s (target p99 <= 1.2 ms),
   (f) peak RSS of the proxy process.
@@ -136,14 +139,21 @@ class Workspace:
         )
 
     def integration(
-        self, topic: str, url: str, workers: int, batch: int, max_wait_ms: int, pipeline: str = ""
+        self,
+        topic: str,
+        url: str,
+        workers: int,
+        batch: int,
+        max_wait_ms: int,
+        pipeline: str = "",
+        transport: str = "h1",
     ) -> None:
         for old in (self.root / "integrations").glob("*.yaml"):
             old.unlink()
         (self.root / "integrations" / f"{topic}.yaml").write_text(
             f"name: {topic}\nowners: [bench]\n"
             f"source: {{topic: {topic}, consumer: {topic}}}\n"
-            f"target: {{url: '{url}', timeout_s: 10}}\n"
+            f"target: {{url: '{url}', timeout_s: 10, transport: {transport}}}\n"
             f"delivery: {{workers: {workers}, buffer: {max(2000, workers * batch * 2)}, "
             f"batch: {{size: {batch}, max_wait_ms: {max_wait_ms}}}}}\n"
             + (f"pipeline: {pipeline}\n" if pipeline else "")
@@ -204,6 +214,7 @@ async def through_proxy(
     workers: int,
     batch: int,
     pipeline: str = "",
+    transport: str = "h1",
 ) -> ProxyRun:
     """Rate, peak RSS and CPU per message of `nemesis run` delivering `count` pre-published messages.
 
@@ -212,7 +223,13 @@ async def through_proxy(
     """
     await fill(space.db, topic, count, make=city_order if pipeline else None)
     space.integration(
-        topic, handler.url, workers, batch, max_wait_ms=5 if batch > 1 else 0, pipeline=pipeline
+        topic,
+        handler.url,
+        workers,
+        batch,
+        max_wait_ms=5 if batch > 1 else 0,
+        pipeline=pipeline,
+        transport=transport,
     )
     expected = count // 4 if pipeline else count
     async with aiohttp.ClientSession() as session:
@@ -293,6 +310,91 @@ async def bare_client(
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         return (count - mark) / elapsed, cpu / (count - mark) * 1e6
+
+
+async def bare_h1(port: int, count: int, concurrency: int) -> tuple[float, float]:
+    """(requests/s, CPU us per request) of a bare loop of Nemesis' own HTTP/1.1 transport.
+
+    The ceiling of (a): the transport's ``deliver`` with events made in
+    advance, at the same concurrency, with no broker, runner or pipeline.
+    """
+    from nemesis.broker.port import Message
+    from nemesis.config.models import TargetConfig
+    from nemesis.delivery.h1 import H1Transport
+    from nemesis.delivery.port import Event
+
+    target = TargetConfig.model_validate({"url": f"http://127.0.0.1:{port}/", "timeout_s": 10})
+    transport = H1Transport(target, integration="bench", max_connections=concurrency)
+    events = [
+        Event(Message("bench", n % 4, n, PAYLOAD, created_at=1764460800.0), f"bench:{n}", "t")
+        for n in range(count)
+    ]
+    remaining = iter(events)
+    done, mark, started = 0, count // WARM_UP, time.perf_counter()
+    cpu_started = time.process_time()
+
+    async def worker() -> None:
+        nonlocal done, started, cpu_started
+        for event in remaining:
+            await transport.deliver(event)
+            done += 1
+            if done == mark:
+                started = time.perf_counter()  # a tenth of the way in, as for (a)
+                cpu_started = time.process_time()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    await transport.close()
+    return (count - mark) / elapsed, cpu / (count - mark) * 1e6
+
+
+class TransportComparison:
+    """(a) on the aiohttp transport beside (a) on h1, and (b'): a bare loop of h1 (its ceiling)."""
+
+    def __init__(self) -> None:
+        self.aiohttp_runs: list[ProxyRun] = []
+        self.bare_h1: list[tuple[float, float]] = []
+
+    async def measure(
+        self, space: Workspace, handler: Handler, args: argparse.Namespace, n: int
+    ) -> None:
+        self.aiohttp_runs.append(
+            await through_proxy(
+                space, handler, f"aiohttp{n}", args.messages, args.workers, 1, transport="aiohttp"
+            )
+        )
+        loop_args = (str(handler.port), str(args.messages), str(args.workers))
+        self.bare_h1.append(tuple(run_pinned("bare-h1", *loop_args)))
+
+    def report(self, runs: Sequence[ProxyRun], bare: Sequence[tuple[float, float]]) -> None:
+        a_rate = statistics.median(run.rate for run in runs)
+        a_cpu = statistics.median(run.cpu_us for run in runs)
+        old_rate = statistics.median(run.rate for run in self.aiohttp_runs)
+        old_cpu = statistics.median(run.cpu_us for run in self.aiohttp_runs)
+        b_rate = statistics.median(r for r, _ in bare)
+        b_cpu = statistics.median(c for _, c in bare)
+        h1_rate = statistics.median(r for r, _ in self.bare_h1)
+        h1_cpu = statistics.median(c for _, c in self.bare_h1)
+        print(
+            f"      (a) on target.transport aiohttp:      {old_rate:>10,.0f} msg/s"
+            f"  ({old_cpu:.0f} us CPU each)  {fmt([run.rate for run in self.aiohttp_runs])}"
+        )
+        print(
+            f"      (a) on h1 / on aiohttp:               {a_rate / old_rate:>10.2f}"
+            f"   (per CPU second: {old_cpu / a_cpu:.2f})"
+        )
+        print(
+            f"      ratio a/b, per CPU second:            {b_cpu / a_cpu:>10.2f}"
+            f"   (target >= 3; rates: {a_rate / b_rate:.2f})"
+        )
+        print(
+            f"  (b') bare loop of h1, same concurrency:   {h1_rate:>10,.0f} req/s"
+            f"  ({h1_cpu:.0f} us CPU each)  {fmt([r for r, _ in self.bare_h1])}"
+        )
+        print(
+            f"      ratio a/b', per CPU second:           {h1_cpu / a_cpu:>10.2f}"
+            f"   (target >= 0.4; rates: {a_rate / h1_rate:.2f})"
+        )
 
 
 def run_pinned(coroutine_name: str, *args: str) -> Any:
@@ -525,7 +627,9 @@ async def delivery_part(space: Workspace, args: argparse.Namespace) -> None:
         runs: list[ProxyRun] = []
         bare: list[tuple[float, float]] = []
         untimed: list[tuple[float, float]] = []
+        versus = TransportComparison()
         for _ in range(args.repeat):
+            await versus.measure(space, handler, args, _)
             runs.append(
                 await through_proxy(space, handler, f"single{_}", args.messages, args.workers, 1)
             )
@@ -566,9 +670,10 @@ async def delivery_part(space: Workspace, args: argparse.Namespace) -> None:
         f"      ratio a / that:                       {a / b_untimed:>10.2f}"
         f"   (per CPU second: {untimed_cpu / a_cpu:.2f})"
     )
+    versus.report(runs, bare)
     print(
         f"  (c) nemesis run, batches of 100:          {batched.rate:>10,.0f} msg/s"
-        f"  ({1e6 / batched.cpu_us:,.0f} per CPU second; target >= 50,000)"
+        f"  ({1e6 / batched.cpu_us:,.0f} per CPU second; target >= 150,000)"
     )
     print(
         f"  (g) city-filter pipeline dropping 75%:    {filtered.rate:>10,.0f} msg/s read"
@@ -630,6 +735,9 @@ def child(name: str, args: Sequence[str]) -> None:
         handler = Handler.__new__(Handler)
         handler.url = f"http://127.0.0.1:{port}/"
         print(json.dumps(_run(bare_client(handler, count, concurrency, timed=name == "bare"))))
+    if name == "bare-h1":
+        port, count, concurrency = (int(a) for a in args)
+        print(json.dumps(_run(bare_h1(port, count, concurrency))))
 
 
 def _run(coroutine: Any) -> Any:

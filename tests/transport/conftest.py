@@ -26,6 +26,7 @@ from nemesis.delivery import signing
 from nemesis.delivery.cloudevents import BATCH_CONTENT_TYPE
 from nemesis.delivery.contract import GrpcCode
 from nemesis.delivery.grpc import GrpcTransport
+from nemesis.delivery.h1 import H1Transport
 from nemesis.delivery.http import HttpTransport
 from nemesis.delivery.port import Transport
 from nemesis.proto.nemesis.v1 import handler_pb2 as pb
@@ -239,6 +240,13 @@ class HttpKit(Kit):
         return f"HTTP {status}"
 
 
+class H1Kit(HttpKit):
+    """Nemesis' own HTTP/1.1 transport and ``nemesis.testing.HandlerServer``."""
+
+    def make_transport(self, target: TargetConfig, clock: Clock) -> Transport:
+        return H1Transport(target, integration=INTEGRATION, max_connections=4, clock=clock)
+
+
 class GrpcKit(Kit):
     """The grpcio transport and ``tests.test_grpc_delivery.GrpcHandler``."""
 
@@ -372,6 +380,18 @@ async def http_kit() -> AsyncIterator[Kit]:
 
 
 @contextlib.asynccontextmanager
+async def h1_kit() -> AsyncIterator[Kit]:
+    """Nemesis' own HTTP/1.1 transport, ``HandlerServer`` behind a proxy."""
+    async with HandlerServer() as server, ResettingProxy(server.port) as proxy:
+        made = H1Kit(server, proxy)
+        try:
+            yield made
+        finally:
+            await made.close()
+            server.release()
+
+
+@contextlib.asynccontextmanager
 async def grpc_kit() -> AsyncIterator[Kit]:
     """The grpcio transport, ``GrpcHandler`` behind a proxy."""
     async with GrpcHandler() as handler, ResettingProxy(handler.port) as proxy:
@@ -385,6 +405,7 @@ async def grpc_kit() -> AsyncIterator[Kit]:
 # Every transport the suite runs against: a new transport is one more entry.
 KITS: Mapping[str, Callable[[], contextlib.AbstractAsyncContextManager[Kit]]] = {
     "http": http_kit,
+    "h1": h1_kit,
     "grpc": grpc_kit,
 }
 

@@ -1,7 +1,7 @@
 """The transport contract suite: every transport, the same cases, a real handler on 127.0.0.1.
 
-Each case runs once per ``Kit`` (``conftest.py``): the aiohttp HTTP
-transport and the grpcio transport today. What the cases check is the
+Each case runs once per ``Kit`` (``conftest.py``): Nemesis' own HTTP/1.1
+transport, the aiohttp one and the grpcio transport today. What the cases check is the
 handler contract (``nemesis.delivery.contract``) as the runner sees it:
 the ``DeliveryResult`` of a real request.
 """
