@@ -45,9 +45,29 @@ async def broker(tmp_path: Path) -> AsyncIterator[EmbeddedBroker]:
 
 
 @contextlib.asynccontextmanager
-async def reloading(reloader: ConfigReloader) -> AsyncIterator[ConfigReloader]:
+async def reloading(
+    reloader: ConfigReloader, watched: Path | None = None
+) -> AsyncIterator[ConfigReloader]:
+    """Runs the reloader; with ``watched``, returns once its watcher sees changes there.
+
+    The watcher starts in a task of its own: an edit made before it is up is
+    never seen as a change, so a test that edits files first proves it is up.
+    """
     task = asyncio.create_task(reloader.run(), name="reloader under test")
     try:
+        if watched is not None:
+            probe = watched / ".watch-probe"
+            for attempt in range(100):
+                probe.write_text(str(attempt))
+                for _ in range(10):
+                    await asyncio.sleep(0.02)
+                    if reloader.last is not None and reloader.last.trigger == "watch":
+                        break
+                else:
+                    continue
+                break
+            else:
+                pytest.fail(f"the reloader's watcher never saw a change in {watched}")
         yield reloader
     finally:
         task.cancel()
@@ -89,7 +109,7 @@ async def test_files_added_broken_changed_and_removed_while_running(
         proxy, reloader = proxy_from(broker, directory, metrics)
         async with (
             running(proxy),
-            reloading(reloader),
+            reloading(reloader, watched=directory),
             admin_client(proxy, reloader=reloader) as admin,
         ):
             await alpha_handler.ledger.wait_for(300, timeout_s=30)
@@ -229,7 +249,7 @@ async def test_a_changed_pipeline_file_restarts_the_integrations_that_use_it(
         )
         (directory / "beta.yaml").write_text(integration_yaml("beta", beta_handler.url))
         proxy, reloader = proxy_from(broker, directory, pipelines_dir=pipelines)
-        async with running(proxy), reloading(reloader):
+        async with running(proxy), reloading(reloader, watched=directory):
             await alpha_handler.ledger.wait_for(50, timeout_s=30)
             await beta_handler.ledger.wait_for(200, timeout_s=30)
             alpha, beta = proxy.groups["alpha"], proxy.groups["beta"]
