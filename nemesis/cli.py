@@ -320,13 +320,50 @@ async def open_dlq(config: NemesisConfig, broker: Broker | None = None) -> DeadL
 # --- run --------------------------------------------------------------------------
 
 
+class _StopLatch:
+    """SIGINT and SIGTERM as a stop request, from the first line of ``run`` on.
+
+    A signal that lands while the proxy is still starting (loading, opening
+    the broker, joining the fleet) is kept and honoured once the proxy exists,
+    so an early SIGTERM ends the process cleanly instead of killing it.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._target: Callable[[], None] | None = None
+
+    def __call__(self, *_: object) -> None:
+        self.requested = True
+        if self._target is not None:
+            self._target()
+
+    def forward_to(self, target: Callable[[], None]) -> None:
+        self._target = target
+        if self.requested:
+            target()
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    config = _process_config(args)
-    configure_logging(getattr(args, "log_level", "info"), config.log_format, sys.stderr)
-    return run_async(_run(config))
+    latch = _StopLatch()
+    # Until the event loop takes the signals over in _run: before it, Python's own
+    # handlers would end the process (SIGTERM) or raise KeyboardInterrupt (SIGINT).
+    previous = {sig: signal.signal(sig, latch) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        config = _process_config(args)
+        configure_logging(getattr(args, "log_level", "info"), config.log_format, sys.stderr)
+        return run_async(_run(config, latch))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-async def _run(config: NemesisConfig) -> int:
+async def _run(config: NemesisConfig, latch: _StopLatch | None = None) -> int:
+    latch = latch or _StopLatch()
+    with _stop_on_signals(latch):
+        return await _run_proxy(config, latch)
+
+
+async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
     from nemesis.fleet.member import FleetMember, FleetOptions
     from nemesis.metrics import Metrics
     from nemesis.runtime.app import Proxy, SupervisorOptions
@@ -377,7 +414,11 @@ async def _run(config: NemesisConfig) -> int:
             force_polling=config.reload.force_polling,
             initial_problems=problems,
         )
-        with _stop_on_signals(proxy.stop), _on_signal(signal.SIGHUP, reloader.request):
+        if latch.requested:
+            log.info("stopped while starting: nothing was read")
+            return EXIT_OK
+        latch.forward_to(proxy.stop)
+        with _on_signal(signal.SIGHUP, reloader.request):
             await fleet.join()
             here = fleet.statistics().running
             log.info(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 
 import pytest
 
 from nemesis import cli
+from nemesis.broker.port import Broker
 from nemesis.config.models import NemesisConfig
 from nemesis.errors import DlqError
 
@@ -39,4 +41,39 @@ async def test_a_dlq_that_does_not_open_leaves_no_broker_open(tmp_path: Path) ->
     left = [t for t in asyncio.all_tasks() if t.get_name().startswith("nemesis-housekeeping")]
     assert left == []
     assert (data / "nemesis.db").exists()
+    assert not (data / "nemesis.db-wal").exists()
+
+
+async def test_a_stop_signal_while_starting_ends_the_run_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIGTERM landing before the proxy exists (loading, opening the broker, joining
+    # the fleet) is kept and honoured: a clean exit, nothing read, everything closed.
+    # Before, the process died of the signal (exit -15) whenever it came that early.
+    integrations = tmp_path / "integrations"
+    integrations.mkdir()
+    (integrations / "orders-to-loyalty.yaml").write_text(INTEGRATION)
+    data = tmp_path / "data"
+    config = NemesisConfig.model_validate(
+        {
+            "data_dir": str(data),
+            "integrations_dir": str(integrations),
+            "pipelines_dir": str(tmp_path / "pipelines"),
+            "admin": {"port": 0},
+            "viewer": {"port": 0},
+        }
+    )
+    latch = cli._StopLatch()
+    open_broker = cli.open_broker
+
+    async def signalled_while_opening(config: NemesisConfig) -> Broker:
+        # A real SIGTERM, delivered through the handler _run installed, while the broker opens.
+        signal.raise_signal(signal.SIGTERM)
+        return await open_broker(config)
+
+    monkeypatch.setattr(cli, "open_broker", signalled_while_opening)
+    assert await asyncio.wait_for(cli._run(config, latch), timeout=30) == cli.EXIT_OK
+    assert latch.requested
+    left = [t for t in asyncio.all_tasks() if t.get_name().startswith("nemesis-housekeeping")]
+    assert left == []
     assert not (data / "nemesis.db-wal").exists()

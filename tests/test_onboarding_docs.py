@@ -108,17 +108,17 @@ def test_the_workflow_passes_a_good_repository_and_annotates_a_broken_one(
     good = run_steps(repository, tmp_path)
     assert [r.returncode for r in good] == [0, 0, 0], [r.stdout + r.stderr for r in good]
 
+    example = (REPO / "integrations" / "orders-to-loyalty.yaml").read_text()
+    line = next(n for n, text in enumerate(example.splitlines(), 1) if "workers: 32" in text)
     (repository / "integrations" / "orders-to-loyalty.yaml").write_text(
-        (REPO / "integrations" / "orders-to-loyalty.yaml")
-        .read_text()
-        .replace("workers: 32", "workers: 0")
+        example.replace("workers: 32", "workers: 0")
     )
     schema = repository / "schemas" / "integration.schema.json"
     schema.write_text(schema.read_text().replace('"minimum": 1', '"minimum": 0', 1))
     validate, schemas = run_steps(repository, tmp_path, skip="test-pipelines")
     assert validate.returncode == 1
     assert validate.stdout.startswith(
-        "::error file=integrations/orders-to-loyalty.yaml,line=13::delivery.workers:"
+        f"::error file=integrations/orders-to-loyalty.yaml,line={line}::delivery.workers:"
     )
     assert schemas.returncode == 1
     assert "::error file=schemas/integration.schema.json::out of date" in schemas.stdout
