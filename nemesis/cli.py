@@ -1,4 +1,4 @@
-"""The ``nemesis`` command line (DESIGN.md section 4)."""
+"""The ``nemesis`` command line (docs/design.md, section 4)."""
 
 from __future__ import annotations
 

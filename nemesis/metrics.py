@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md section 8), prefix ``nemesis_``.
+"""Prometheus metrics (docs/design.md, section 8), prefix ``nemesis_``.
 
 Families live on a ``Metrics`` object with its own registry (no module-level
 singleton: tests make their own). Labels are bounded: integration, topic,

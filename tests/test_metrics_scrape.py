@@ -1,4 +1,4 @@
-"""``/metrics`` scraped while traffic flows: every family of DESIGN.md section 8, sane values.
+"""``/metrics`` scraped while traffic flows: every family of docs/design.md (section 8), sane.
 
 Also checked against the scrape: ``promtool check metrics``; the Grafana
 dashboard (it parses, has a row per concern, and every expression is valid
@@ -43,7 +43,7 @@ COUNT = 2000
 BUFFER = 300
 RATE_MAIN = 5000.0
 
-# Every family a running proxy exports, by the concern it covers (DESIGN.md section 8).
+# Every family a running proxy exports, by the concern it covers (docs/design.md, section 8).
 FAMILIES = {
     "reads": ["nemesis_messages_read", "nemesis_seconds_since_last_read"],
     "lag": ["nemesis_commit_lag_messages", "nemesis_commit_lag_seconds"],

@@ -166,7 +166,7 @@ def create_admin_app(
         responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
     )
     async def metrics() -> Response:
-        """Prometheus text format (DESIGN.md section 8)."""
+        """Prometheus text format (docs/design.md, section 8)."""
         # Collected on the loop (the collectors read live state unlocked), rendered off it.
         families = list(proxy.metrics.registry.collect())
         body = await asyncio.to_thread(generate_latest, _Collected(families))

@@ -1,6 +1,6 @@
 """The circuit breaker of one integration's target: rate-based, with hysteresis.
 
-The rule (issue 4, DESIGN.md section 7)::
+The rule (docs/design.md, section 7)::
 
     closed ──(window error rate > open_above, with >= min_requests)──> open
     open ──(cooldown_s passed)──> half_open

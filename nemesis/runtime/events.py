@@ -1,4 +1,4 @@
-"""Turning a read message into the event a handler receives (DESIGN.md section 6)."""
+"""Turning a read message into the event a handler receives (docs/design.md, section 6)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 ``Proxy.snapshot()`` reads every runner's, breaker's and limiter's
 ``statistics()`` and the last lag refresh once; ``metric_families`` turns the
-snapshot into the gauges of DESIGN.md section 8 that describe live state
+snapshot into the gauges of docs/design.md (section 8) that describe live state
 (counters and histograms are kept where they are counted). Computed at scrape
 time, a gauge cannot be left behind by a runner that stopped updating it:
 that is what makes a stuck consumer visible. Collect on the event loop's

@@ -1,6 +1,6 @@
 """Delivery benchmark: the proxy against a bare HTTP client, measured in the same run.
 
-Prints, on this machine:
+Prints, on the host it runs on:
   (a) messages/s through `nemesis run` (a subprocess) to a fast local handler, on
       Nemesis' own HTTP/1.1 transport (h1, the default) and on `target.transport:
       aiohttp` side by side,
