@@ -63,6 +63,14 @@ async def _ydb(config: NemesisConfig, clock: Clock) -> Broker:
     return await open_ydb(config.backend, clock=clock)
 
 
+async def _kafka(config: NemesisConfig, clock: Clock) -> Broker:
+    from nemesis.broker.kafka.broker import open_kafka
+    from nemesis.broker.kafka.config import KafkaBackendConfig
+
+    assert isinstance(config.backend, KafkaBackendConfig)
+    return await open_kafka(config.backend, clock=clock)
+
+
 async def _sqlite_dlq(
     config: NemesisConfig, broker: Broker | None, clock: Clock
 ) -> DeadLetterStore:
@@ -89,7 +97,7 @@ async def _ydb_dlq(config: NemesisConfig, broker: Broker | None, clock: Clock) -
 def default_backends() -> Backends:
     """A fresh registry with the built-in kinds."""
     return Backends(
-        brokers={"embedded": _embedded, "ydb": _ydb},
+        brokers={"embedded": _embedded, "ydb": _ydb, "kafka": _kafka},
         dlqs={"sqlite": _sqlite_dlq, "ydb": _ydb_dlq},
     )
 

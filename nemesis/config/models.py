@@ -248,11 +248,15 @@ class YdbDlqConfig(Model):
     connection: YdbConnectionConfig | None = None
 
 
+# The kafka backend's model lives with its code; imported here, below Model and DurationS.
+from nemesis.broker.kafka.config import KafkaBackendConfig  # noqa: E402
+
+
 def _backend_kind(value: Any) -> str:
-    # Anything but "ydb" validates as embedded, so a wrong kind is reported at
+    # Anything but "ydb" or "kafka" validates as embedded, so a wrong kind is reported at
     # backend.kind together with the other fields' problems.
     kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
-    return "ydb" if kind == "ydb" else "embedded"
+    return kind if kind in ("ydb", "kafka") else "embedded"
 
 
 def _dlq_kind(value: Any) -> str:
@@ -261,7 +265,9 @@ def _dlq_kind(value: Any) -> str:
 
 
 BackendConfig = Annotated[
-    Annotated[EmbeddedBackendConfig, Tag("embedded")] | Annotated[YdbBackendConfig, Tag("ydb")],
+    Annotated[EmbeddedBackendConfig, Tag("embedded")]
+    | Annotated[YdbBackendConfig, Tag("ydb")]
+    | Annotated[KafkaBackendConfig, Tag("kafka")],
     Discriminator(_backend_kind),
 ]
 DlqConfig = Annotated[
