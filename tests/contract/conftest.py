@@ -1,4 +1,8 @@
-"""The backends the contract cases run against: always embedded + sqlite, YDB when configured.
+"""The backends the contract cases run against: embedded, kafka, and YDB when configured.
+
+The kafka cases run against a real Kafka-protocol broker (Tansu, from the
+dev extra) that each case starts on 127.0.0.1 and stops when it ends, with
+the sqlite DLQ.
 
 The YDB cases run when ``NEMESIS_YDB_ENDPOINT`` (and, unless it is
 ``/local``, ``NEMESIS_YDB_DATABASE``) name a server, e.g. ``ydbplatform/local-ydb``
@@ -31,6 +35,7 @@ from nemesis.config.models import (
     YdbDlqConfig,
 )
 from nemesis.dlq import DeadLetterStore
+from tests.kafka_broker import kafka_backend_config, start_tansu
 
 YDB_ENDPOINT = os.environ.get("NEMESIS_YDB_ENDPOINT", "")
 YDB_DATABASE = os.environ.get("NEMESIS_YDB_DATABASE", "/local")
@@ -41,7 +46,11 @@ needs_ydb = pytest.mark.skipif(
     reason="NEMESIS_YDB_ENDPOINT is not set: no YDB server to run the ydb backend's cases against",
 )
 
-BACKENDS = [pytest.param("embedded", id="embedded"), pytest.param("ydb", id="ydb", marks=needs_ydb)]
+BACKENDS = [
+    pytest.param("embedded", id="embedded"),
+    pytest.param("kafka", id="kafka"),
+    pytest.param("ydb", id="ydb", marks=needs_ydb),
+]
 
 
 def ydb_backend_config(directory: str) -> YdbBackendConfig:
@@ -93,6 +102,14 @@ def embedded_config(directory: Path) -> NemesisConfig:
     )
 
 
+def kafka_config(bootstrap: str, directory: Path) -> NemesisConfig:
+    return NemesisConfig(
+        backend=kafka_backend_config(bootstrap),
+        dlq=SqliteDlqConfig(path=str(directory / "dlq.db")),
+        data_dir=str(directory),
+    )
+
+
 def ydb_config(name: str) -> NemesisConfig:
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
     directory = f"nemesis-contract/{slug}-{secrets.token_hex(4)}"
@@ -125,7 +142,13 @@ async def drop_everything(config: NemesisConfig) -> None:
 @pytest.fixture(params=BACKENDS)
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     kind = request.param
-    config = embedded_config(tmp_path) if kind == "embedded" else ydb_config(request.node.name)
+    tansu = start_tansu(tmp_path) if kind == "kafka" else None
+    if tansu is not None:
+        config = kafka_config(tansu.bootstrap, tmp_path)
+    elif kind == "embedded":
+        config = embedded_config(tmp_path)
+    else:
+        config = ydb_config(request.node.name)
     under_test = Backend(kind, config)
     try:
         yield under_test
@@ -133,3 +156,5 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         await under_test.close()
         if kind == "ydb":
             await drop_everything(config)
+        if tansu is not None:
+            tansu.stop()
