@@ -78,10 +78,17 @@ class KafkaBackendConfig(Model):
     dedup_lookback_messages: Annotated[int, Field(ge=0, le=1_000_000)] = 10_000
 
     @model_validator(mode="after")
-    def _heartbeats_fit_the_session(self) -> KafkaBackendConfig:
+    def _timeouts_fit_together(self) -> KafkaBackendConfig:
         if self.heartbeat_interval_s * 3 > self.session_timeout_s:
             raise ValueError(
                 "heartbeat_interval_s must be at most a third of session_timeout_s"
                 f" ({self.heartbeat_interval_s} > {self.session_timeout_s}/3)"
+            )
+        # A JoinGroup is answered when every member has rejoined, up to the rebalance
+        # timeout (session_timeout_s here): a shorter request timeout abandons it.
+        if self.request_timeout_s <= self.session_timeout_s:
+            raise ValueError(
+                "request_timeout_s must be above session_timeout_s (a group join waits up to"
+                f" the session timeout): {self.request_timeout_s} <= {self.session_timeout_s}"
             )
         return self
