@@ -211,9 +211,11 @@ async def test_a_commit_after_the_group_moved_on_is_refused_by_the_generation(
         while len(seen) < 5 and time.monotonic() < deadline:
             time.sleep(0.1)  # noqa: ASYNC251  blocking on purpose
         assert seen == [m.value for m in taken]  # the group gave the partition to the second
-        assert session.alive  # ... and the first, stalled, has not heard of it yet
-        await first.commit(taken[:3])  # with the old generation: refused
-        assert not session.alive
+        # The first, stalled, has not heard of it yet; its commit carries the old
+        # generation, the coordinator refuses it, and that ends the session.
+        alive_before = session.alive
+        await first.commit(taken[:3])
+        assert (alive_before, session.alive) == (True, False)
         description = await broker.admin.describe_topic("t")
         assert description.partitions[0].committed["c"] == 0
     finally:
