@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -322,3 +323,40 @@ async def test_a_broker_that_stops_answering_is_waited_for_reported_and_resumed(
         assert status == 200, body
         assert await stop_gracefully(proxy) == 0, workspace.logs()
     assert {order_id(e) for e in handler.ledger if e.done} == ids
+
+
+def test_the_demo_runs_on_kafka(workspace: Workspace, tansu: TansuBroker) -> None:
+    result = workspace.cli(
+        "demo",
+        "--kafka",
+        tansu.bootstrap,
+        "--no-idempotence",
+        "--duration",
+        "8",
+        "--rate",
+        "200",
+        "--dir",
+        "demo",
+        "--viewer-port",
+        "0",
+        timeout=90,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "Nemesis demo (kafka backend)" in result.stdout
+    lines = [line for line in result.stdout.splitlines() if line.startswith("produced")]
+    assert lines, result.stdout
+    counts = {
+        name.strip(): int(value) for name, value in re.findall(r"([a-z -]+?) +(\d+)", lines[-1])
+    }
+    assert counts["produced"] > 500
+    # The group's first join takes seconds: the summary at the end tells what was done.
+    stopped = re.search(r"stopped: (\d+) orders delivered .*, (\d+) in the DLQ", result.stdout)
+    assert stopped is not None, result.stdout
+    delivered, dead = int(stopped[1]), int(stopped[2])
+    assert 0 < delivered < counts["produced"]
+    assert dead > 0
+    listed = workspace.cli("topics", "list", "-c", str(workspace.root / "demo" / "nemesis.yaml"))
+    assert listed.returncode == 0, listed.stderr
+    assert "orders" in listed.stdout.split()
+    assert "nemesis.retry.demo-orders.1" in listed.stdout.split()
