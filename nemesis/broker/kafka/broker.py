@@ -73,6 +73,7 @@ class KafkaBroker:
             fetch_max_bytes=config.fetch_max_bytes,
             max_partition_fetch_bytes=config.max_partition_fetch_bytes,
             isolation_level="read_committed",
+            check_crcs=config.check_crcs,
         )
         reader = KafkaReader(
             client, topic=topic, group=consumer, commit_timeout_s=config.request_timeout_s

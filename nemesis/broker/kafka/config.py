@@ -68,6 +68,8 @@ class KafkaBackendConfig(Model):
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=600)] = 3.0
     # A member that does not ask for messages for this long leaves the group (a stuck loop).
     max_poll_interval_s: Annotated[float, Field(ge=1, le=86_400)] = 300.0
+    # Off for YDB's Kafka endpoint, which does not keep Kafka's record CRCs.
+    check_crcs: bool = True
     fetch_max_bytes: Annotated[int, Field(ge=1024)] = 50 * 1024 * 1024
     max_partition_fetch_bytes: Annotated[int, Field(ge=1024)] = 1024 * 1024
     connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 10.0
