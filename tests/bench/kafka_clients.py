@@ -169,8 +169,15 @@ def main() -> None:
                 topic = f"bench-{client}"
                 create_topic(tansu.bootstrap, topic)
                 out = subprocess.run(
-                    [sys.executable, __file__, "--child", client, tansu.bootstrap, topic]
-                    + [str(args.messages)],
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        client,
+                        tansu.bootstrap,
+                        topic,
+                        str(args.messages),
+                    ],
                     capture_output=True,
                     text=True,
                     check=True,
