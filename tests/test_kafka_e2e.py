@@ -360,3 +360,52 @@ def test_the_demo_runs_on_kafka(workspace: Workspace, tansu: TansuBroker) -> Non
     assert listed.returncode == 0, listed.stderr
     assert "orders" in listed.stdout.split()
     assert "nemesis.retry.demo-orders.1" in listed.stdout.split()
+
+
+async def test_a_broker_restart_is_survived_without_restarting_the_proxy(
+    workspace: Workspace, tansu: TansuBroker
+) -> None:
+    """The broker process stops (connections refused) and comes back on the same port.
+
+    The test broker keeps nothing across a restart (memory storage), so the test
+    creates the topics again and publishes anew: what this proves is that the
+    proxy outlives the outage and reconnects, rejoins its groups and delivers
+    what is written after it, not that messages written before survive it
+    (that is the broker's durability).
+    """
+    admin_port = kafka_config(workspace, tansu.bootstrap)
+    before = publish(workspace, "orders", 1000)
+    async with HandlerServer() as handler, aiohttp.ClientSession() as http:
+        workspace.write_integration("loyalty", integration_yaml("loyalty", handler.url, workers=8))
+        init(workspace)
+        proxy = await workspace.start("run")
+        await handler.ledger.wait_for(1000, timeout_s=60)
+        tansu.stop()
+        await asyncio.sleep(8)  # a few lag refreshes and heartbeats fail meanwhile
+        async with http.get(f"http://127.0.0.1:{admin_port}/metrics") as response:
+            metrics = await response.text()
+        failures = [
+            line for line in metrics.splitlines() if line.startswith("nemesis_lag_refresh_fail")
+        ]
+        assert failures
+        assert float(failures[0].rsplit(" ", 1)[1]) > 0, failures
+        assert proxy.returncode is None
+        tansu.start()
+        created = workspace.cli("topics", "create", "orders", "--partitions", "4")
+        assert created.returncode == 0, created.stderr
+        init(workspace)
+        (workspace.root / "more.jsonl").write_bytes(
+            b"".join(orjson.dumps({"id": f"after-{n}", "n": n}) + b"\n" for n in range(1000))
+        )
+        published = workspace.cli(
+            "publish", "orders", "--file", "more.jsonl", "--lines", "--key-field", "id"
+        )
+        assert published.returncode == 0, published.stderr
+        after = {f"after-{n}" for n in range(1000)}
+
+        def all_after(ledger: Ledger) -> bool:
+            return after <= {order_id(e) for e in ledger if e.done}
+
+        await handler.ledger.wait_until(all_after, timeout_s=150)
+        assert await stop_gracefully(proxy) == 0, workspace.logs()
+    assert before | after == {order_id(e) for e in handler.ledger if e.done}
