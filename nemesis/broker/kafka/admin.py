@@ -6,8 +6,9 @@ the partitions' start offsets for a group that has none on the topic (a group
 that reads it already, or has committed, is left alone), so the consumer is
 registered, shows in ``describe_topic`` and starts at the oldest retained
 message, as on the other backends. A topic's consumers are the groups with
-committed offsets on it; the group list is asked for at most every
-``GROUPS_TTL_S`` (a cluster may hold thousands of groups).
+committed offsets on it. A cluster may hold thousands of groups: the group
+list, and which of them have offsets on a topic, are asked for at most every
+``GROUPS_TTL_S``; in between, a describe asks only the topic's known groups.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class KafkaAdmin:
         self._config = config
         self._timeout_s = config.request_timeout_s
         self._groups: tuple[float, list[str]] | None = None
+        # topic -> (when found, the groups with offsets on it)
+        self._topic_groups: dict[str, tuple[float, list[str]]] = {}
 
     # --- topics -----------------------------------------------------------------
 
@@ -129,7 +132,7 @@ class KafkaAdmin:
                 raise TopicNotFound(f"topic {name} does not exist")
             if code:
                 raise error_for_code(code, f"drop topic {name}")
-        self._groups = None
+        self._forget_groups()
 
     # --- consumers ----------------------------------------------------------------
 
@@ -155,22 +158,32 @@ class KafkaAdmin:
             raise broker_error(exc, what) from exc
         finally:
             await asyncio.shield(member.stop())
-        self._groups = None
+        self._forget_groups()
 
-    async def consumers(self, topic: str) -> list[str]:
-        """The groups registered on a topic: those with a committed offset on it."""
+    async def is_registered(self, topic: str, consumer: str) -> bool:
+        """Whether a group has committed offsets on a topic (asked now, never cached)."""
         tps = [TopicPartition(topic, p) for p in range(await self.partitions(topic))]
-        return sorted((await self._committed_by_group(tps)).keys())
+        return any(offset >= 0 for offset in (await self._committed(consumer, tps)).values())
 
     async def _committed_by_group(
         self, tps: list[TopicPartition]
     ) -> dict[str, dict[TopicPartition, int]]:
+        topic = tps[0].topic
+        known = self._topic_groups.get(topic)
+        fresh = known is not None and time.monotonic() - known[0] < GROUPS_TTL_S
+        groups = known[1] if known is not None and fresh else await self._group_names()
         committed: dict[str, dict[TopicPartition, int]] = {}
-        for group in await self._group_names():
+        for group in groups:
             offsets = await self._committed(group, tps)
             if any(offset >= 0 for offset in offsets.values()):
                 committed[group] = offsets
+        if not fresh:
+            self._topic_groups[topic] = (time.monotonic(), sorted(committed))
         return committed
+
+    def _forget_groups(self) -> None:
+        self._groups = None
+        self._topic_groups.clear()
 
     async def _committed(self, group: str, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         """The group's committed offset per partition; -1 where it has none."""

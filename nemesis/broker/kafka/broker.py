@@ -54,7 +54,7 @@ class KafkaBroker:
     async def reader(self, topic: str, consumer: str) -> KafkaReader:
         """A member of group ``consumer`` reading ``topic``; the group assigns its partitions."""
         self._check_open()
-        if consumer not in await self._admin.consumers(topic):
+        if not await self._admin.is_registered(topic, consumer):
             raise TopicNotFound(
                 f"topic {topic} has no consumer {consumer}: `nemesis init` registers it"
             )
