@@ -25,7 +25,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.protocol.metadata import MetadataRequest
 
 from nemesis.broker.kafka.config import KafkaBackendConfig
-from nemesis.broker.kafka.connection import client_settings
+from nemesis.broker.kafka.connection import client_settings, close_leftover_connections
 from nemesis.broker.kafka.errors import broker_error, error_for_code, kafka_call
 from nemesis.broker.kafka.mapping import PRODUCER_HEADER, SEQNO_HEADER, header_value
 from nemesis.broker.port import ConsumerSpec, PartitionInfo, TopicDescription
@@ -158,6 +158,8 @@ class KafkaAdmin:
             raise broker_error(exc, what) from exc
         finally:
             await asyncio.shield(member.stop())
+            await asyncio.sleep(0.05)  # see close_leftover_connections
+            close_leftover_connections(member)
         self._forget_groups()
 
     async def is_registered(self, topic: str, consumer: str) -> bool:
@@ -358,10 +360,13 @@ class Peeker:
                 consumer.assign([])
         return last
 
+    @property
+    def consumer(self) -> AIOKafkaConsumer | None:
+        return self._consumer
+
     async def close(self) -> None:
         if self._consumer is not None:
             await self._consumer.stop()
-            self._consumer = None
 
 
 def _topic_errors(response: Any) -> list[tuple[str, int, str | None]]:

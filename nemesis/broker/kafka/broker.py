@@ -12,7 +12,7 @@ from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssigno
 
 from nemesis.broker.kafka.admin import KafkaAdmin, Peeker
 from nemesis.broker.kafka.config import KafkaBackendConfig
-from nemesis.broker.kafka.connection import client_settings
+from nemesis.broker.kafka.connection import client_settings, close_leftover_connections
 from nemesis.broker.kafka.errors import kafka_call
 from nemesis.broker.kafka.reader import KafkaReader
 from nemesis.broker.kafka.writer import KafkaWriter, default_producer_id
@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 # Bytes a produce batch of one partition may reach before it is sent (linger_ms bounds the wait).
 _BATCH_BYTES = 256 * 1024
+_SETTLE_S = 0.05
 
 
 class KafkaBroker:
@@ -76,7 +77,11 @@ class KafkaBroker:
             check_crcs=config.check_crcs,
         )
         reader = KafkaReader(
-            client, topic=topic, group=consumer, commit_timeout_s=config.request_timeout_s
+            client,
+            topic=topic,
+            group=consumer,
+            commit_timeout_s=config.request_timeout_s,
+            leave_timeout_s=config.session_timeout_s + 2,
         )
         # Subscribed after the start, which would otherwise wait for the first assignment.
         await kafka_call(f"read {topic} as {consumer}", client.start(), config.connect_timeout_s)
@@ -131,19 +136,24 @@ class KafkaBroker:
             await reader.close(timeout_s)
         self._readers.clear()
         self._writers.clear()
-        for name, stopping in (
-            ("producer", self._producer.stop() if self._producer is not None else None),
-            ("consumer", self._peeker.close()),
-            ("admin client", self._admin_client.close()),
-        ):
-            if stopping is None:
-                continue
+        clients: list[tuple[str, Any, Any]] = [
+            ("consumer", self._peeker.consumer, self._peeker.close()),
+            ("admin client", self._admin_client, self._admin_client.close()),
+        ]
+        if self._producer is not None:
+            clients.insert(0, ("producer", self._producer, self._producer.stop()))
+        for name, _client, stopping in clients:
             try:
                 async with asyncio.timeout(timeout_s):
                     await stopping
             except TimeoutError:
                 logger.warning("the Kafka %s did not close in %.1fs", name, timeout_s)
         self._producer = None
+        # Connections the clients were opening as they closed: closed here, after the
+        # event loop has had a moment to finish opening them.
+        await asyncio.sleep(_SETTLE_S)
+        for _, client, _ in clients:
+            close_leftover_connections(client)
 
 
 async def open_kafka(config: KafkaBackendConfig, *, clock: Clock = SYSTEM_CLOCK) -> KafkaBroker:

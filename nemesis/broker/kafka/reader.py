@@ -39,6 +39,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
+from nemesis.broker.kafka.connection import close_leftover_connections
 from nemesis.broker.kafka.errors import broker_error, describe
 from nemesis.broker.kafka.mapping import KafkaSession, to_message
 from nemesis.broker.port import Message, PartitionSession
@@ -64,9 +65,16 @@ class KafkaReader:
     """Reads one topic as one consumer group member; see the module docstring."""
 
     def __init__(
-        self, consumer: AIOKafkaConsumer, *, topic: str, group: str, commit_timeout_s: float
+        self,
+        consumer: AIOKafkaConsumer,
+        *,
+        topic: str,
+        group: str,
+        commit_timeout_s: float,
+        leave_timeout_s: float = 0.0,
     ) -> None:
         self._consumer = consumer
+        self._leave_timeout_s = leave_timeout_s
         self._topic = topic
         self._group = group
         self._commit_timeout_s = commit_timeout_s
@@ -204,7 +212,12 @@ class KafkaReader:
     # --- closing ------------------------------------------------------------------
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Leaves the group; uncommitted messages go to the partitions' next owners."""
+        """Leaves the group; uncommitted messages go to the partitions' next owners.
+
+        Waits at least ``leave_timeout_s``: a member leaving while the group
+        rebalances first waits for its pending join, up to the session timeout.
+        """
+        timeout_s = max(timeout_s, self._leave_timeout_s)
         if self._closed:
             return
         self._closed = True
@@ -218,6 +231,8 @@ class KafkaReader:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await asyncio.shield(closing)
+            await asyncio.sleep(0.05)  # see close_leftover_connections
+            close_leftover_connections(self._consumer)
             return
         logger.warning(
             "reader of %s as %s did not stop in %.1fs", self._topic, self._group, timeout_s
