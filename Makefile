@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PROTO_SRC := nemesis/proto/nemesis/v1/handler.proto
 PROTO_OUT := nemesis/proto/nemesis/v1/handler_pb2.py
 
-.PHONY: install proto demo run test lint typecheck pytest bench clean
+.PHONY: install proto demo run test test-fast system-packages lint typecheck pytest bench clean
 
 install: $(VENV)/.installed $(PROTO_OUT)
 
@@ -28,7 +28,17 @@ demo: install
 run: install
 	$(BIN)/nemesis run  # ./nemesis.yaml when present (see nemesis.example.yaml), else the defaults
 
-test: install lint typecheck pytest
+# The whole suite, in parallel over the cores (pytest-xdist; a module's cases stay on one
+# worker, so a server a module starts is started once). Installs the Debian packages the
+# tests need when they are missing.
+test: install system-packages lint typecheck pytest
+
+# The quick loop while editing: everything but the long end-to-end runs.
+test-fast: install
+	$(BIN)/pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
+
+system-packages:
+	.ci/system-packages
 
 lint: install
 	$(BIN)/ruff check nemesis dlq_viewer tests
@@ -37,8 +47,10 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+XDIST ?= -n auto --dist loadfile
+
 pytest: install
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(XDIST) $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python tests/bench/delivery.py

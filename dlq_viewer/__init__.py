@@ -1,21 +1,31 @@
 """The DLQ web UI: a FastAPI application over nemesis.dlq (never imported by nemesis).
 
-Build it with ``create_app`` and serve it with ``serve_viewer`` (or
-``viewer_server`` for a server you stop yourself)::
+It needs the state store, a broker and the configuration, nothing of the
+running proxy: ``nemesis run`` serves it (``dlq_viewer.service``), and
+``python -m dlq_viewer -c nemesis.yaml`` serves it alone. Build it with
+``create_app`` and serve it with ``serve_viewer`` (or ``viewer_server`` for a
+server you stop yourself)::
 
     app = create_app(
         dlq,
-        integrations=proxy.integrations,
+        integrations=ConfiguredIntegrations(Path(config.integrations_dir)),
         auth=config.auth,
         requeue=replay_requeuer(dlq, broker),
+        trusted_proxies=config.viewer.trusted_proxies,
     )
     await serve_viewer(app, config.viewer.host, config.viewer.port, stop=stopping)
 """
 
 from dlq_viewer.actions import BulkJob, BulkJobs, JobState, Requeuer, replay_requeuer
 from dlq_viewer.app import create_app
-from dlq_viewer.auth import Authenticator, Identity
+from dlq_viewer.auth import (
+    Authenticator,
+    Identity,
+    MemorySessionRevocations,
+    SessionRevocations,
+)
 from dlq_viewer.decoders import ProtobufDecoder, protobuf_decoder
+from dlq_viewer.owners import ConfiguredIntegrations
 from dlq_viewer.passwords import hash_password, hash_token, new_token, verify_password
 from dlq_viewer.server import (
     ViewerServer,
@@ -29,10 +39,13 @@ __all__ = [
     "Authenticator",
     "BulkJob",
     "BulkJobs",
+    "ConfiguredIntegrations",
     "Identity",
     "JobState",
+    "MemorySessionRevocations",
     "ProtobufDecoder",
     "Requeuer",
+    "SessionRevocations",
     "ViewerServer",
     "ViewerStartError",
     "bound_port",

@@ -1,6 +1,6 @@
 """Requeue and discard from the viewer: a few rows at once, or a whole filter in the background.
 
-Both go through ``nemesis.runtime.replay``, the one path the CLI shares: a
+Both go through ``nemesis.dlq.requeue``, the one path the CLI shares: a
 requeued message is written to its own integration's replay topic, which
 the proxy's replay flow delivers at that integration's
 ``rate_limits.replay``. So however many rows a person requeues, the
@@ -12,7 +12,7 @@ let other work in, repeat. A round's rows leave the ``dead`` status, so the
 next selection finds the next rows; the filter carries an upper time bound
 fixed when the person confirmed, so rows that die meanwhile (a requeued
 message that fails again, a new failure) are not swept in. Each round
-writes its own audit entry (``nemesis.runtime.replay`` records one per
+writes its own audit entry (``nemesis.dlq.requeue`` records one per
 call), all naming the job.
 """
 
@@ -31,8 +31,8 @@ from typing import Protocol
 from nemesis.broker.port import Broker
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.dlq import Action, DeadLetterFilter, DeadLetterStore
+from nemesis.dlq.requeue import ActionResult, discard, matching_ids, requeue
 from nemesis.errors import NemesisError
-from nemesis.runtime.replay import ActionResult, discard, matching_ids, requeue
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,8 @@ def replay_requeuer(
     broker: Broker,
     *,
     clock: Clock = SYSTEM_CLOCK,
-    partitions: int = 4,
 ) -> Requeuer:
-    """The requeue path of ``nemesis.runtime.replay`` over ``store`` and ``broker``.
-
-    ``partitions`` is used only when an integration's replay topic does not
-    exist yet (the proxy creates it with ``SupervisorOptions.internal_partitions``).
-    """
+    """The requeue path of ``nemesis.dlq.requeue`` over ``store`` and ``broker``."""
 
     async def send_back(
         ids: Collection[str], *, by: str, allowed: frozenset[str] | None, description: str
@@ -79,7 +74,6 @@ def replay_requeuer(
             allowed=allowed,
             description=description,
             clock=clock,
-            partitions=partitions,
         )
 
     return send_back

@@ -15,24 +15,25 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from dlq_viewer.actions import BulkJob, JobState, act_on_ids
-from dlq_viewer.auth import Identity
+from dlq_viewer.auth import SESSION_COOKIE, Identity
 from dlq_viewer.context import (
     Acting,
     NotFound,
     SignedIn,
     Viewer,
     ViewerDep,
+    audit_view,
     in_scope,
     letter_id,
     scope_of,
 )
-from dlq_viewer.filters import filter_terms, integration_name, parse_time, search_text
+from dlq_viewer.filters import check_time, filter_terms, integration_name, parse_time, search_text
 from dlq_viewer.pages import payload_response, submit_job, visible_job
 from dlq_viewer.render import utc
 from nemesis.dlq import (
@@ -47,8 +48,8 @@ from nemesis.dlq import (
     Reason,
     Status,
 )
+from nemesis.dlq.requeue import ActionResult
 from nemesis.errors import InvalidQuery
-from nemesis.runtime.replay import ActionResult
 
 router = APIRouter(prefix="/api", tags=["dlq"])
 
@@ -61,6 +62,64 @@ LETTER_ID = r"^[0-9a-f]{32}$"
 
 class ApiModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- how to authenticate, and how a request fails (the OpenAPI document says both) --------------
+
+SECURITY_SCHEMES: dict[str, dict[str, str]] = {
+    "bearerToken": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "An API token of auth.tokens (`python -m dlq_viewer.hash_password --token`"
+        " makes one); requests carrying it need no CSRF token.",
+    },
+    "sessionCookie": {
+        "type": "apiKey",
+        "in": "cookie",
+        "name": SESSION_COOKIE,
+        "description": "The session a browser gets by signing in at /login.",
+    },
+    "csrfToken": {
+        "type": "apiKey",
+        "in": "header",
+        "name": "X-CSRF-Token",
+        "description": "With a session cookie, every change carries the session's CSRF token"
+        ' (the pages\' <meta name="csrf-token">).',
+    },
+}
+_READ_SECURITY: list[dict[str, list[str]]] = [{"bearerToken": []}, {"sessionCookie": []}]
+_CHANGE_SECURITY: list[dict[str, list[str]]] = [
+    {"bearerToken": []},
+    {"sessionCookie": [], "csrfToken": []},
+]
+
+
+class ErrorOut(ApiModel):
+    """Why a request was refused (422 answers list the fields instead)."""
+
+    detail: str
+
+
+_ERRORS: dict[int, str] = {
+    400: "A filter, time or cursor that does not work (``detail`` names the field),"
+    " or a malformed Content-Length.",
+    401: "No valid session or bearer token.",
+    403: "A session's change without its CSRF token.",
+    404: "No such thing, or not one of yours (the same answer).",
+    411: "A body without Content-Length.",
+    413: "A body over 1 MiB.",
+    429: "Too many bulk actions are queued or running.",
+    503: "The dead-letter store is not answering; try again.",
+}
+
+
+def _documented(codes: Sequence[int], *, changes: bool = False) -> dict[str, Any]:
+    """Route options declaring its security and its error answers in the OpenAPI document."""
+    codes = sorted({401, *codes, *((400, 403, 411, 413) if changes else ())})
+    return {
+        "responses": {code: {"model": ErrorOut, "description": _ERRORS[code]} for code in codes},
+        "openapi_extra": {"security": _CHANGE_SECURITY if changes else _READ_SECURITY},
+    }
 
 
 # --- answers ---------------------------------------------------------------------------------
@@ -413,7 +472,7 @@ QueryFilter = Annotated[DeadLetterFilter, Depends(query_filter)]
 # --- endpoints ------------------------------------------------------------------------------------
 
 
-@router.get("/me")
+@router.get("/me", **_documented(()))
 async def me(identity: SignedIn, viewer: ViewerDep) -> MeOut:
     """Who you are and what you may see."""
     scope = scope_of(identity, viewer)
@@ -426,7 +485,7 @@ async def me(identity: SignedIn, viewer: ViewerDep) -> MeOut:
     )
 
 
-@router.get("/messages")
+@router.get("/messages", **_documented((400, 503)))
 async def list_messages(
     where: QueryFilter,
     viewer: ViewerDep,
@@ -444,7 +503,7 @@ async def list_messages(
     )
 
 
-@router.get("/messages/count")
+@router.get("/messages/count", **_documented((400, 503)))
 async def count_messages(where: QueryFilter, viewer: ViewerDep) -> CountOut:
     """How many dead letters match (a text search reads every candidate: seconds at millions)."""
     return CountOut(count=await viewer.store.count(where))
@@ -457,7 +516,7 @@ async def _visible(viewer: Viewer, identity: Identity, message_id: str) -> DeadL
     return row
 
 
-@router.get("/messages/{message_id}")
+@router.get("/messages/{message_id}", **_documented((404, 503)))
 async def get_message(
     message_id: str,
     identity: SignedIn,
@@ -467,10 +526,14 @@ async def get_message(
     return MessageDetailOut.of(await _visible(viewer, identity, message_id))
 
 
+_PAYLOAD_DOC = _documented((404, 503))
+
+
 @router.get(
     "/messages/{message_id}/payload",
     response_class=Response,
-    responses={200: {"content": {"application/octet-stream": {}}}},
+    responses={200: {"content": {"application/octet-stream": {}}}, **_PAYLOAD_DOC["responses"]},
+    openapi_extra=_PAYLOAD_DOC["openapi_extra"],
 )
 async def get_payload(
     message_id: str,
@@ -481,7 +544,7 @@ async def get_payload(
     return payload_response(await _visible(viewer, identity, message_id))
 
 
-@router.get("/groups")
+@router.get("/groups", **_documented((400, 503)))
 async def list_groups(
     where: QueryFilter,
     viewer: ViewerDep,
@@ -493,7 +556,7 @@ async def list_groups(
     return [GroupOut.of(group) for group in await viewer.store.groups(where, limit=limit)]
 
 
-@router.get("/stats")
+@router.get("/stats", **_documented((400, 503)))
 async def stats(
     where: QueryFilter,
     viewer: ViewerDep,
@@ -541,7 +604,7 @@ async def _act(action: Action, body: IdsIn, identity: Identity, viewer: Viewer) 
     return ActionResultOut.of(result)
 
 
-@router.post("/requeue")
+@router.post("/requeue", **_documented((503,), changes=True))
 async def requeue_ids(
     body: IdsIn,
     identity: Acting,
@@ -555,7 +618,7 @@ async def requeue_ids(
     return await _act(Action.REQUEUE, body, identity, viewer)
 
 
-@router.post("/discard")
+@router.post("/discard", **_documented((503,), changes=True))
 async def discard_ids(
     body: IdsIn,
     identity: Acting,
@@ -565,7 +628,7 @@ async def discard_ids(
     return await _act(Action.DISCARD, body, identity, viewer)
 
 
-@router.post("/jobs", status_code=202)
+@router.post("/jobs", status_code=202, **_documented((400, 429, 503), changes=True))
 async def start_job(
     body: JobIn,
     identity: Acting,
@@ -578,6 +641,10 @@ async def start_job(
     """
     now = viewer.clock.time()
     spec = body.filter
+    if spec.since is not None:
+        check_time(spec.since, "filter.since")
+    if spec.until is not None:
+        check_time(spec.until, "filter.until")
     until = now if spec.until is None else min(spec.until, now)
     where = DeadLetterFilter(
         integrations=_scoped(spec.integrations or [], scope_of(identity, viewer)),
@@ -608,7 +675,7 @@ def _describe(spec: FilterIn, until: float) -> str:
     return ", ".join(parts) + " (API)"
 
 
-@router.get("/jobs")
+@router.get("/jobs", **_documented(()))
 async def list_jobs(identity: SignedIn, viewer: ViewerDep) -> list[JobOut]:
     """Your bulk actions since the viewer started (all of them, for an admin), newest first."""
     return [
@@ -618,13 +685,13 @@ async def list_jobs(identity: SignedIn, viewer: ViewerDep) -> list[JobOut]:
     ]
 
 
-@router.get("/jobs/{job}")
+@router.get("/jobs/{job}", **_documented((404,)))
 async def get_job(job: str, identity: SignedIn, viewer: ViewerDep) -> JobOut:
     """A bulk action's progress."""
     return JobOut.of(visible_job(viewer, identity, job))
 
 
-@router.post("/jobs/{job}/stop")
+@router.post("/jobs/{job}/stop", **_documented((404,), changes=True))
 async def stop_job(job: str, identity: Acting, viewer: ViewerDep) -> JobOut:
     """Stops a bulk action after its current round."""
     found = visible_job(viewer, identity, job)
@@ -632,7 +699,7 @@ async def stop_job(job: str, identity: Acting, viewer: ViewerDep) -> JobOut:
     return JobOut.of(found)
 
 
-@router.get("/audit")
+@router.get("/audit", **_documented((400, 503)))
 async def audit_log(
     identity: SignedIn,
     viewer: ViewerDep,
@@ -648,7 +715,7 @@ async def audit_log(
 
 
 def _entry(entry: ActionRecord, scope: frozenset[str] | None) -> AuditEntryOut:
-    names = [name for name in entry.integrations if scope is None or name in scope]
+    names, description = audit_view(entry, scope)
     return AuditEntryOut(
         seq=entry.seq,
         at=entry.at,
@@ -656,5 +723,5 @@ def _entry(entry: ActionRecord, scope: frozenset[str] | None) -> AuditEntryOut:
         action=entry.action,
         integrations=names,
         count=entry.count,
-        description=entry.description,
+        description=description,
     )

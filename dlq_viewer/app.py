@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dlq_viewer import render
 from dlq_viewer.actions import BULK_PAUSE_S, ROUND_SIZE, BulkJobs, JobsBusy, Requeuer
+from dlq_viewer.api import SECURITY_SCHEMES
 from dlq_viewer.api import router as api_router
-from dlq_viewer.auth import Authenticator
+from dlq_viewer.auth import Authenticator, IPNetwork, SessionRevocations
 from dlq_viewer.context import (
     CsrfRejected,
     NotFound,
@@ -183,6 +184,8 @@ def create_app(
     bulk_round_size: int = ROUND_SIZE,
     bulk_pause_s: float = BULK_PAUSE_S,
     count_cap: int = COUNT_CAP,
+    trusted_proxies: Sequence[IPNetwork] = (),
+    session_revocations: SessionRevocations | None = None,
 ) -> FastAPI:
     """The DLQ viewer over ``store``; serve it with ``dlq_viewer.serve_viewer``.
 
@@ -192,14 +195,17 @@ def create_app(
     ``decoders`` maps integration names to payload decoders (Protobuf).
     The list page counts matches up to ``count_cap`` before it answers and
     fetches larger counts afterwards; bulk actions work in rounds of
-    ``bulk_round_size`` rows with ``bulk_pause_s`` between them. The store
-    stays the caller's: the app never closes it.
+    ``bulk_round_size`` rows with ``bulk_pause_s`` between them.
+    ``trusted_proxies`` are the reverse proxies whose forwarded client
+    addresses sign-in throttling believes; ``session_revocations`` remembers
+    ended sessions (in this process's memory unless given one replicas share).
+    The store stays the caller's: the app never closes it.
     """
     jobs = BulkJobs(store, requeue, clock=clock, round_size=bulk_round_size, pause_s=bulk_pause_s)
     viewer = Viewer(
         store=store,
         integrations=integrations,
-        auth=Authenticator(auth, clock=clock),
+        auth=Authenticator(auth, clock=clock, revocations=session_revocations),
         requeuer=requeue,
         jobs=jobs,
         clock=clock,
@@ -207,6 +213,7 @@ def create_app(
         decoders=decoders or {},
         secure_cookies=auth.secure_cookies,
         count_cap=count_cap,
+        trusted_proxies=tuple(trusted_proxies),
     )
 
     @contextlib.asynccontextmanager
@@ -225,6 +232,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.viewer = viewer
+    _declare_security(app)
     app.add_middleware(SecurityHeaders, hsts=auth.secure_cookies)
     app.mount("/static", StaticFiles(directory=PACKAGE / "static"), name="static")
     app.include_router(api_router)
@@ -233,12 +241,25 @@ def create_app(
     return app
 
 
+def _declare_security(app: FastAPI) -> None:
+    """Puts the API's security schemes into its OpenAPI document (routes name theirs)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            schema.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
+        return app.openapi_schema or build()
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def _add_error_handlers(app: FastAPI, viewer: Viewer) -> None:
-    def answer(request: Request, status: int, heading: str, message: str) -> Response:
+    async def answer(request: Request, status: int, heading: str, message: str) -> Response:
         if is_api(request):
             headers = {"www-authenticate": "Bearer"} if status == 401 else None
             return JSONResponse({"detail": message}, status_code=status, headers=headers)
-        identity = identify(request, viewer)
+        identity = await identify(request, viewer)
         return viewer.templates.TemplateResponse(
             request,
             "error.html",
@@ -257,11 +278,11 @@ def _add_error_handlers(app: FastAPI, viewer: Viewer) -> None:
 
     async def sign_in_required(request: Request, exc: Exception) -> Response:
         if is_api(request):
-            return answer(request, 401, "Sign-in required", "sign in, or send a bearer token")
+            return await answer(request, 401, "Sign-in required", "sign in, or send a bearer token")
         return sign_in_redirect(request)
 
     async def csrf_rejected(request: Request, exc: Exception) -> Response:
-        return answer(
+        return await answer(
             request,
             403,
             "This form has expired",
@@ -269,17 +290,17 @@ def _add_error_handlers(app: FastAPI, viewer: Viewer) -> None:
         )
 
     async def not_found(request: Request, exc: Exception) -> Response:
-        return answer(request, 404, "Not found", str(exc))
+        return await answer(request, 404, "Not found", str(exc))
 
     async def invalid_query(request: Request, exc: Exception) -> Response:
-        return answer(request, 400, "That request does not work", str(exc))
+        return await answer(request, 400, "That request does not work", str(exc))
 
     async def jobs_busy(request: Request, exc: Exception) -> Response:
-        return answer(request, 429, "Too many bulk actions", str(exc))
+        return await answer(request, 429, "Too many bulk actions", str(exc))
 
     async def store_failed(request: Request, exc: Exception) -> Response:
         log.error("DLQ store error on %s %s: %s", request.method, request.url.path, exc)
-        return answer(
+        return await answer(
             request,
             503,
             "The dead-letter store is not answering",
@@ -298,18 +319,20 @@ def _add_error_handlers(app: FastAPI, viewer: Viewer) -> None:
                 for error in exc.errors()[:20]
             ]
             return JSONResponse({"detail": errors}, status_code=422)
-        return answer(
+        return await answer(
             request, 400, "That request does not work", "Some of its fields are malformed."
         )
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         if exc.status_code == 404:
-            return answer(request, 404, "Not found", "There is no such page.")
+            return await answer(request, 404, "Not found", "There is no such page.")
         if exc.status_code == 405:
-            return answer(request, 405, "Not allowed", "This address does not take that method.")
+            return await answer(
+                request, 405, "Not allowed", "This address does not take that method."
+            )
         detail = exc.detail if isinstance(exc.detail, str) else "The request was refused."
-        return answer(request, exc.status_code, "Request refused", detail)
+        return await answer(request, exc.status_code, "Request refused", detail)
 
     app.add_exception_handler(SignInRequired, sign_in_required)
     app.add_exception_handler(CsrfRejected, csrf_rejected)

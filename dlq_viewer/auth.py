@@ -1,11 +1,22 @@
 """Who is asking: password sessions, API tokens, a trusted SSO header; CSRF tokens.
 
 A browser signs in with a password and gets a session cookie: a payload
-(user, nonce, expiry, password fingerprint) and its HMAC-SHA256 under the
-session secret, so the server keeps no session table. Changing a user's
-password or removing the user ends their sessions at once (the fingerprint
-no longer matches); teams and the admin flag are read from the
-configuration on every request, so they apply at once too.
+(user, session id, expiry, password fingerprint) and its HMAC-SHA256 under
+the session secret. Signing out records the session id as revoked until the
+cookie would have expired (``SessionRevocations``: in memory here, a shared
+table for replicas), so a copy of the cookie is refused from then on.
+Changing a user's password or removing the user ends their sessions at once
+(the fingerprint no longer matches); teams and the admin flag are read from
+the configuration on every request, so they apply at once too.
+
+Failed sign-ins slow down, they never lock out (``LoginThrottle``): after a
+few failures for one user name from one client address, each further try
+waits twice as long as the last, up to ``MAX_DELAY_S``. A person who knows
+the password waits at most that long, whoever else is guessing; the same
+person from another address is not slowed at all. A looser count per
+address slows one client guessing many names. The client address is the
+TCP peer, or the forwarded address when the peer is a configured reverse
+proxy (``client_address``).
 
 Every state change by a browser needs a CSRF token: an HMAC of the
 session's nonce (or, behind an SSO proxy, of the user name) that only pages
@@ -20,14 +31,15 @@ import base64
 import binascii
 import collections
 import hashlib
+import heapq
 import hmac
 import ipaddress
 import json
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from dlq_viewer.passwords import hash_password, hash_token, verify_password
 from nemesis.clock import SYSTEM_CLOCK, Clock
@@ -39,16 +51,22 @@ SESSION_COOKIE = "nemesis_session"
 LOGIN_COOKIE = "nemesis_login"
 MAX_COOKIE_CHARS = 1024
 MAX_NAME_CHARS = 128
-# Failed sign-ins per user name, and per client address, before a pause. The address
-# limit is higher: behind a reverse proxy every person shares the proxy's address.
-MAX_FAILURES = 10
-MAX_PEER_FAILURES = 100
-FAILURE_WINDOW_S = 300.0
-_THROTTLE_KEYS = 10_000  # remembered names and addresses; the oldest are forgotten first
+# Failed sign-ins that cost nothing: per user name and client address, and per address
+# across names (one client trying many names). After them each try waits twice as long
+# as the one before, from FIRST_DELAY_S up to MAX_DELAY_S; a quiet key is forgotten.
+FREE_FAILURES = 5
+FREE_ADDRESS_FAILURES = 50
+FIRST_DELAY_S = 1.0
+MAX_DELAY_S = 30.0
+FORGET_AFTER_S = 900.0
+_THROTTLE_KEYS = 10_000  # remembered keys; the least recently failed are forgotten first
+MAX_REVOKED = 100_000  # ended sessions remembered in memory until their cookies expire
 _CONCURRENT_HASHES = 2  # scrypt costs 32 MiB and tens of milliseconds each
 _WARNED_PEERS = 256
 
 Method = Literal["password", "token", "sso"]
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+_MAX_HOPS = 32  # forwarded hops looked at, nearest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,39 +102,62 @@ def _unb64(text: str) -> bytes:
 
 
 class LoginThrottle:
-    """Counts failed sign-ins per key in a sliding window; bounded memory."""
+    """Exponential delays after failed sign-ins, per key; bounded, never a lockout, bounded memory.
+
+    A key's first ``free_failures`` cost nothing; after the n-th failure beyond
+    them the key waits ``first_delay_s * 2**(n-1)`` (at most ``max_delay_s``)
+    from that failure. A try while a key waits is refused without checking the
+    password, so guessing gains nothing by hurrying. A key quiet for
+    ``forget_after_s`` starts over.
+    """
 
     def __init__(
-        self, clock: Clock, *, limit: int = MAX_FAILURES, window_s: float = FAILURE_WINDOW_S
+        self,
+        clock: Clock,
+        *,
+        free_failures: int = FREE_FAILURES,
+        first_delay_s: float = FIRST_DELAY_S,
+        max_delay_s: float = MAX_DELAY_S,
+        forget_after_s: float = FORGET_AFTER_S,
     ):
         self._clock = clock
-        self._limit = limit
-        self._window_s = window_s
-        self._failures: collections.OrderedDict[str, collections.deque[float]] = (
-            collections.OrderedDict()
-        )
+        self._free = free_failures
+        self._first_delay_s = first_delay_s
+        self._max_delay_s = max_delay_s
+        self._forget_after_s = forget_after_s
+        # key -> (failures, when the last one happened), least recently failed first
+        self._failures: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
+
+    def delay_s(self, failures: int) -> float:
+        """How long a key waits after its ``failures``-th failure."""
+        beyond = failures - self._free - 1
+        if beyond < 0:
+            return 0.0
+        return min(self._max_delay_s, self._first_delay_s * 2.0 ** min(beyond, 62))
 
     def retry_after_s(self, *keys: str) -> float:
-        """Seconds until any of ``keys`` may try again; 0 when all may now."""
+        """Seconds until every one of ``keys`` may try again; 0 when all may now."""
         now = self._clock.monotonic()
         wait = 0.0
         for key in keys:
-            times = self._failures.get(key)
-            if times is None:
+            found = self._failures.get(key)
+            if found is None:
                 continue
-            while times and times[0] <= now - self._window_s:
-                times.popleft()
-            if len(times) >= self._limit:
-                wait = max(wait, times[0] + self._window_s - now)
+            failures, last = found
+            if now - last >= self._forget_after_s:
+                del self._failures[key]
+                continue
+            wait = max(wait, last + self.delay_s(failures) - now)
         return wait
 
     def failed(self, *keys: str) -> None:
         """Records one failure for each key."""
         now = self._clock.monotonic()
         for key in keys:
-            times = self._failures.pop(key, None) or collections.deque(maxlen=self._limit)
-            times.append(now)
-            self._failures[key] = times
+            failures, last = self._failures.pop(key, (0, now))
+            if now - last >= self._forget_after_s:
+                failures = 0
+            self._failures[key] = (failures + 1, now)
             while len(self._failures) > _THROTTLE_KEYS:
                 self._failures.popitem(last=False)
 
@@ -126,10 +167,131 @@ class LoginThrottle:
             self._failures.pop(key, None)
 
 
+class SessionRevocations(Protocol):
+    """Ended sessions, remembered until their cookies would expire anyway.
+
+    Every replica of the viewer must see the same revocations, so a shared
+    store can stand behind this; ``MemorySessionRevocations`` serves one process.
+    """
+
+    async def revoke(self, session_id: str, expires_at: float) -> None:
+        """Refuses ``session_id`` from now until ``expires_at`` (Unix seconds)."""
+        ...
+
+    async def is_revoked(self, session_id: str) -> bool:
+        """True when ``session_id`` was revoked."""
+        ...
+
+
+class MemorySessionRevocations:
+    """Revocations in this process's memory; expired ones are dropped, the count is bounded."""
+
+    def __init__(self, clock: Clock = SYSTEM_CLOCK, *, max_entries: int = MAX_REVOKED) -> None:
+        self._clock = clock
+        self._max_entries = max_entries
+        self._until: dict[str, float] = {}
+        self._expiring: list[tuple[float, str]] = []  # a heap: the soonest expiry first
+
+    async def revoke(self, session_id: str, expires_at: float) -> None:
+        """Refuses ``session_id`` until ``expires_at``."""
+        self._drop_expired()
+        if session_id in self._until:
+            return
+        while len(self._until) >= self._max_entries:
+            # Full: forget the revocation whose cookie expires soonest (the least to lose).
+            _, oldest = heapq.heappop(self._expiring)
+            self._until.pop(oldest, None)
+            log.warning("over %d ended sessions remembered: forgot one early", self._max_entries)
+        self._until[session_id] = expires_at
+        heapq.heappush(self._expiring, (expires_at, session_id))
+
+    async def is_revoked(self, session_id: str) -> bool:
+        """True when ``session_id`` was revoked and its cookie has not expired."""
+        self._drop_expired()
+        return session_id in self._until
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def _drop_expired(self) -> None:
+        now = self._clock.time()
+        while self._expiring and self._expiring[0][0] <= now:
+            _, session_id = heapq.heappop(self._expiring)
+            self._until.pop(session_id, None)
+
+
+def client_address(
+    peer: str | None, headers: Mapping[str, str], trusted_proxies: Sequence[IPNetwork]
+) -> str:
+    """The client's address: the TCP peer, or what trusted reverse proxies forwarded.
+
+    ``X-Forwarded-For`` and ``Forwarded`` are read only when the peer is one of
+    ``trusted_proxies``; then the hops are walked from the nearest, past every
+    trusted proxy, and the first other address is the client. A hop that is not
+    an address (``unknown``, an obfuscated name) stops the walk at the proxy that
+    reported it.
+    """
+    if peer is None:
+        return "unknown"
+    if not trusted_proxies or not _is_trusted(peer, trusted_proxies):
+        return peer
+    hops = _forwarded_hops(headers)
+    client = peer
+    for hop in reversed(hops):
+        address = _hop_address(hop)
+        if address is None:
+            return client
+        client = address
+        if not _is_trusted(address, trusted_proxies):
+            return address
+    return client
+
+
+def _is_trusted(address: str, networks: Sequence[IPNetwork]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in network for network in networks)
+
+
+def _forwarded_hops(headers: Mapping[str, str]) -> list[str]:
+    forwarded = headers.get("forwarded")
+    if forwarded:
+        hops = []
+        for element in forwarded.split(",")[-_MAX_HOPS:]:
+            for pair in element.split(";"):
+                name, _, value = pair.strip().partition("=")
+                if name.strip().lower() == "for":
+                    hops.append(value.strip().strip('"'))
+        return hops
+    forwarded_for = headers.get("x-forwarded-for", "")
+    return [hop.strip() for hop in forwarded_for.split(",")[-_MAX_HOPS:] if hop.strip()]
+
+
+def _hop_address(hop: str) -> str | None:
+    """The IP address in one hop (``1.2.3.4``, ``1.2.3.4:80``, ``[::1]:80``, ``::1``), else None."""
+    text = hop
+    if text.startswith("["):
+        text = text[1:].partition("]")[0]
+    elif text.count(":") == 1:
+        text = text.partition(":")[0]
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        return None
+
+
 class Authenticator:
     """Turns credentials into an ``Identity``, and signs what proves one later."""
 
-    def __init__(self, config: AuthConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self,
+        config: AuthConfig,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        revocations: SessionRevocations | None = None,
+    ) -> None:
         self.config = config
         self._clock = clock
         if config.session_secret is None:
@@ -145,8 +307,9 @@ class Authenticator:
         self._proxies = (
             [] if config.trusted_header is None else list(config.trusted_header.trusted_proxies)
         )
-        self.user_throttle = LoginThrottle(clock)
-        self.peer_throttle = LoginThrottle(clock, limit=MAX_PEER_FAILURES)
+        self.revocations = revocations or MemorySessionRevocations(clock)
+        self.account_throttle = LoginThrottle(clock)  # per user name and client address
+        self.address_throttle = LoginThrottle(clock, free_failures=FREE_ADDRESS_FAILURES)
         self._hashing = asyncio.Semaphore(_CONCURRENT_HASHES)
         self._decoy_hash: str | None = None
         self._warned: set[str] = set()
@@ -203,8 +366,8 @@ class Authenticator:
         data = _b64(payload.encode())
         return f"{data}.{self.sign('session', data)}"
 
-    def from_session(self, cookie: str | None) -> Identity | None:
-        """The identity a session cookie proves, or None (forged, expired, user gone)."""
+    def _session(self, cookie: str | None) -> tuple[UserConfig, str, int] | None:
+        """The user, session id and expiry a session cookie carries, if it is genuine and live."""
         if not cookie or len(cookie) > MAX_COOKIE_CHARS or cookie.count(".") != 1:
             return None
         data, signature = cookie.split(".")
@@ -223,12 +386,30 @@ class Authenticator:
         user = self._users.get(name) if isinstance(name, str) else None
         if (
             user is None
+            or not isinstance(nonce, str)
             or not isinstance(expires, int)
             or expires <= self._clock.time()
             or fingerprint != self._fingerprint(user)
         ):
             return None
+        return user, nonce, expires
+
+    async def from_session(self, cookie: str | None) -> Identity | None:
+        """The identity a session cookie proves, or None (forged, expired, ended, user gone)."""
+        session = self._session(cookie)
+        if session is None:
+            return None
+        user, nonce, _ = session
+        if await self.revocations.is_revoked(nonce):
+            return None
         return self._user_identity(user, "password", f"session\x00{nonce}")
+
+    async def end_session(self, cookie: str | None) -> None:
+        """Revokes the session of ``cookie``: no copy of it works again."""
+        session = self._session(cookie)
+        if session is not None:
+            _, nonce, expires = session
+            await self.revocations.revoke(nonce, float(expires))
 
     def from_bearer(self, authorization: str | None) -> Identity | None:
         """The identity of an ``Authorization: Bearer <token>`` header, or None."""

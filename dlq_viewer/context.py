@@ -14,11 +14,11 @@ from fastapi import Depends, Request
 from fastapi.templating import Jinja2Templates
 
 from dlq_viewer.actions import BulkJobs, Requeuer
-from dlq_viewer.auth import SESSION_COOKIE, Authenticator, Identity
+from dlq_viewer.auth import SESSION_COOKIE, Authenticator, Identity, IPNetwork, client_address
 from dlq_viewer.render import PayloadDecoder
 from nemesis.clock import Clock
 from nemesis.config.models import IntegrationConfig
-from nemesis.dlq import DeadLetterStore
+from nemesis.dlq import ActionRecord, DeadLetterStore
 
 FLASH_COOKIE = "nemesis_flash"
 CSRF_HEADER = "x-csrf-token"
@@ -44,6 +44,7 @@ class Viewer:
     decoders: Mapping[str, PayloadDecoder]
     secure_cookies: bool
     count_cap: int  # the list page counts up to this many rows before answering
+    trusted_proxies: tuple[IPNetwork, ...] = ()  # whose X-Forwarded-For / Forwarded to believe
 
 
 class SignInRequired(Exception):
@@ -76,7 +77,7 @@ def is_api(request: Request) -> bool:
     return request.url.path.startswith("/api/") or request.url.path == "/api"
 
 
-def identify(request: Request, viewer: Viewer) -> Identity | None:
+async def identify(request: Request, viewer: Viewer) -> Identity | None:
     """Who is asking: an API token, a trusted SSO header, or a session cookie; else None."""
     authorization = request.headers.get("authorization")
     if authorization is not None:
@@ -86,12 +87,18 @@ def identify(request: Request, viewer: Viewer) -> Identity | None:
     identity = viewer.auth.from_trusted_header(request.headers, peer)
     if identity is not None:
         return identity
-    return viewer.auth.from_session(request.cookies.get(SESSION_COOKIE))
+    return await viewer.auth.from_session(request.cookies.get(SESSION_COOKIE))
 
 
-def current_identity(request: Request, viewer: ViewerDep) -> Identity | None:
+async def current_identity(request: Request, viewer: ViewerDep) -> Identity | None:
     """``identify`` as a dependency."""
-    return identify(request, viewer)
+    return await identify(request, viewer)
+
+
+def client_of(request: Request, viewer: Viewer) -> str:
+    """The client's address (forwarded by a trusted reverse proxy, or the TCP peer)."""
+    peer = request.client.host if request.client is not None else None
+    return client_address(peer, request.headers, viewer.trusted_proxies)
 
 
 MaybeSignedIn = Annotated[Identity | None, Depends(current_identity)]
@@ -141,6 +148,27 @@ def scope_of(identity: Identity, viewer: Viewer) -> frozenset[str] | None:
 def in_scope(integration: str, scope: frozenset[str] | None) -> bool:
     """True when ``scope`` covers ``integration``."""
     return scope is None or integration in scope
+
+
+PARTIAL_AUDIT_DESCRIPTION = (
+    "part of an action that also covered integrations outside your teams"
+    " (what it selected is shown to admins)"
+)
+
+
+def audit_view(entry: ActionRecord, scope: frozenset[str] | None) -> tuple[list[str], str]:
+    """The integrations and description of an audit entry that ``scope`` may read.
+
+    The description is free text written by whoever acted (a filter in words,
+    other teams' integration names, search text), so an entry that reaches
+    beyond the reader's integrations shows only their names and a neutral line.
+    """
+    if scope is None:
+        return list(entry.integrations), entry.description
+    names = [name for name in entry.integrations if name in scope]
+    if len(names) == len(entry.integrations):
+        return names, entry.description
+    return names, PARTIAL_AUDIT_DESCRIPTION
 
 
 def letter_id(text: str) -> str:

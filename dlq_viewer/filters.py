@@ -63,8 +63,17 @@ def parse_time(text: str, name: str) -> float:
             if moment.tzinfo is None:
                 moment = moment.replace(tzinfo=dt.UTC)
             seconds = moment.timestamp()
+    return check_time(seconds, name)
+
+
+def check_time(seconds: float, name: str) -> float:
+    """``seconds`` if it is a time the viewer and the store can work with, else ``InvalidQuery``.
+
+    Every time from a request passes here before it reaches the store or a
+    date formatter: both fail on values like 1e20 (beyond any date).
+    """
     if not (math.isfinite(seconds) and _EARLIEST <= seconds <= _LATEST):
-        raise InvalidQuery(f"{name}: the time is out of range")
+        raise InvalidQuery(f"{name}: the time is out of range (years 2000 to 2200)")
     return seconds
 
 

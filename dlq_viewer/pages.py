@@ -25,6 +25,8 @@ from dlq_viewer.context import (
     SignedIn,
     Viewer,
     ViewerDep,
+    audit_view,
+    client_of,
     in_scope,
     job_id,
     letter_id,
@@ -634,22 +636,20 @@ async def audit(
     scope = scope_of(identity, viewer)
     cursor = request.query_params.get("cursor") or None
     entries = await viewer.store.actions(PageRequest(limit=50, cursor=cursor), integrations=scope)
-    shown = [
-        {
-            "at": entry.at,
-            "who": entry.who,
-            "action": entry.action.value,
-            "count": entry.count,
-            "description": entry.description,
-            # Only names the reader may see; an admin's action elsewhere stays a number.
-            "shown_integrations": render.join_names(
-                entry.integrations
-                if scope is None
-                else [name for name in entry.integrations if name in scope]
-            ),
-        }
-        for entry in entries.rows
-    ]
+    shown = []
+    for entry in entries.rows:
+        # Only what the reader may see: their integrations' names, and no one else's words.
+        names, description = audit_view(entry, scope)
+        shown.append(
+            {
+                "at": entry.at,
+                "who": entry.who,
+                "action": entry.action.value,
+                "count": entry.count,
+                "description": description,
+                "shown_integrations": render.join_names(names),
+            }
+        )
     jobs = [job for job in viewer.jobs.recent() if identity.admin or job.owner == identity.actor][
         :20
     ]
@@ -740,25 +740,29 @@ async def login(request: Request, viewer: ViewerDep) -> Response:
             error="The sign-in form expired. Please try again.",
             status=403,
         )
-    peer = request.client.host if request.client is not None else "unknown"
-    user_key = username.lower()
+    address = client_of(request, viewer)
+    # Per name and address: someone guessing alice's password from elsewhere never slows her.
+    account_key = f"{username.lower()}\x00{address}"
     wait_s = max(
-        viewer.auth.user_throttle.retry_after_s(user_key),
-        viewer.auth.peer_throttle.retry_after_s(peer),
+        viewer.auth.account_throttle.retry_after_s(account_key),
+        viewer.auth.address_throttle.retry_after_s(address),
     )
     if wait_s > 0:
-        return _login_page(
+        seconds = math.ceil(wait_s)
+        refused = _login_page(
             viewer,
             request,
             next_path=next_path,
             username=username,
-            error=f"Too many failed sign-ins. Try again in {render.duration(wait_s)}.",
+            error=f"Too many failed sign-ins. Try again in {render.duration(seconds)}.",
             status=429,
         )
+        refused.headers["retry-after"] = str(seconds)
+        return refused
     user = await viewer.auth.check_password(username, password) if username and password else None
     if user is None:
-        viewer.auth.user_throttle.failed(user_key)
-        viewer.auth.peer_throttle.failed(peer)
+        viewer.auth.account_throttle.failed(account_key)
+        viewer.auth.address_throttle.failed(address)
         return _login_page(
             viewer,
             request,
@@ -767,7 +771,8 @@ async def login(request: Request, viewer: ViewerDep) -> Response:
             error="Wrong user name or password.",
             status=401,
         )
-    viewer.auth.user_throttle.succeeded(user_key)
+    # The address's count stays: one good account must not reset a client guessing others.
+    viewer.auth.account_throttle.succeeded(account_key)
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(
         SESSION_COOKIE,
@@ -783,8 +788,9 @@ async def login(request: Request, viewer: ViewerDep) -> Response:
 
 
 @router.post("/logout")
-async def logout(identity: Acting, viewer: ViewerDep) -> Response:
-    """Ends the session (its cookie; a copy of the cookie stays valid until it expires)."""
+async def logout(request: Request, identity: Acting, viewer: ViewerDep) -> Response:
+    """Ends the session on the server too: a copy of its cookie no longer works."""
+    await viewer.auth.end_session(request.cookies.get(SESSION_COOKIE))
     response = redirect(viewer, "/login", ("ok", "Signed out."))
     response.delete_cookie(SESSION_COOKIE, path="/")
     return response

@@ -2,18 +2,41 @@
 
 ``nemesis`` never imports ``dlq_viewer``: the CLI looks up the
 ``nemesis.services`` entry points (pyproject.toml names this function) and
-serves what they return beside the proxy.
+serves what they return beside the proxy. The viewer takes nothing from the
+running proxy but the store and the broker it opened: owners come from the
+configuration's integrations directory, requeues go through
+``nemesis.dlq.requeue``. So it shows the same whether it runs inside
+``nemesis run`` or alone (``python -m dlq_viewer``), on one replica or many.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from dlq_viewer.actions import replay_requeuer
 from dlq_viewer.app import create_app
-from nemesis.admin.server import UvicornService
+from dlq_viewer.owners import ConfiguredIntegrations
 from nemesis.broker.port import Broker
 from nemesis.config.models import NemesisConfig
 from nemesis.dlq import DeadLetterStore
-from nemesis.runtime.app import Proxy, SupervisorOptions
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from nemesis.admin.server import UvicornService
+    from nemesis.runtime.app import Proxy
+
+
+def viewer_app(config: NemesisConfig, dlq: DeadLetterStore, broker: Broker) -> FastAPI:
+    """The viewer over ``dlq`` and ``broker``, with the owners of every configured integration."""
+    return create_app(
+        dlq,
+        integrations=ConfiguredIntegrations(Path(config.integrations_dir)),
+        auth=config.auth,
+        requeue=replay_requeuer(dlq, broker),
+        trusted_proxies=config.viewer.trusted_proxies,
+    )
 
 
 def nemesis_service(
@@ -22,15 +45,10 @@ def nemesis_service(
     """The DLQ viewer on ``config.viewer``, or None when it is disabled."""
     if not config.viewer.enabled:
         return None
-    app = create_app(
-        dlq,
-        # Read on every request: a configuration reload changes who owns what at once.
-        integrations=proxy.integrations,
-        auth=config.auth,
-        requeue=replay_requeuer(dlq, broker, partitions=SupervisorOptions().internal_partitions),
-    )
+    from nemesis.admin.server import UvicornService  # what nemesis run serves services with
+
     return UvicornService(
-        app,
+        viewer_app(config, dlq, broker),
         host=config.viewer.host,
         port=config.viewer.port,
         name="DLQ viewer",

@@ -105,6 +105,14 @@ async def test_changes_need_the_token(broker: EmbeddedBroker, handler: HandlerSe
         ({"rate_limits": {"dlq": 5}}, ["body", "rate_limits", "dlq"]),
         ({"flags": {"disabled_types": "order.test"}}, ["body", "flags", "disabled_types"]),
         ({"paused": "sometimes"}, ["body", "paused"]),
+        # The schema says boolean and integer: no 0 for false, no "4" or 4.0 for 4.
+        ({"paused": 0}, ["body", "paused"]),
+        ({"paused": 1}, ["body", "paused"]),
+        ({"paused": "true"}, ["body", "paused"]),
+        ({"delivery": {"workers": "4"}}, ["body", "delivery", "workers"]),
+        ({"delivery": {"workers": 4.0}}, ["body", "delivery", "workers"]),
+        ({"delivery": {"batch": {"size": True}}}, ["body", "delivery", "batch", "size"]),
+        ({"rate_limits": {"main": "5"}}, ["body", "rate_limits", "main"]),
         # Fits the field, not the configuration: the buffer (500) cannot hold a batch of 600.
         (
             {"delivery": {"workers": 4, "batch": {"size": 600}}},

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -143,3 +144,23 @@ def test_admin_api_never_answers_with_a_server_error(admin_url: str, mode: Gener
             case.call_and_validate(base_url=admin_url, headers=AUTH, timeout=30, checks=CHECKS)
 
         call()
+
+
+def test_changes_declare_the_bearer_token_and_their_refusals(admin_url: str) -> None:
+    spec = httpx.get(f"{admin_url}/openapi.json", timeout=30).json()
+    scheme = spec["components"]["securitySchemes"]["adminToken"]
+    assert (scheme["type"], scheme["scheme"]) == ("http", "bearer")
+    error = {"$ref": "#/components/schemas/ErrorMessage"}
+    changes = 0
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            where = f"{method.upper()} {path}"
+            if method == "get":
+                assert "security" not in operation, where  # reading is open, by design
+                continue
+            changes += 1
+            assert operation["security"] == [{"adminToken": []}], where
+            for code in ("401", "403"):
+                body = operation["responses"][code]["content"]["application/json"]["schema"]
+                assert body == error, where
+    assert changes >= 6

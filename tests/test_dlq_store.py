@@ -1,9 +1,11 @@
-"""The DLQ store: pure signature rules, then contract cases on real store files.
+"""The DLQ store: pure signature rules, then contract cases on every store.
 
-Contract cases take the ``store`` fixture, parametrized over ``STORES``; a
-YDB store joins by adding its factory there (skipped without
-``NEMESIS_YDB_ENDPOINT``). Cases that need one store's internals (the
-SQLite scan bound, batch sizes, the file) come last.
+Contract cases take the ``store`` fixture, parametrized over ``STORES``: the
+sqlite store on a real file, and the YDB store on ``tests/ydb_fake.py`` (a
+database that plays a YDB server's rules); ``tests/contract`` runs them
+again on a real YDB when ``NEMESIS_YDB_ENDPOINT`` names one. Cases that need
+one store's internals (the SQLite scan bound, batch sizes, the file), the
+core's folding of failures and the real CLI come last.
 """
 
 from __future__ import annotations
@@ -12,15 +14,18 @@ import asyncio
 import base64
 import json
 import sqlite3
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import nemesis.dlq.core as dlq_core
 import nemesis.dlq.sqlite as dlq_sqlite
 from nemesis.clock import Clock
 from nemesis.dlq import (
@@ -40,7 +45,9 @@ from nemesis.dlq import (
 from nemesis.dlq.cursor import decode_cursor, encode_cursor
 from nemesis.dlq.port import MAX_ERROR_CHARS, MAX_TEXT_CHARS
 from nemesis.dlq.signature import MAX_PATTERN_CHARS, escape_like
+from nemesis.dlq.ydb import YdbDeadLetterStore
 from nemesis.errors import DlqError, InvalidCursor, InvalidQuery, NemesisError
+from tests.ydb_fake import FAST_RETRY, FakeYdb
 
 START = 1_800_000_000.0
 DAY = 86400.0
@@ -72,7 +79,17 @@ async def _sqlite(directory: Path, clock: Clock) -> DeadLetterStore:
     return await open_sqlite_dlq(directory / "dlq.db", clock=clock)
 
 
-STORES: dict[str, StoreFactory] = {"sqlite": _sqlite}
+async def _ydb_fake(directory: Path, clock: Clock) -> DeadLetterStore:
+    # The YDB store's own code on the SDK's retry loop, over a database that
+    # plays the server's rules (tests/ydb_fake.py); a real server: tests/contract.
+    store = YdbDeadLetterStore(
+        cast(Any, FakeYdb().pool()), directory="nemesis/dlq", clock=clock, retry_settings=FAST_RETRY
+    )
+    await store.open()
+    return store
+
+
+STORES: dict[str, StoreFactory] = {"sqlite": _sqlite, "ydb-fake": _ydb_fake}
 
 
 @pytest.fixture
@@ -882,7 +899,7 @@ async def test_retention_deletes_rows_older_than_180_days(
 async def test_sqlite_retention_runs_in_batches_and_none_keeps_everything(
     tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(dlq_sqlite, "DELETE_BATCH", 3)
+    monkeypatch.setattr(dlq_core, "DELETE_BATCH", 3)
     async with await open_sqlite_dlq(tmp_path / "a.db", clock=clock, retention_s=DAY) as store:
         await store.put([letter(n, at=START) for n in range(10)])
         clock.advance(2 * DAY)
@@ -939,7 +956,7 @@ async def all_pages_after(
 async def test_sqlite_select_ids_spans_several_rounds(
     tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(dlq_sqlite, "SELECT_ROUND", 4)
+    monkeypatch.setattr(dlq_core, "SELECT_ROUND", 4)
     async with await open_sqlite_dlq(tmp_path / "dlq.db", clock=clock) as store:
         await store.put([letter(n, at=START + n % 3) for n in range(30)])
         ids = await store.select_ids(DeadLetterFilter(), 17)
@@ -990,3 +1007,154 @@ async def test_sqlite_two_stores_share_one_file(tmp_path: Path, clock: FakeClock
             await writer.mark_requeued(await reader.select_ids(DeadLetterFilter(), 40), by="x")
             == 40
         )
+
+
+# --- contract: odd values ----------------------------------------------------------
+
+
+async def test_an_empty_payload_lists_and_reads_back_empty(store: DeadLetterStore) -> None:
+    await store.put([letter(1, payload=b"")])
+    [row] = (await store.query(DeadLetterFilter())).rows
+    assert (row.payload, row.payload_size, row.payload_truncated) == (b"", 0, False)
+    full = await store.get(row.id)
+    assert full is not None
+    assert full.payload == b""
+    assert [r.id for r in (await store.query(DeadLetterFilter(text="order"))).rows] == [row.id]
+
+
+async def test_times_far_out_of_range_match_as_the_range_ends_would(
+    store: DeadLetterStore, clock: FakeClock
+) -> None:
+    # Stored times are clamped too (to 1970 and the year 2262).
+    await store.put([letter(1), letter(2, at=4e9), letter(3, at=-1e20)])
+    everything = DeadLetterFilter(since=-1e20, until=1e20)
+    assert len((await store.query(everything)).rows) == 3
+    assert await store.count(everything) == 3
+    assert sum(g.count for g in await store.groups(everything)) == 3
+    assert len(await store.select_ids(everything, 10)) == 3
+    assert await store.count(DeadLetterFilter(since=1e20)) == 0
+    assert await store.count(DeadLetterFilter(until=-1e20)) == 0
+    assert (await store.stats(everything)).total == 3
+    for now in (1e20, -1e20):
+        stats = await store.stats(DeadLetterFilter(), now=now)
+        assert len(stats.buckets) == 24
+    await store.put([letter(4, at=1e20)])
+    assert await store.count(DeadLetterFilter(since=1e10)) == 1
+    assert await store.enforce_retention(now=1e20) == 3
+    with pytest.raises(InvalidQuery):
+        await store.stats(DeadLetterFilter(), bucket_s=1e300)
+
+
+async def test_a_failure_written_again_is_in_its_row_once(
+    store: DeadLetterStore, clock: FakeClock
+) -> None:
+    # A write retried after its commit went unanswered brings the same failure twice.
+    first, second = letter(1, at=clock.time()), letter(1, attempts=2, at=clock.time() + 30)
+    await store.put([first])
+    await store.put([second])
+    assert (await store.put([second])).inserted == 0
+    await store.put([first, second])
+    row = await store.get(first.id)
+    assert row is not None
+    assert row.attempts == 2
+    assert [past.attempts for past in row.history] == [1]
+
+
+# --- the core: folding failures into rows -------------------------------------------
+
+
+def test_new_failures_become_whole_rows_and_a_repeat_in_the_batch_folds_into_them() -> None:
+    at = START * 1_000_000
+    first = letter(1, attempts=1, metadata={"type": "t"}, key="k", stage="enrich", at=START)
+    again = letter(1, attempts=2, error="409 conflict", http_status=409, at=START)
+    folded = dlq_core.fold_failures([first, again, letter(2, at=START)], {}, (), round(at))
+    assert (folded.inserted, folded.updated) == (2, 1)
+    one = next(r for r in folded.inserts if r["id"] == first.id)
+    assert set(one) == set(dlq_core.LETTER_COLUMNS)
+    assert (one["attempts"], one["http_status"], one["error"]) == (2, 409, "409 conflict")
+    assert one["signature"] == failure_signature(
+        first.integration, Reason.HTTP_4XX, 409, "409 conflict"
+    )
+    # The stage follows the latest failure; key and metadata are the message's.
+    assert (one["msg_key"], one["stage"], one["metadata"]) == ("k", None, '{"type":"t"}')
+    [past] = json.loads(one["history"])
+    assert past == [at, "http_4xx", 422, 1, "422 missing field `city` in order 1"]
+    # Letters 1 and 2 share a signature (their errors differ in a number only).
+    assert sorted(s["sample_error"] for s in folded.signatures) == [
+        "409 conflict",
+        "422 missing field `city` in order 1",
+    ]
+
+
+def test_a_failure_of_an_existing_row_updates_its_failure_columns() -> None:
+    at = round(START * 1_000_000)
+    existing = {
+        letter(1).id: {
+            "id": letter(1).id,
+            "status": Status.REQUEUED.value,
+            "dead_lettered_us": at - 10**6,
+            "reason": "http_4xx",
+            "http_status": 422,
+            "attempts": 3,
+            "stage": None,
+            "signature": "0123456789abcdef",
+            "error": "x" * 600,
+            "history": json.dumps([[0, "http_4xx", 400, 1, "old"]] * 10),
+        },
+        letter(2).id: {
+            "id": letter(2).id,
+            "status": Status.DISCARDED.value,
+            "dead_lettered_us": at - 10**6,
+            "reason": "http_4xx",
+            "http_status": 422,
+            "attempts": 1,
+            "stage": None,
+            "signature": "0123456789abcdef",
+            "error": "e",
+            "history": None,
+        },
+    }
+    folded = dlq_core.fold_failures(
+        [letter(1, error="y" * (MAX_ERROR_CHARS + 5), at=START), letter(2, at=START)],
+        existing,
+        (),
+        at,
+    )
+    assert (folded.inserted, folded.updated, folded.inserts) == (0, 2, [])
+    requeued, discarded = (
+        next(r for r in folded.updates if r["id"] == letter(n).id) for n in (1, 2)
+    )
+    assert set(requeued) == set(dlq_core.FAILURE_COLUMNS)
+    # A requeued message that failed again is dead again; a discarded one stays discarded.
+    assert requeued["status"] == "dead"
+    assert discarded["status"] == "discarded"
+    assert len(requeued["error"]) == MAX_ERROR_CHARS
+    assert requeued["error"].endswith("…")
+    history = json.loads(requeued["history"])
+    assert len(history) == 10  # the oldest fell off
+    assert history[-1] == [at - 10**6, "http_4xx", 422, 3, "x" * 499 + "…"]
+
+
+# --- the real CLI -----------------------------------------------------------------
+
+
+async def test_the_cli_lists_a_dead_letter_with_an_empty_payload(tmp_path: Path) -> None:
+    (tmp_path / "nemesis.yaml").write_text("data_dir: data\n", encoding="utf-8")
+    store = await open_sqlite_dlq(tmp_path / "data" / "dlq.db")
+    try:
+        await store.put([letter(1, payload=b"")])
+    finally:
+        await store.close()
+    for extra in ((), ("--json",)):
+        listed = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "nemesis", "dlq", "list", "-c", "nemesis.yaml", *extra],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert listed.returncode == 0, listed.stderr
+        assert "Traceback" not in listed.stderr
+        assert letter(1).id[:12] in listed.stdout

@@ -219,7 +219,10 @@ async def test_a_ring_wakes_a_reader_in_another_process_at_once(
     for partition in range(PARTITIONS):
         mine = [n for n in received["order"] if n % PARTITIONS == partition]
         assert mine == sorted(mine)
-    assert written["sent"] >= count - 1
+    # Every append rang (a ring the reader's full socket buffer refused is dropped, not
+    # lost: the reader polls for it); on a loaded host some are dropped.
+    assert written["sent"] + written["dropped"] >= count - 1
+    assert written["sent"] > 0
     assert received["rings"] > 0
     # A functional check, not a benchmark: polled every 500 ms, the median
     # would be about 250 ms; rung, it is well under a millisecond.

@@ -1,18 +1,19 @@
-"""The HTTP transport against a real handler server on loopback (DESIGN.md section 6)."""
+"""The HTTP transport against a real handler server on loopback: what only HTTP has.
+
+The cases every transport shares (outcome table, verdicts, Retry-After, no
+answer, error text) are in ``tests/transport``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import time
 from collections.abc import AsyncIterator
-from email.utils import parsedate_to_datetime
 
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from multidict import CIMultiDict
 
 from nemesis import __version__
 from nemesis.broker.port import Message
@@ -26,11 +27,8 @@ from nemesis.delivery.cloudevents import (
     structured_event,
 )
 from nemesis.delivery.http import (
-    ERROR_TEXT_CHARS,
     HttpTransport,
     http_transport,
-    outcome_for_response,
-    parse_retry_after,
 )
 from nemesis.delivery.port import Event, Outcome
 from nemesis.errors import ConfigError
@@ -72,22 +70,6 @@ def make_event(
         content_type=content_type,
         payload=payload,
     )
-
-
-class FrozenWallClock:
-    """Real monotonic time, a fixed wall clock (for Retry-After dates)."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def time(self) -> float:
-        return self.now
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
 
 
 @pytest.fixture
@@ -139,119 +121,7 @@ async def test_status_maps_to_outcome(
     assert server.requests == 1  # redirects are not followed
 
 
-@pytest.mark.parametrize(
-    ("status", "verdict", "outcome"),
-    [
-        (None, None, Outcome.RETRY),  # timeout or connection error
-        (100, None, Outcome.RETRY),
-        (199, None, Outcome.RETRY),
-        (200, None, Outcome.DELIVERED),
-        (200, "drop", Outcome.DROPPED),
-        (200, "dead", Outcome.DEAD),
-        (200, "retry", Outcome.RETRY),
-        (200, "nonsense", Outcome.DELIVERED),
-        (503, "drop", Outcome.DROPPED),
-        (422, "retry", Outcome.RETRY),
-        (500, "dead", Outcome.DEAD),
-        (422, "nonsense", Outcome.DEAD),
-    ],
-)
-def test_outcome_function(status: int | None, verdict: str | None, outcome: Outcome) -> None:
-    headers = CIMultiDict[str]() if verdict is None else CIMultiDict({"Nemesis-Verdict": verdict})
-    assert outcome_for_response(status, headers) is outcome
-
-
-@pytest.mark.parametrize(
-    ("status", "verdict", "outcome"),
-    [
-        (200, "drop", Outcome.DROPPED),
-        (503, "drop", Outcome.DROPPED),
-        (200, "dead", Outcome.DEAD),
-        (500, "dead", Outcome.DEAD),
-        (200, "retry", Outcome.RETRY),
-        (422, "retry", Outcome.RETRY),
-        (204, " DROP ", Outcome.DROPPED),
-        (200, "nonsense", Outcome.DELIVERED),
-        (409, "nonsense", Outcome.DEAD),
-    ],
-)
-async def test_verdict_header_overrides_status(
-    server: HandlerServer, transport: HttpTransport, status: int, verdict: str, outcome: Outcome
-) -> None:
-    server.behave(status, headers={"Nemesis-Verdict": verdict})
-
-    result = await transport.deliver(make_event())
-
-    assert result.outcome is outcome
-    assert result.status == status
-    if outcome is not Outcome.DELIVERED and verdict.strip().lower() != "nonsense":
-        assert result.error == f"HTTP {status} (nemesis-verdict: {verdict.strip().lower()})"
-
-
-# --- Retry-After --------------------------------------------------------------------
-
-
-async def test_retry_after_seconds(server: HandlerServer, transport: HttpTransport) -> None:
-    server.behave(429, headers={"Retry-After": "120"})
-
-    result = await transport.deliver(make_event())
-
-    assert (result.outcome, result.retry_after_s) == (Outcome.RETRY, 120.0)
-
-
-async def test_retry_after_http_date(server: HandlerServer) -> None:
-    date = "Wed, 21 Oct 2026 07:28:00 GMT"
-    now = parsedate_to_datetime(date).timestamp() - 90
-    server.behave(503, headers={"Retry-After": date})
-    delivering = HttpTransport(
-        target(server), integration=INTEGRATION, max_connections=1, clock=FrozenWallClock(now)
-    )
-    try:
-        result = await delivering.deliver(make_event())
-    finally:
-        await delivering.close()
-
-    assert (result.outcome, result.retry_after_s) == (Outcome.RETRY, 90.0)
-
-
-@pytest.mark.parametrize(
-    ("value", "seconds"),
-    [
-        ("0", 0.0),
-        (" 7 ", 7.0),
-        ("1.5", 1.5),
-        ("-3", None),
-        ("soon", None),
-        ("nan", None),
-        ("inf", None),
-        ("", None),
-        ("Wed, 21 Oct 2026 07:28:30 GMT", 30.0),
-        ("Wed, 21 Oct 2026 07:27:00 GMT", 0.0),  # in the past: now
-        ("Wednesday, 21-Oct-26 07:28:30 GMT", 30.0),  # RFC 850, still allowed
-    ],
-)
-def test_parse_retry_after(value: str, seconds: float | None) -> None:
-    now = parsedate_to_datetime("Wed, 21 Oct 2026 07:28:00 GMT").timestamp()
-    assert parse_retry_after(value, now) == seconds
-
-
 # --- no answer ----------------------------------------------------------------------
-
-
-async def test_timeout_is_retry_with_error_text(server: HandlerServer) -> None:
-    server.delay(1.0)
-    delivering = http_transport(
-        target(server, timeout_s=0.2), integration=INTEGRATION, max_connections=1
-    )
-    try:
-        result = await delivering.deliver(make_event())
-    finally:
-        await delivering.close()
-
-    assert result.outcome is Outcome.RETRY
-    assert result.status is None
-    assert result.error == "timeout after 0.2s"
-    assert 0.2 <= result.duration_s < 0.9
 
 
 async def test_hung_handler_times_out(server: HandlerServer) -> None:
@@ -328,21 +198,6 @@ async def test_a_cancelled_delivery_is_cancelled_not_timed_out(server: HandlerSe
         server.release()
 
 
-async def test_connection_refused_is_retry(server: HandlerServer, transport: HttpTransport) -> None:
-    await server.refuse_connections()
-
-    refused = await transport.deliver(make_event())
-    await server.accept_connections()
-    delivered = await transport.deliver(make_event())
-
-    assert (refused.outcome, refused.status, refused.error) == (
-        Outcome.RETRY,
-        None,
-        "connection refused",
-    )
-    assert delivered.outcome is Outcome.DELIVERED
-
-
 async def test_connection_dropped_by_handler_is_resent_once(
     server: HandlerServer, transport: HttpTransport
 ) -> None:
@@ -381,17 +236,6 @@ async def test_handler_going_away_mid_request_is_retry(
     result = await delivery
 
     assert (result.outcome, result.error) == (Outcome.RETRY, "connection refused")
-
-
-async def test_closed_transport_answers_retry(server: HandlerServer) -> None:
-    delivering = http_transport(target(server), integration=INTEGRATION, max_connections=1)
-    await delivering.deliver(make_event())
-    await delivering.close()
-
-    result = await delivering.deliver(make_event())
-
-    assert (result.outcome, result.error) == (Outcome.RETRY, "transport closed")
-    assert server.requests == 1
 
 
 # --- the request --------------------------------------------------------------------
@@ -588,45 +432,7 @@ def test_json_payloads_are_embedded_as_they_are(payload: bytes) -> None:
     assert payload in batch_body([make_event("e", payload=payload)], "nemesis/x")
 
 
-async def test_batch_outcome_applies_to_all(
-    server: HandlerServer, transport: HttpTransport
-) -> None:
-    server.behave(422, body="second event has no city")
-
-    result = await transport.deliver_batch([make_event("a"), make_event("b")])
-
-    assert (result.outcome, result.error) == (Outcome.DEAD, "HTTP 422: second event has no city")
-
-
-async def test_empty_batch_is_a_caller_error(transport: HttpTransport) -> None:
-    with pytest.raises(ValueError, match="at least one"):
-        await transport.deliver_batch([])
-
-
 # --- the answer ---------------------------------------------------------------------
-
-
-async def test_error_text_is_short_and_one_line(
-    server: HandlerServer, transport: HttpTransport
-) -> None:
-    server.behave(500, body="Traceback:\r\n  line\t1\n" * 100)
-
-    result = await transport.deliver(make_event())
-
-    assert result.error is not None
-    assert result.error.startswith("HTTP 500: Traceback: line 1 Traceback: line 1")
-    assert len(result.error) <= len("HTTP 500: ") + ERROR_TEXT_CHARS
-    assert "\n" not in result.error
-
-
-async def test_error_text_never_echoes_the_payload(
-    server: HandlerServer, transport: HttpTransport
-) -> None:
-    server.behave(422, body=b"invalid order: " + PAYLOAD)
-
-    result = await transport.deliver(make_event())
-
-    assert result.error == "HTTP 422: invalid order: <request payload>"
 
 
 async def test_large_error_bodies_keep_the_connection(

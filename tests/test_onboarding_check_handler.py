@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import grpc
+import pytest
 
+from nemesis.delivery import signing
 from nemesis.onboarding.probe import HandlerReport, ProbeOptions, Verdict, check_handler
 from nemesis.proto.nemesis.v1 import handler_pb2 as pb
 from nemesis.testing import HandlerServer, LedgerEntry
@@ -43,17 +47,19 @@ async def test_a_handler_that_follows_the_contract_passes() -> None:
         "delivers one event",
         "answers a repeat of the same ce-id",
         "delivers a batch of 3 events",
+        "delivers a batch of one event",
         "dead-letters a malformed event",
         "answers in time",
     ]
     assert report.results[0].answer == "HTTP 200"
-    # Exactly what Nemesis would send: one id twice (attempts 1 and 2), a batch, a bad one.
+    # Exactly what Nemesis would send: one id twice (attempts 1 and 2), a batch of 3 and
+    # one of one (a batch integration sends the batch form for a single message too), a bad one.
     entries = server.ledger.entries
     first, repeat = entries[0], entries[1]
     assert first.id == repeat.id
     assert (first.attempt, repeat.attempt) == (1, 2)
     assert first.source == "nemesis/check-handler"
-    assert sum(e.mode == "batch" for e in entries) == 3
+    assert [e.batch_size for e in entries if e.mode == "batch"] == [3, 3, 3, 1]
     assert "the handler follows the contract" in report.format()
 
 
@@ -118,6 +124,7 @@ async def test_an_unreachable_handler_fails_once_and_skips_the_rest() -> None:
         Verdict.SKIP,
         Verdict.SKIP,
         Verdict.SKIP,
+        Verdict.SKIP,
         Verdict.PASS,
     ]
     assert "is the handler running at this address?" in report.results[0].detail
@@ -142,14 +149,15 @@ async def test_a_grpc_handler_that_follows_the_contract_passes() -> None:
     async with GrpcHandler(grpc_script) as handler:
         report = await check_handler(ProbeOptions(url=handler.url, batch_size=4))
     assert report.passed, report.format()
-    assert [r.answer for r in report.results[:4]] == ["OK", "OK", "OK", "INVALID_ARGUMENT"]
+    assert [r.answer for r in report.results[:5]] == ["OK", "OK", "OK", "OK", "INVALID_ARGUMENT"]
     assert [call.method for call in handler.calls] == [
         "Deliver",
         "Deliver",
         "DeliverBatch",
+        "DeliverBatch",
         "Deliver",
     ]
-    assert len(handler.calls[2].events) == 4
+    assert [len(call.events) for call in handler.calls[2:4]] == [4, 1]
     assert handler.calls[0].events[0].id == handler.calls[1].events[0].id
 
 
@@ -232,3 +240,168 @@ async def test_the_cli_refuses_a_bad_url() -> None:
     code, _, err = await run_cli("check-handler", "ftp://example.com/x")
     assert code == 1
     assert "url" in err
+
+
+# --- signatures (--signing-secret-env) ----------------------------------------------------
+
+SECRET = b"probe-signing-secret"
+
+
+@pytest.fixture
+def secret_env(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("HANDLER_SECRET", SECRET.decode())
+    return "HANDLER_SECRET"
+
+
+def signed_well(entry: LedgerEntry) -> bool:
+    """What a handler that checks signatures decides for one event sent alone."""
+    try:
+        signing.verify(
+            entry.headers.get("nemesis-signature"),
+            [SECRET],
+            entry.headers.get("ce-id", ""),
+            entry.body,
+            now=time.time(),
+        )
+    except signing.SignatureError:
+        return False
+    return True
+
+
+async def test_an_http_handler_that_checks_signatures_passes(secret_env: str) -> None:
+    async with HandlerServer() as server:
+        server.when(lambda entry: not signed_well(entry), status=401, body="bad signature")
+        server.when(is_malformed, status=422)
+        report = await check_handler(
+            ProbeOptions(url=server.url, signing_secrets_env=(secret_env,))
+        )
+        entries = server.ledger.entries
+    assert report.passed, report.format()
+    result = report.results[-2]
+    assert (result.name, result.verdict, result.answer) == (
+        "checks signatures",
+        Verdict.PASS,
+        "HTTP 401, HTTP 401",
+    )
+    # The probes were signed; the two signature probes were not, or too long ago.
+    assert [signed_well(e) for e in entries] == [True, True, True, False, False]
+    assert "nemesis-signature" not in entries[3].headers
+    assert SECRET.decode() not in report.format()
+
+
+async def test_a_handler_that_does_not_check_signatures_fails(secret_env: str) -> None:
+    async with HandlerServer() as server:
+        server.when(is_malformed, status=422)
+        report = await check_handler(
+            ProbeOptions(url=server.url, batch_size=2, signing_secrets_env=(secret_env,))
+        )
+    assert not report.passed
+    result = report.results[-2]
+    assert (result.name, result.verdict) == ("checks signatures", Verdict.FAIL)
+    assert result.detail.startswith(
+        "does NOT check signatures: it accepted an unsigned request and a request signed 1 hour ago"
+    )
+    assert "FAIL  checks signatures" in report.format()
+
+
+async def test_refusing_a_bad_signature_with_403_fails(secret_env: str) -> None:
+    async with HandlerServer() as server:
+        server.when(lambda entry: not signed_well(entry), status=403)
+        server.when(is_malformed, status=422)
+        report = await check_handler(
+            ProbeOptions(url=server.url, signing_secrets_env=(secret_env,))
+        )
+    result = report.results[-2]
+    assert (result.verdict, result.answer) == (Verdict.FAIL, "HTTP 403, HTTP 403")
+    assert "without 401" in result.detail
+
+
+async def test_without_the_secret_a_checking_handler_fails_with_a_hint() -> None:
+    async with HandlerServer() as server:
+        server.when(lambda entry: not signed_well(entry), status=401)
+        report = await check_handler(ProbeOptions(url=server.url))
+    assert report.results[0].verdict is Verdict.FAIL
+    assert "--signing-secret-env" in report.results[0].detail
+
+
+def check_grpc_signature(
+    method: str, events: Sequence[pb.Event], metadata: Mapping[str, str]
+) -> Answer | None:
+    if method == "DeliverBatch":
+        event_id, body = "", signing.grpc_batch_body((e.id, e.data) for e in events)
+    else:
+        event_id, body = events[0].id, events[0].data
+    try:
+        signing.verify(metadata.get("nemesis-signature"), [SECRET], event_id, body, now=time.time())
+    except signing.SignatureError as refused:
+        return Answer(grpc.StatusCode.UNAUTHENTICATED, str(refused))
+    return None
+
+
+async def test_a_grpc_handler_that_checks_signatures_passes(secret_env: str) -> None:
+    async with GrpcHandler(grpc_script, check=check_grpc_signature) as handler:
+        report = await check_handler(
+            ProbeOptions(url=handler.url, batch_size=3, signing_secrets_env=(secret_env,))
+        )
+    assert report.passed, report.format()
+    result = report.results[-2]
+    assert (result.name, result.verdict, result.answer) == (
+        "checks signatures",
+        Verdict.PASS,
+        "UNAUTHENTICATED, UNAUTHENTICATED",
+    )
+    assert [call.method for call in handler.calls].count("DeliverBatch") == 2
+
+
+async def test_the_cli_signs_with_the_variable_and_refuses_an_unset_one() -> None:
+    async with HandlerServer() as server:
+        server.when(lambda entry: not signed_well(entry), status=401)
+        server.when(is_malformed, status=422)
+        env = {**os.environ, "HANDLER_SECRET": SECRET.decode()}
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "nemesis",
+            "check-handler",
+            server.url,
+            "--signing-secret-env",
+            "HANDLER_SECRET",
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+        code, _, err = await run_cli(
+            "check-handler", server.url, "--signing-secret-env", "NEMESIS_TEST_UNSET_SECRET"
+        )
+    assert process.returncode == 0, out.decode()
+    assert "PASS  checks signatures" in out.decode()
+    assert code == 1
+    assert "NEMESIS_TEST_UNSET_SECRET: the variable is unset or empty" in err
+
+
+async def test_the_cli_takes_the_signing_variables_from_an_integration_file(
+    tmp_path: Path,
+) -> None:
+    async with HandlerServer() as server:
+        server.when(lambda entry: not signed_well(entry), status=401)
+        server.when(is_malformed, status=422)
+        file = tmp_path / "orders-to-it.yaml"
+        file.write_text(
+            "name: orders-to-it\nowners: [team-it]\n"
+            "source: {topic: orders, consumer: orders-to-it}\n"
+            f"target: {{url: '{server.url}', signing: {{secrets_env: [IT_HOOK_SECRET]}}}}\n"
+        )
+        env = {**os.environ, "IT_HOOK_SECRET": SECRET.decode()}
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "nemesis",
+            "check-handler",
+            "--integration",
+            str(file),
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 0, out.decode()
+    assert "PASS  checks signatures" in out.decode()

@@ -10,6 +10,7 @@ does not have it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import jsonschema
@@ -29,16 +31,19 @@ from nemesis.cli import main
 from nemesis.onboarding.schema import json_schema
 from nemesis.onboarding.templates import HANDLER_LANGS, IntegrationSpec, render_integration
 from nemesis.proto import handler_proto_text
-from tests.conftest import REPO
+from tests.conftest import REPO, Workspace, stop_gracefully
 
 BIN = Path(sys.executable).parent
 HANDLER_ENV = {**os.environ, "PYTEST_ADDOPTS": "-p no:asyncio -p no:cacheprovider"}
 
 
-def nemesis(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def nemesis(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "nemesis", *args],
         cwd=cwd,
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=60,
@@ -96,7 +101,8 @@ URL = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lang", HANDLER_LANGS)
+# The Python templates; the others (Go, TypeScript, Java) in test_onboarding_polyglot.py.
+@pytest.mark.parametrize("lang", [lang for lang in HANDLER_LANGS if lang.startswith("python-")])
 def test_template_starts_passes_its_tests_and_the_contract_check(
     tmp_path: Path, lang: str, processes: list[subprocess.Popen[bytes]]
 ) -> None:
@@ -129,27 +135,81 @@ def test_template_starts_passes_its_tests_and_the_contract_check(
     assert " passed" in tested.stdout
     assert " failed" not in tested.stdout
 
+    # Two instances: one without a signing secret (accepts every request, as before
+    # signing existed), one with NEMESIS_SIGNING_SECRET (refuses unsigned and stale ones).
+    plain, checking = (
+        start_handler(lang, project, tmp_path, processes),
+        start_handler(
+            lang, project, tmp_path, processes, {"NEMESIS_SIGNING_SECRET": SIGNING_SECRET}
+        ),
+    )
+    signed_env = {"HANDLER_SECRET": SIGNING_SECRET}
+    signed = ("--signing-secret-env", "HANDLER_SECRET")
+
+    checked = nemesis("check-handler", plain.url, "--batch", "3", cwd=tmp_path)
+    assert passes(checked) == 6, checked.stdout + checked.stderr
+    checked = nemesis(
+        "check-handler", checking.url, "--batch", "3", *signed, cwd=tmp_path, env=signed_env
+    )
+    assert passes(checked) == 7, checked.stdout + checked.stderr
+    assert "PASS  checks signatures" in checked.stdout
+
+    unsigned = nemesis("check-handler", checking.url, cwd=tmp_path)
+    assert unsigned.returncode == 1
+    assert "--signing-secret-env" in unsigned.stdout
+    not_checking = nemesis("check-handler", plain.url, *signed, cwd=tmp_path, env=signed_env)
+    assert not_checking.returncode == 1
+    assert "does NOT check signatures" in not_checking.stdout
+
+    for handler in (plain, checking):
+        handler.process.send_signal(signal.SIGTERM)
+        # Graceful either way; uvicorn re-raises the signal once it has shut down.
+        assert handler.process.wait(timeout=15) in (0, -signal.SIGTERM), handler.log.read_text()
+        if lang == "python-fastapi":
+            assert "Finished server process" in handler.log.read_text()
+
+
+SIGNING_SECRET = "template-signing-secret"
+
+
+@dataclass(frozen=True)
+class Started:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+
+def start_handler(
+    lang: str,
+    project: Path,
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    env: dict[str, str] | None = None,
+) -> Started:
     port = free_port()
-    log = tmp_path / "handler.log"
+    log = tmp_path / f"handler-{port}.log"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("NEMESIS_SIGNING_")}
     with log.open("wb") as output:
         server = subprocess.Popen(
-            START[lang](port), cwd=project, stdout=output, stderr=subprocess.STDOUT
+            START[lang](port),
+            cwd=project,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env={**clean, **(env or {})},
         )
     processes.append(server)
     wait_until_listening(server, port, log)
+    return Started(server, URL[lang].format(port=port), log)
 
-    url = URL[lang].format(port=port)
-    checked = nemesis("check-handler", url, "--batch", "3", cwd=tmp_path)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+def passes(checked: subprocess.CompletedProcess[str]) -> int:
+    """The PASS lines of a check-handler run that passed without a warning; -1 otherwise."""
     lines = checked.stdout.splitlines()
-    assert sum(line.startswith("  PASS") for line in lines) == 5, checked.stdout
-    assert not any(line.startswith(("  WARN", "  FAIL", "  SKIP")) for line in lines)
-
-    server.send_signal(signal.SIGTERM)
-    # Graceful either way; uvicorn re-raises the signal once it has shut down.
-    assert server.wait(timeout=15) in (0, -signal.SIGTERM), log.read_text()
-    if lang == "python-fastapi":
-        assert "Finished server process" in log.read_text()
+    if checked.returncode != 0 or any(
+        line.startswith(("  WARN", "  FAIL", "  SKIP")) for line in lines
+    ):
+        return -1
+    return sum(line.startswith("  PASS") for line in lines)
 
 
 def in_process(
@@ -282,3 +342,139 @@ def test_rendered_integrations_parse_back_to_what_was_asked(spec: IntegrationSpe
     if spec.topic is not None:
         assert document["source"]["topic"] == spec.topic
     assert document["target"]["url"] == spec.url
+
+
+# --- signed deliveries, end to end -----------------------------------------------------------
+
+NEW_SECRET, OLD_SECRET, OTHER_SECRET = "orders-hook-new-5b1e", "orders-hook-old-77c2", "not-ours-9d"
+MESSAGES = 5
+
+
+def signed_integration(name: str, url: str, secrets_env: str, extra: str = "") -> str:
+    return (
+        f"name: {name}\nowners: [team-test]\n"
+        f"source: {{topic: orders, consumer: {name}}}\n"
+        f"target: {{url: '{url}', timeout_s: 5, signing: {{secrets_env: {secrets_env}}}}}\n"
+        # The first retry comes fast, the second waits longer than the test runs.
+        "retry: {tiers: [200ms, 10m]}\n" + extra
+    )
+
+
+def committed(workspace: Workspace) -> dict[str, int]:
+    described = workspace.cli("topics", "describe", "orders", "--json")
+    assert described.returncode == 0, described.stderr
+    totals: dict[str, int] = {}
+    for partition in json.loads(described.stdout)["partitions"]:
+        for consumer, offset in partition["committed"].items():
+            totals[consumer] = totals.get(consumer, 0) + offset
+    return totals
+
+
+@pytest.mark.slow
+async def test_nemesis_run_signs_what_a_generated_handler_verifies(
+    workspace: Workspace,
+    processes: list[subprocess.Popen[bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    project = workspace.root / "loyalty-handler"
+    created = nemesis(
+        "new", "handler", "--lang", "python-fastapi", str(project), cwd=workspace.root
+    )
+    assert created.returncode == 0, created.stderr
+    handlers = {
+        name: start_handler("python-fastapi", project, workspace.root, processes, env)
+        for name, env in {
+            "new": {"NEMESIS_SIGNING_SECRET": NEW_SECRET},
+            "old": {"NEMESIS_SIGNING_SECRET": OLD_SECRET},
+            "other": {"NEMESIS_SIGNING_SECRET": OTHER_SECRET},
+        }.items()
+    }
+    monkeypatch.setenv("ORDERS_HOOK_SECRET", NEW_SECRET)
+    monkeypatch.setenv("ORDERS_HOOK_SECRET_PREVIOUS", OLD_SECRET)
+    monkeypatch.delenv("ORDERS_HOOK_SECRET_UNSET", raising=False)
+    one, rotation = "[ORDERS_HOOK_SECRET]", "[ORDERS_HOOK_SECRET, ORDERS_HOOK_SECRET_PREVIOUS]"
+    files = {
+        "signed": signed_integration("signed", handlers["new"].url, one),
+        "wrong-secret": signed_integration("wrong-secret", handlers["other"].url, one),
+        "rotation-new": signed_integration("rotation-new", handlers["new"].url, rotation),
+        "rotation-old": signed_integration(
+            "rotation-old",
+            handlers["old"].url,
+            rotation,
+            "delivery: {batch: {size: 3, max_wait_ms: 50}}\n",
+        ),
+        "unset": signed_integration(
+            "unset", handlers["new"].url, "[ORDERS_HOOK_SECRET, ORDERS_HOOK_SECRET_UNSET]"
+        ),
+    }
+    for name, text in files.items():
+        workspace.write_integration(name, text)
+    assert workspace.cli("validate").returncode == 0  # validate needs no secret
+    assert workspace.cli("topics", "create", "orders", "--partitions", "2").returncode == 0
+    lines = "".join(json.dumps({"id": f"order-{n}"}) + "\n" for n in range(MESSAGES))
+    (workspace.root / "orders.jsonl").write_text(lines)
+    published = workspace.cli("publish", "orders", "--file", "orders.jsonl", "--lines")
+    assert published.returncode == 0, published.stderr
+
+    proxy = await workspace.start("run")
+    delivered = {"signed", "rotation-new", "rotation-old"}
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        refused = handlers["other"].log.read_text().count('"POST /events HTTP/1.1" 401')
+        totals = committed(workspace)
+        if all(totals.get(name) == MESSAGES for name in delivered) and refused >= 2 * MESSAGES:
+            break
+        await asyncio.sleep(0.3)
+    assert await stop_gracefully(proxy) == 0, workspace.logs()
+
+    totals = committed(workspace)
+    assert {name: totals.get(name) for name in delivered} == dict.fromkeys(delivered, MESSAGES)
+    # A handler with another secret answers 401: every message is retried (the first tier
+    # ran: twice each), none is dead-lettered and none reaches the handler's code.
+    other_log = handlers["other"].log.read_text()
+    assert other_log.count('"POST /events HTTP/1.1" 401') >= 2 * MESSAGES
+    assert '"POST /events HTTP/1.1" 200' not in other_log
+    dead = workspace.cli("dlq", "list", "--json")
+    assert dead.returncode == 0, dead.stderr
+    assert dead.stdout.strip() == ""  # JSON lines: one per dead letter
+    # The batch integration sent batches, signed with both secrets, to the old-secret handler.
+    assert '"POST /events HTTP/1.1" 401' not in handlers["old"].log.read_text()
+    # The integration whose variable is unset was refused, naming its file and the variable.
+    logs = workspace.logs()
+    assert (
+        "integrations/unset.yaml: target.signing.secrets_env.1: environment variable"
+        " ORDERS_HOOK_SECRET_UNSET is unset or empty"
+    ) in logs
+    assert "unset" not in totals
+    for secret in (NEW_SECRET, OLD_SECRET):
+        assert secret not in logs
+
+
+@pytest.mark.parametrize(
+    ("secrets_env", "message"),
+    [
+        ("[ORDERS-HOOK]", "String should match pattern"),
+        ("[]", "at least 1 item"),
+        ("[A, B, C]", "at most 2 items"),
+        ("[A, A]", "the same variable twice"),
+        ("ORDERS_HOOK_SECRET", "a list of 1 or 2 environment variable names"),
+    ],
+)
+def test_validate_checks_the_secret_variable_names(
+    workspace: Workspace, secrets_env: str, message: str
+) -> None:
+    workspace.write_integration(
+        "signed", signed_integration("signed", "http://127.0.0.1:9/events", secrets_env)
+    )
+    validated = workspace.cli("validate", "integrations")
+    assert validated.returncode == 1
+    assert "target.signing.secrets_env" in validated.stdout + validated.stderr
+    assert message in validated.stdout + validated.stderr
+
+
+def test_the_python_templates_share_one_signature_check() -> None:
+    templates = REPO / "nemesis" / "onboarding" / "templates"
+    fastapi, grpc = (
+        templates / lang / "signatures.py.tmpl" for lang in ("python-fastapi", "python-grpc")
+    )
+    assert fastapi.read_text() == grpc.read_text()

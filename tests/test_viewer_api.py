@@ -1,7 +1,7 @@
 """The DLQ viewer's pages and JSON API through httpx: lists, filters, paging, detail, actions, jobs.
 
 Real parts: the SQLite DLQ and the embedded log in tmp_path, the replay
-requeue path of ``nemesis.runtime.replay``, the app with its lifespan.
+requeue path of ``nemesis.dlq.requeue``, the app with its lifespan.
 Security (sign-in, CSRF, team scopes, hostile input) is in test_viewer_security.py.
 """
 
@@ -17,6 +17,7 @@ import httpx
 import pytest
 from google.protobuf import descriptor_pb2
 
+from dlq_viewer.auth import SESSION_COOKIE
 from dlq_viewer.decoders import protobuf_decoder
 from dlq_viewer.testing import (
     STANDARD_ACCESS,
@@ -27,7 +28,7 @@ from dlq_viewer.testing import (
     viewer_env,
 )
 from nemesis.dlq import DeadLetterFilter, Reason, Status
-from nemesis.runtime.retries import replay_topic
+from nemesis.topology import replay_topic
 
 ALICE, BOB, ROOT = STANDARD_ACCESS.people
 BOT_A, BOT_ROOT = STANDARD_ACCESS.clients
@@ -415,6 +416,35 @@ async def test_openapi_describes_the_json_api(client: httpx.AsyncClient) -> None
         "/api/audit",
     } <= paths
     assert not any(not path.startswith("/api/") for path in paths)  # pages stay out of it
+
+
+async def test_openapi_declares_how_to_authenticate_and_how_requests_fail(
+    client: httpx.AsyncClient,
+) -> None:
+    spec = (await client.get("/api/openapi.json")).json()
+    schemes = spec["components"]["securitySchemes"]
+    assert schemes["bearerToken"] == {**schemes["bearerToken"], "type": "http", "scheme": "bearer"}
+    assert schemes["sessionCookie"]["in"] == "cookie"
+    assert schemes["sessionCookie"]["name"] == SESSION_COOKIE
+    assert schemes["csrfToken"]["in"] == "header"
+    assert schemes["csrfToken"]["name"] == "X-CSRF-Token"
+    assert spec["components"]["schemas"]["ErrorOut"]["required"] == ["detail"]
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            where = f"{method.upper()} {path}"
+            changes = method != "get"
+            csrf: dict[str, list[str]] = (
+                {"sessionCookie": [], "csrfToken": []} if changes else {"sessionCookie": []}
+            )
+            assert operation["security"] == [{"bearerToken": []}, csrf], where
+            responses = operation["responses"]
+            error = {"$ref": "#/components/schemas/ErrorOut"}
+            assert responses["401"]["content"]["application/json"]["schema"] == error, where
+            if changes:
+                assert {"400", "403", "413", "422"} <= set(responses), where
+    assert "429" in spec["paths"]["/api/jobs"]["post"]["responses"]
+    assert "404" in spec["paths"]["/api/messages/{message_id}"]["get"]["responses"]
+    assert "400" in spec["paths"]["/api/messages"]["get"]["responses"]
 
 
 async def test_a_stopped_job_is_cancelled_between_rounds(tmp_path: Path) -> None:

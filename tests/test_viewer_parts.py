@@ -22,8 +22,8 @@ from dlq_viewer.server import ViewerStartError, bound_port, serve_viewer, viewer
 from dlq_viewer.testing import STANDARD_ACCESS, eventually, integration, letter, viewer_env
 from nemesis.config.models import AuthConfig, NemesisConfig
 from nemesis.dlq import Action, DeadLetterFilter, Reason, Status, TimeBucket, open_sqlite_dlq
+from nemesis.dlq.requeue import ActionResult
 from nemesis.errors import InvalidQuery
-from nemesis.runtime.replay import ActionResult
 from nemesis.testing.clock import FakeClock
 
 REPO = Path(__file__).resolve().parent.parent
@@ -152,21 +152,36 @@ def test_password_hashes_verify_and_differ_by_salt() -> None:
     assert hash_token(token).startswith("sha256$")
 
 
-def test_login_throttle_pauses_a_key_for_its_window() -> None:
+def test_login_throttle_slows_a_key_down_and_never_locks_it() -> None:
     clock = FakeClock()
-    throttle = LoginThrottle(clock, limit=3, window_s=60)
+    throttle = LoginThrottle(clock, free_failures=3, first_delay_s=1, max_delay_s=8)
     for _ in range(3):
-        assert throttle.retry_after_s("user:alice") == 0
-        throttle.failed("user:alice")
-    assert throttle.retry_after_s("user:alice") == 60
-    assert throttle.retry_after_s("user:bob") == 0  # others are not affected
-    clock.advance(45)
-    assert throttle.retry_after_s("user:alice") == 15
-    clock.advance(15)
-    assert throttle.retry_after_s("user:alice") == 0
-    throttle.failed("user:alice")
-    throttle.succeeded("user:alice")
-    assert throttle.retry_after_s("user:alice") == 0
+        throttle.failed("alice")
+        assert throttle.retry_after_s("alice") == 0
+    throttle.failed("alice")
+    assert throttle.retry_after_s("alice") == 1
+    assert throttle.retry_after_s("bob") == 0  # others are not affected
+    waits = []
+    for _ in range(6):  # a try after each wait fails again
+        wait = throttle.retry_after_s("alice")
+        waits.append(wait)
+        clock.advance(wait)
+        assert throttle.retry_after_s("alice") == 0  # after the wait, a try is allowed
+        throttle.failed("alice")
+    assert waits == [1, 2, 4, 8, 8, 8]  # doubling, then capped: a bounded wait, not a lockout
+    throttle.succeeded("alice")
+    assert throttle.retry_after_s("alice") == 0
+
+
+def test_login_throttle_forgets_a_quiet_key() -> None:
+    clock = FakeClock()
+    throttle = LoginThrottle(clock, free_failures=1, max_delay_s=8, forget_after_s=60)
+    for _ in range(5):
+        throttle.failed("alice")
+    assert throttle.retry_after_s("alice") == 8
+    clock.advance(60)
+    throttle.failed("alice")  # counted from zero again: the first failure is free
+    assert throttle.retry_after_s("alice") == 0
 
 
 def test_the_auth_section_refuses_plaintext_and_weak_secrets() -> None:
@@ -191,6 +206,7 @@ def test_the_auth_section_refuses_plaintext_and_weak_secrets() -> None:
     assert NemesisConfig().auth == AuthConfig()
 
 
+@pytest.mark.slow
 def test_hash_password_command_prints_a_usable_hash() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "dlq_viewer.hash_password"],
@@ -269,6 +285,7 @@ async def test_bulk_jobs_are_bounded_and_refuse_when_full(tmp_path: Path) -> Non
         await store.close()
 
 
+@pytest.mark.slow
 async def test_too_many_bulk_actions_answer_429(tmp_path: Path) -> None:
     async with viewer_env(
         tmp_path,

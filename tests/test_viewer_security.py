@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ipaddress
 import json
 import re
 import time
@@ -18,12 +19,20 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dlq_viewer.auth import SESSION_COOKIE
+from dlq_viewer.auth import (
+    FIRST_DELAY_S,
+    FREE_FAILURES,
+    MAX_DELAY_S,
+    SESSION_COOKIE,
+    MemorySessionRevocations,
+    client_address,
+)
 from dlq_viewer.testing import (
     STANDARD_ACCESS,
     Access,
     Person,
     ViewerEnv,
+    eventually,
     integration,
     letter,
     sign_in,
@@ -135,17 +144,96 @@ async def test_wrong_password_and_unknown_user_answer_alike(client: httpx.AsyncC
     assert answers == [(401, True), (401, True)]
 
 
-async def test_sign_in_is_throttled_after_repeated_failures(client: httpx.AsyncClient) -> None:
-    codes = []
-    for _ in range(11):
-        form = await client.get("/login")
-        token = re.search(r'name="csrf_token" value="([^"]+)"', form.text)
-        assert token is not None
-        answer = await client.post(
-            "/login", data={"username": "alice", "password": "guess", "csrf_token": token.group(1)}
-        )
-        codes.append(answer.status_code)
-    assert codes == [401] * 10 + [429]
+async def try_password(
+    client: httpx.AsyncClient, name: str, password: str, *, forwarded_for: str | None = None
+) -> httpx.Response:
+    headers = {} if forwarded_for is None else {"x-forwarded-for": forwarded_for}
+    form = await client.get("/login")
+    token = re.search(r'name="csrf_token" value="([^"]+)"', form.text)
+    assert token is not None
+    return await client.post(
+        "/login",
+        data={"username": name, "password": password, "csrf_token": token.group(1)},
+        headers=headers,
+    )
+
+
+async def test_sign_in_is_throttled_after_repeated_failures(tmp_path: Path) -> None:
+    clock = FakeClock(wall_start=time.time())
+    async with (
+        viewer_env(tmp_path, integrations=INTEGRATIONS, clock=clock) as env,
+        new_client(env) as client,
+    ):
+        tries = FREE_FAILURES + 2
+        codes = [(await try_password(client, "alice", "guess")).status_code for _ in range(tries)]
+        assert codes == [401] * (FREE_FAILURES + 1) + [429]
+        refused = await try_password(client, "alice", ALICE.password)
+        assert refused.status_code == 429  # refused unchecked while the delay runs
+        assert refused.headers["retry-after"] == str(int(FIRST_DELAY_S))
+
+
+async def test_the_right_password_waits_a_bounded_delay_not_a_lockout(tmp_path: Path) -> None:
+    clock = FakeClock(wall_start=time.time())
+    async with (
+        viewer_env(tmp_path, integrations=INTEGRATIONS, clock=clock) as env,
+        new_client(env, peer="192.0.2.7") as guesser,
+        new_client(env, peer="198.51.100.9") as elsewhere,
+    ):
+        for _ in range(12):  # guesses, waiting each delay out: every one is checked and fails
+            answer = await try_password(guesser, "alice", "guess")
+            if answer.status_code == 429:
+                clock.advance(float(answer.headers["retry-after"]))
+                answer = await try_password(guesser, "alice", "guess")
+            assert answer.status_code == 401
+        # Alice from her own address is not slowed by someone guessing elsewhere...
+        assert (await try_password(elsewhere, "alice", ALICE.password)).status_code == 303
+        # ...and from the guesser's address waits at most MAX_DELAY_S, never minutes.
+        answer = await try_password(guesser, "alice", ALICE.password)
+        assert answer.status_code == 429
+        assert int(answer.headers["retry-after"]) <= MAX_DELAY_S
+        clock.advance(MAX_DELAY_S)
+        assert (await try_password(guesser, "alice", ALICE.password)).status_code == 303
+
+
+async def test_forwarded_addresses_count_only_from_trusted_proxies(tmp_path: Path) -> None:
+    clock = FakeClock(wall_start=time.time())
+    async with (
+        viewer_env(
+            tmp_path,
+            integrations=INTEGRATIONS,
+            clock=clock,
+            trusted_proxies=[ipaddress.ip_network("10.0.0.0/8")],
+        ) as env,
+        new_client(env, peer="10.1.2.3") as proxy,
+        new_client(env, peer="203.0.113.5") as direct,
+    ):
+        for _ in range(FREE_FAILURES + 1):
+            answer = await try_password(proxy, "alice", "guess", forwarded_for="192.0.2.1")
+            assert answer.status_code == 401
+        assert (
+            await try_password(proxy, "alice", "guess", forwarded_for="192.0.2.1")
+        ).status_code == 429
+        # Another person behind the same proxy is another client: not slowed.
+        answer = await try_password(proxy, "alice", ALICE.password, forwarded_for="192.0.2.2")
+        assert answer.status_code == 303
+        # A client that is not a proxy cannot pick its address: its header is ignored.
+        for n in range(FREE_FAILURES + 1):
+            answer = await try_password(direct, "bob", "guess", forwarded_for=f"192.0.2.{n + 10}")
+            assert answer.status_code == 401
+        answer = await try_password(direct, "bob", BOB.password, forwarded_for="192.0.2.99")
+        assert answer.status_code == 429
+
+
+def test_client_address_walks_past_trusted_hops_only() -> None:
+    trusted = [ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("fd00::/8")]
+    xff = {"x-forwarded-for": "198.51.100.1, 192.0.2.1, 10.0.0.2"}
+    assert client_address("10.0.0.1", xff, trusted) == "192.0.2.1"
+    assert client_address("203.0.113.1", xff, trusted) == "203.0.113.1"
+    assert client_address("10.0.0.1", xff, []) == "10.0.0.1"
+    forwarded = {"forwarded": 'for=192.0.2.60;proto=https, for="[2001:db8::1]:4711"'}
+    assert client_address("fd00::1", forwarded, trusted) == "2001:db8::1"
+    assert client_address("10.0.0.1", {"forwarded": "for=unknown"}, trusted) == "10.0.0.1"
+    assert client_address("10.0.0.1", {}, trusted) == "10.0.0.1"
 
 
 async def test_sign_in_form_needs_its_own_token(client: httpx.AsyncClient) -> None:
@@ -277,6 +365,44 @@ async def test_sign_out_needs_the_csrf_token_and_ends_the_session(
     assert answer.status_code == 303
     assert SESSION_COOKIE not in client.cookies
     assert (await client.get("/")).status_code == 303
+
+
+async def test_a_copy_of_a_signed_out_cookie_is_refused(
+    env: ViewerEnv, client: httpx.AsyncClient
+) -> None:
+    csrf = await sign_in(client, ALICE)
+    copied = client.cookies[SESSION_COOKIE]
+    a_id = (await ids_of(env, "orders-a"))[0]
+    assert (await client.post("/logout", data={"csrf_token": csrf})).status_code == 303
+    async with new_client(env) as thief:
+        thief.cookies.set(SESSION_COOKIE, copied)
+        assert (await thief.get("/api/me")).status_code == 401
+        assert (await thief.get("/")).status_code == 303
+        answer = await thief.post(
+            "/api/requeue", json={"ids": [a_id]}, headers={"x-csrf-token": csrf}
+        )
+        assert answer.status_code == 401
+    assert (await statuses(env))[a_id] is Status.DEAD
+    # Signing in again starts a new session, which works.
+    await sign_in(client, ALICE)
+    assert (await client.get("/api/me")).status_code == 200
+
+
+async def test_revocations_are_forgotten_once_the_cookie_would_expire() -> None:
+    clock = FakeClock(wall_start=1_000_000.0)
+    revoked = MemorySessionRevocations(clock, max_entries=2)
+    await revoked.revoke("a", 1_000_010.0)
+    await revoked.revoke("b", 1_000_020.0)
+    assert await revoked.is_revoked("a")
+    clock.advance(10)
+    assert not await revoked.is_revoked("a")  # its cookie is expired anyway
+    assert await revoked.is_revoked("b")
+    await revoked.revoke("c", 1_000_030.0)
+    await revoked.revoke("d", 1_000_040.0)  # full: the soonest to expire goes first
+    assert len(revoked) == 2
+    assert not await revoked.is_revoked("b")
+    assert await revoked.is_revoked("c")
+    assert await revoked.is_revoked("d")
 
 
 # --- CSRF -------------------------------------------------------------------------------------
@@ -435,6 +561,37 @@ async def test_the_audit_log_shows_a_team_only_its_entries(
     async with new_client(env) as bob:
         await sign_in(bob, BOB)
         assert "orders-b" in (await bob.get("/audit")).text
+
+
+async def test_an_admins_bulk_job_shows_a_team_none_of_the_other_teams_details(
+    env: ViewerEnv, client: httpx.AsyncClient
+) -> None:
+    spec = {
+        "action": "discard",
+        "filter": {"integrations": ["orders-a", "orders-b"], "text": "for team"},
+    }
+    started = await client.post("/api/jobs", json=spec, headers=bearer(BOT_ROOT.token))
+    assert started.status_code == 202
+    job = started.json()["id"]
+
+    async def finished() -> bool:
+        answer = await client.get(f"/api/jobs/{job}", headers=bearer(BOT_ROOT.token))
+        return bool(answer.json()["state"] == "done")
+
+    await eventually(finished, what="the bulk job")
+    admin_view = (await client.get("/api/audit", headers=bearer(BOT_ROOT.token))).json()["rows"]
+    assert "orders-b" in admin_view[0]["description"]  # the admin sees everything
+    await sign_in(client, ALICE)
+    rows = (await client.get("/api/audit")).json()["rows"]
+    assert rows
+    for row in rows:
+        assert row["integrations"] == ["orders-a"]
+        assert "orders-b" not in row["description"]
+        assert "for team" not in row["description"]
+    page = (await client.get("/audit")).text
+    assert "orders-a" in page
+    assert "orders-b" not in page
+    assert "for team" not in page
 
 
 async def test_jobs_are_visible_to_their_starter_and_admins_only(
@@ -662,6 +819,29 @@ async def test_malformed_bulk_filters_are_4xx(env: ViewerEnv, client: httpx.Asyn
     ):
         answer = await client.post("/api/jobs", json=spec, headers=bearer(BOT_ROOT.token))
         assert answer.status_code in (400, 422), (spec, answer.text[:300])
+    assert await statuses(env) == before
+
+
+async def test_times_beyond_any_date_are_400_naming_the_field_on_every_path(
+    env: ViewerEnv, client: httpx.AsyncClient
+) -> None:
+    before = await statuses(env)
+    auth = bearer(BOT_ROOT.token)
+    for field in ("since", "until"):
+        for value in (-1e20, 1e20, 1e300, -1.0):
+            job = {"action": "requeue", "filter": {field: value}}
+            answer = await client.post("/api/jobs", json=job, headers=auth)
+            assert answer.status_code == 400, (job, answer.text[:300])
+            assert answer.json()["detail"].startswith(f"filter.{field}:"), answer.text
+            for path in ("/api/messages", "/api/messages/count", "/api/groups"):
+                listed = await client.get(path, params={field: repr(value)}, headers=auth)
+                assert listed.status_code == 400, (path, field, value, listed.text[:300])
+                assert listed.json()["detail"].startswith(f"{field}:"), listed.text
+        raw = b'{"action": "requeue", "filter": {"%s": 1e400}}' % field.encode()
+        answer = await client.post(
+            "/api/jobs", content=raw, headers={**auth, "content-type": "application/json"}
+        )
+        assert answer.status_code in (400, 422), answer.text[:300]
     assert await statuses(env) == before
 
 

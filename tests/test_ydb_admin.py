@@ -16,6 +16,7 @@ from typing import Any, cast
 import pytest
 import ydb
 from ydb import (
+    TopicAlterConsumer,
     TopicClientAsyncIO,
     TopicConsumer,
     TopicConsumerDescription,
@@ -32,7 +33,7 @@ from nemesis.broker.port import ConsumerSpec
 from nemesis.broker.ydb import YdbAdmin, YdbBroker
 from nemesis.broker.ydb.admin import Directory, consumer_offsets, topic_description
 from nemesis.config.models import YdbBackendConfig
-from nemesis.errors import TopicExists, TopicNotFound
+from nemesis.errors import BrokerError, TopicExists, TopicNotFound
 
 WRITTEN = datetime.datetime(2026, 11, 30, 12, 0, 0)  # naive UTC
 
@@ -57,7 +58,12 @@ def partition_stats(
 
 
 def described(
-    path: str, partitions: int, consumers: Sequence[str], retention_s: float | None
+    path: str,
+    partitions: int,
+    consumers: Sequence[str],
+    retention_s: float | None,
+    important: frozenset[str] | set[str] = frozenset(),
+    starts: dict[int, int] | None = None,
 ) -> TopicDescription:
     return TopicDescription(
         self=scheme_entry(path.rsplit("/", 1)[-1]),
@@ -70,7 +76,9 @@ def described(
                 active=True,
                 child_partition_ids=[],
                 parent_partition_ids=[],
-                partition_stats=partition_stats(2, 10 + p, WRITTEN if p == 0 else None),
+                partition_stats=partition_stats(
+                    (starts or {}).get(p, 2), 10 + p, WRITTEN if p == 0 else None
+                ),
             )
             for p in range(partitions)
         ],
@@ -80,7 +88,7 @@ def described(
         partition_write_speed_bytes_per_second=0,
         partition_write_burst_bytes=0,
         attributes={},
-        consumers=[TopicConsumer(name) for name in consumers],
+        consumers=[TopicConsumer(name, important=name in important) for name in consumers],
         metering_mode=None,
         topic_stats=None,
         auto_partitioning_settings=None,
@@ -124,33 +132,87 @@ class Topic:
     consumers: list[str]
     retention_s: float | None
     committed: dict[str, dict[int, int]] = field(default_factory=dict)
+    important: set[str] = field(default_factory=set)
+    starts: dict[int, int] = field(default_factory=dict)  # retained start, 2 unless expired
+
+    def expire(self) -> None:
+        """The retention passes over every message: YDB deletes what no important
+        consumer still needs (an ordinary consumer's unread messages go too)."""
+        for p in range(self.partitions):
+            end = 10 + p
+            needed = [self.committed.get(c, {}).get(p, 0) for c in self.important]
+            self.starts[p] = max(self.starts.get(p, 2), min([end, *needed]))
 
 
 class TopicService:
-    """The SDK topic client's admin calls over topics kept in memory."""
+    """The SDK topic client's admin calls over topics kept in memory, with the server's rules.
 
-    def __init__(self) -> None:
+    Also the scheme client's ``make_directory``: the Topic API creates a topic
+    only in a directory that exists (the database root always does), and a
+    directory only in one that exists.
+    """
+
+    def __init__(self, database: str = "/local") -> None:
         self.topics: dict[str, Topic] = {}
+        self.directories: set[str] = {database}
         self.calls: list[str] = []
+        self.denied = False  # the caller may not make directories
+
+    async def make_directory(self, path: str) -> None:
+        self.calls.append(f"mkdir {path}")
+        if self.denied:
+            raise issues.Unauthorized(f"access denied: {path}")
+        parent = path.rsplit("/", 1)[0]
+        if parent not in self.directories:
+            raise issues.SchemeError(f"path {parent} does not exist")
+        if path in self.topics:
+            raise issues.SchemeError(f"{path} is a topic")
+        self.directories.add(path)
 
     async def create_topic(self, path: str, **settings: Any) -> None:
         self.calls.append(f"create {path}")
         if path in self.topics:
             raise issues.AlreadyExists(f"{path} exists")
+        parent = path.rsplit("/", 1)[0]
+        if parent not in self.directories:
+            # The Topic API works in the parent directory and makes none.
+            raise issues.SchemeError(f"path {parent} does not exist")
         retention = settings["retention_period"]
         self.topics[path] = Topic(
             settings["min_active_partitions"],
             [c.name for c in settings["consumers"]],
             retention.total_seconds() if retention else None,
+            important={c.name for c in settings["consumers"] if c.important},
         )
 
-    async def alter_topic(self, path: str, add_consumers: list[TopicConsumer]) -> None:
+    async def alter_topic(
+        self,
+        path: str,
+        add_consumers: Sequence[TopicConsumer] = (),
+        alter_consumers: Sequence[TopicAlterConsumer] = (),
+    ) -> None:
         self.calls.append(f"alter {path}")
-        self._topic(path).consumers += [c.name for c in add_consumers]
+        topic = self._topic(path)
+        for added in add_consumers:
+            topic.consumers.append(added.name)
+            if added.important:
+                topic.important.add(added.name)
+        for altered in alter_consumers:
+            if altered.name not in topic.consumers:
+                raise issues.NotFound(f"no consumer {altered.name}")
+            if altered.set_important:
+                topic.important.add(altered.name)
 
     async def describe_topic(self, path: str, include_stats: bool = False) -> TopicDescription:
         topic = self._topic(path)
-        return described(path, topic.partitions, topic.consumers, topic.retention_s)
+        return described(
+            path,
+            topic.partitions,
+            topic.consumers,
+            topic.retention_s,
+            important=topic.important,
+            starts=topic.starts,
+        )
 
     async def describe_consumer(
         self, path: str, consumer: str, *, include_stats: bool = False
@@ -185,6 +247,7 @@ def admin_over(service: TopicService, tree: dict[str, list[Any]] | None = None) 
     return YdbAdmin(
         cast(TopicClientAsyncIO, service),
         lister(tree or {}),
+        make_directory=service.make_directory,
         database="/local",
         directory="nemesis",
         default_retention_s=86400.0,
@@ -269,6 +332,7 @@ async def test_a_reader_needs_a_registered_consumer() -> None:
         owns_driver=False,
         topics=cast(TopicClientAsyncIO, service),
         list_directory=lister({}),
+        make_directory=service.make_directory,
     )
     await broker.admin.create_topic("orders", partitions=1)
     with pytest.raises(TopicNotFound, match="no consumer billing"):
@@ -278,3 +342,44 @@ async def test_a_reader_needs_a_registered_consumer() -> None:
     await broker.close()
     with pytest.raises(RuntimeError, match="closed"):
         await broker.writer("orders")
+
+
+async def test_create_makes_the_missing_directories_first_once() -> None:
+    service = TopicService()
+    admin = admin_over(service)
+    await admin.create_topic("retry/orders.1", partitions=1)
+    assert service.calls == [
+        "mkdir /local/nemesis",
+        "mkdir /local/nemesis/retry",
+        "create /local/nemesis/retry/orders.1",
+    ]
+    await admin.create_topic("retry/orders.2", partitions=1)
+    assert service.calls[-1] == "create /local/nemesis/retry/orders.2"
+    assert service.calls.count("mkdir /local/nemesis") == 1
+    # Topics at the database root need no directory.
+    service.calls.clear()
+    await YdbAdmin(
+        cast(TopicClientAsyncIO, service),
+        lister({}),
+        make_directory=service.make_directory,
+        database="/local",
+        directory="",
+        default_retention_s=0,
+        timeout_s=1.0,
+    ).create_topic("orders", partitions=1)
+    assert service.calls == ["create /local/orders"]
+
+
+async def test_a_directory_that_cannot_be_made_is_a_clear_error_not_a_missing_topic() -> None:
+    service = TopicService()
+    service.denied = True
+    with pytest.raises(BrokerError, match="create directory /local/nemesis") as raised:
+        await admin_over(service).create_topic("orders", partitions=1)
+    assert not isinstance(raised.value, TopicNotFound)
+    # A topic of the directory's name in the way.
+    service = TopicService()
+    service.directories.add("/local/nemesis")
+    service.topics["/local/nemesis/retry"] = Topic(1, [], None)
+    with pytest.raises(BrokerError, match="create directory /local/nemesis/retry") as raised:
+        await admin_over(service).create_topic("retry/orders.1", partitions=1)
+    assert not isinstance(raised.value, TopicNotFound)

@@ -1,9 +1,13 @@
-"""The YDB DLQ store's statements and row folding: no server needed.
+"""The YDB DLQ store's statements, and the server's rules it must follow: no server needed.
 
 Every statement is checked the way YDB would first see it: each ``$name``
 in the text is declared with the type of the value sent for it, no value
 appears in the text, and the parameters go through the SDK's own protobuf
 conversion (which refuses a value that does not fit its declared type).
+Every row the store writes is checked against the NOT NULL columns of the
+``CREATE TABLE`` it sends. The store itself runs on ``tests/ydb_fake.py``
+(a database that plays the server's rules) here and in the contract suite
+(``tests/test_dlq_store.py``).
 """
 
 from __future__ import annotations
@@ -13,14 +17,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, cast
 
-import orjson
 import pytest
 import ydb
 from ydb import convert
 
-from nemesis.dlq import DeadLetter, DeadLetterFilter, Reason, Status, failure_signature
-from nemesis.dlq.port import MAX_ERROR_CHARS, MAX_HISTORY
-from nemesis.dlq.ydb import LETTER_COLUMNS, Query, Yql, fold_failures, tiebreak
+from nemesis.dlq import Action, DeadLetter, DeadLetterFilter, Reason, Status
+from nemesis.dlq.core import Window, fold_failures
+from nemesis.dlq.ydb import LETTER_COLUMNS, Query, YdbDeadLetterStore, Yql, tiebreak
+from nemesis.errors import DlqError
+from tests.ydb_fake import FAST_RETRY, FakeYdb
 
 START_US = 1_800_000_000_000_000
 to_protobuf = cast(Callable[[object], object], convert.query_parameters_to_pb)  # untyped
@@ -66,13 +71,14 @@ EVERYTHING = DeadLetterFilter(
 
 
 def test_every_statement_declares_typed_parameters_and_inlines_no_value() -> None:
-    written, signatures, _, _ = fold_failures([letter(1), letter(2)], {}, START_US)
+    folded = fold_failures([letter(1), letter(2)], {}, (), START_US)
+    inserts = [{**row, "tiebreak": tiebreak(row["id"])} for row in folded.inserts]
     queries = [
         yql.schema_version(),
         yql.write_schema_version(1),
         yql.put_state(["a" * 32], ["0123456789abcdef"]),
-        yql.dead_ids(["a" * 32], frozenset({"alpha"})),
-        yql.dead_ids(["a" * 32], None),
+        yql.mark_state(["a" * 32], frozenset({"alpha"})),
+        yql.mark_state(["a" * 32], None),
         yql.expired(START_US, 1000),
         yql.delete_letters(["a" * 32]),
         yql.unused_signatures(),
@@ -85,8 +91,8 @@ def test_every_statement_declares_typed_parameters_and_inlines_no_value() -> Non
         yql.count(EVERYTHING, None),
         yql.count(DeadLetterFilter(), 100),
         yql.groups(EVERYTHING, 100),
-        yql.stats(EVERYTHING, START_US - 3600 * 10**6, START_US - 86400 * 10**6, START_US, 3600),
-        yql.last_action_seq(),
+        yql.stats(EVERYTHING, Window.of(START_US / 1e6, 3600.0, 24)),
+        yql.recent_actions(16),
         yql.record_action(
             {
                 "seq": 1,
@@ -102,7 +108,7 @@ def test_every_statement_declares_typed_parameters_and_inlines_no_value() -> Non
         yql.actions(2**63 - 1, 51, None),
         yql.actions(10, 51, frozenset({"alpha", "beta"})),
     ]
-    put = yql.put_rows([w.columns for w in written if w.new], [], list(signatures.values()))
+    put = yql.put_rows(inserts, [], folded.signatures)
     assert put is not None
     queries.append(put)
     for query in queries:
@@ -164,80 +170,182 @@ def test_the_schema_keeps_the_stores_columns_and_a_ttl() -> None:
     assert all("IF NOT EXISTS" in ddl for ddl in yql.create_tables())
 
 
-def test_new_failures_become_whole_rows_and_a_repeat_in_the_batch_folds_into_them() -> None:
-    first = letter(1, attempts=1, metadata={"type": "t"}, key="k", stage="enrich")
-    again = letter(1, attempts=2, error="409 conflict", http_status=409)
-    rows, signatures, inserted, updated = fold_failures([first, again, letter(2)], {}, START_US)
-    assert (inserted, updated) == (2, 1)
-    one = next(r.columns for r in rows if r.columns["id"] == first.id)
-    assert set(one) == {name for name, _ in LETTER_COLUMNS}
-    assert (one["attempts"], one["http_status"], one["error"]) == (2, 409, "409 conflict")
-    assert one["signature"] == failure_signature(
-        first.integration, Reason.HTTP_4XX, 409, "409 conflict"
+@pytest.mark.parametrize("directory", ["nemesis/dlq", "/nemesis/dlq/"])
+def test_tables_live_under_the_configured_directory(directory: str) -> None:
+    assert Yql(directory).table("letters") == "`nemesis/dlq/letters`"
+
+
+# --- the server's rules -----------------------------------------------------------------
+
+
+def not_null_columns(ddl: str) -> tuple[str, set[str], list[str]]:
+    """A table's path, NOT NULL columns and key, read from its ``CREATE TABLE`` text."""
+    found = re.match(r"CREATE TABLE IF NOT EXISTS `([^`]+)`", ddl)
+    assert found is not None, ddl
+    key = re.search(r"PRIMARY KEY \(([^)]*)\)", ddl)
+    assert key is not None, ddl
+    return (
+        found.group(1),
+        set(re.findall(r"^\s*`(\w+)` \w+ NOT NULL", ddl, re.M)),
+        re.findall(r"`(\w+)`", key.group(1)),
     )
-    assert one["tiebreak"] == tiebreak(first.id) == int(first.id[:15], 16)
-    # The stage follows the latest failure; key and metadata are the message's.
-    assert (one["msg_key"], one["stage"], one["metadata"]) == ("k", None, '{"type":"t"}')
-    [past] = orjson.loads(str(one["history"]))
-    assert past == [START_US, "http_4xx", 422, 1, "422 missing field `city` in order 1"]
-    # Letters 1 and 2 share a signature (their errors differ in a number only).
-    assert sorted(str(s["sample_error"]) for s in signatures.values()) == [
-        "409 conflict",
-        "422 missing field `city` in order 1",
-    ]
 
 
-def test_a_failure_of_an_existing_row_updates_its_failure_columns() -> None:
+def written_columns(query: Query) -> list[tuple[str, str, set[str]]]:
+    """(verb, table, columns) of every row-writing statement of ``query``."""
+    writes = []
+    for verb, path, rows in re.findall(
+        r"(UPSERT INTO|REPLACE INTO|INSERT INTO|UPDATE) `([^`]+)`(?: ON)? SELECT \* FROM"
+        r" AS_TABLE\((\$p\d+)\)",
+        query.body,
+    ):
+        members = re.findall(r"(\w+):", str(query.params[rows].value_type))
+        writes.append((verb, path, set(members)))
+    for verb, path, names in re.findall(
+        r"(UPSERT INTO|INSERT INTO) `([^`]+)` \(([^)]*)\) VALUES", query.body
+    ):
+        writes.append((verb, path, set(re.findall(r"`(\w+)`", names))))
+    return writes
+
+
+def test_every_row_the_store_writes_carries_the_not_null_columns_of_its_table() -> None:
+    # YDB compiles UPSERT/REPLACE/INSERT ... AS_TABLE against the whole table:
+    # a row type without a NOT NULL column is refused ("Missing not null column
+    # in input"), even for a row that exists. Partial rows go through UPDATE ON.
+    tables = {
+        path: (columns, key) for path, columns, key in map(not_null_columns, yql.create_tables())
+    }
     existing = {
         letter(1).id: {
             "id": letter(1).id,
-            "status": Status.REQUEUED.value,
-            "dead_lettered_us": START_US - 10**6,
-            "reason": "http_4xx",
-            "http_status": 422,
-            "attempts": 3,
-            "error": "x" * 600,
-            "history": orjson.dumps([[0, "http_4xx", 400, 1, "old"]] * MAX_HISTORY).decode(),
-        },
-        letter(2).id: {
-            "id": letter(2).id,
-            "status": Status.DISCARDED.value,
+            "status": "requeued",
             "dead_lettered_us": START_US - 10**6,
             "reason": "http_4xx",
             "http_status": 422,
             "attempts": 1,
+            "stage": None,
+            "signature": "0123456789abcdef",
             "error": "e",
             "history": None,
-        },
+        }
     }
-    rows, _, inserted, updated = fold_failures(
-        [letter(1, error="y" * (MAX_ERROR_CHARS + 5)), letter(2)], existing, START_US
+    folded = fold_failures([letter(1, attempts=2), letter(2)], existing, (), START_US)
+    assert (len(folded.inserts), len(folded.updates), len(folded.signatures)) == (1, 1, 1)
+    inserts = [{**row, "tiebreak": tiebreak(row["id"])} for row in folded.inserts]
+    put = yql.put_rows(inserts, folded.updates, folded.signatures)
+    assert put is not None
+    mark = {
+        "id": letter(1).id,
+        "status": "requeued",
+        "requeue_count": 1,
+        "last_action": "requeue",
+        "last_action_by": "alice",
+        "last_action_us": START_US,
+    }
+    action = {
+        "seq": 1,
+        "at_us": START_US,
+        "who": "alice",
+        "act": "requeue",
+        "integrations": '["alpha"]',
+        "affected": 3,
+        "description": "status=dead",
+    }
+    writes = [
+        put,
+        yql.mark([mark]),
+        yql.record_action(action, [{"integration": "alpha", "action_seq": 1}]),
+        yql.write_schema_version(1),
+    ]
+    checked = 0
+    for query in writes:
+        check(query)
+        for verb, path, columns in written_columns(query):
+            not_null, key = tables[path]
+            if verb == "UPDATE":
+                assert set(key) <= columns, (path, columns)
+            else:
+                assert not_null <= columns, (verb, path, sorted(not_null - columns))
+            checked += 1
+    assert checked == 7  # signatures, new letters, updated letters, mark, action, links, meta
+
+
+async def fake_store(database: FakeYdb) -> YdbDeadLetterStore:
+    store = YdbDeadLetterStore(
+        cast(Any, database.pool()), directory="nemesis/dlq", retry_settings=FAST_RETRY
     )
-    assert (inserted, updated) == (0, 2)
-    requeued, discarded = (next(r for r in rows if r.columns["id"] == letter(n).id) for n in (1, 2))
-    assert not requeued.new
-    assert set(requeued.columns) == {
-        "id", "status", "reason", "http_status", "signature", "dead_lettered_us",
-        "attempts", "stage", "error", "history",
-    }  # fmt: skip
-    # A requeued message that failed again is dead again; a discarded one stays discarded.
-    assert requeued.columns["status"] == "dead"
-    assert discarded.columns["status"] == "discarded"
-    error = str(requeued.columns["error"])
-    assert len(error) == MAX_ERROR_CHARS
-    assert error.endswith("…")
-    history = orjson.loads(str(requeued.columns["history"]))
-    assert len(history) == MAX_HISTORY  # the oldest fell off
-    assert history[-1] == [START_US - 10**6, "http_4xx", 422, 3, "x" * 499 + "…"]
+    await store.open()
+    return store
 
 
-def test_times_before_1970_are_clamped_for_unsigned_columns() -> None:
-    text = check(yql.page(DeadLetterFilter(since=-5.0, until=-1.0), (-7, 1), 10, 0, None))
+async def test_a_second_failure_a_requeue_and_a_discard_write_rows_the_server_accepts() -> None:
+    database = FakeYdb()
+    store = await fake_store(database)
+    try:
+        await store.put([letter(1), letter(2)])
+        assert await store.mark_requeued([letter(1).id], by="alice") == 1
+        await store.put([letter(1, attempts=2, dead_lettered_at=START_US / 1e6 + 60)])
+        assert await store.mark_discarded([letter(2).id], by="bob") == 1
+        again = await store.get(letter(1).id)
+        assert again is not None
+        assert (again.status, again.requeue_count, len(again.history)) == (Status.DEAD, 1, 1)
+        assert any(text.count("UPDATE `nemesis/dlq/letters` ON") for text in database.statements)
+    finally:
+        await store.close()
+
+
+async def test_an_answer_without_the_result_sets_of_its_selects_is_a_clear_error() -> None:
+    database = FakeYdb()
+    store = await fake_store(database)
+    try:
+        await store.put([letter(1)])
+        database.lose_result_sets = True
+        with pytest.raises(DlqError, match=r"count dead letters: .*0 result sets .* 1 SELECT"):
+            await store.count(DeadLetterFilter())
+        with pytest.raises(DlqError, match="result sets"):
+            await store.put([letter(2)])
+    finally:
+        await store.close()
+
+
+async def test_writes_whose_commit_was_undetermined_are_retried_and_count_once() -> None:
+    database = FakeYdb()
+    store = await fake_store(database)
+    try:
+        await store.put([letter(1)])
+        # Each write commits, answers Undetermined, and the SDK runs it again.
+        database.undetermined_commits = 1
+        result = await store.put([letter(1, attempts=2, dead_lettered_at=START_US / 1e6 + 60)])
+        assert database.undetermined_commits == 0
+        assert (result.inserted, result.updated) == (0, 1)
+        row = await store.get(letter(1).id)
+        assert row is not None
+        assert row.attempts == 2
+        assert [past.attempts for past in row.history] == [1]  # not twice
+
+        database.undetermined_commits = 1
+        assert await store.mark_requeued([letter(1).id], by="alice", at=START_US / 1e6) == 1
+        row = await store.get(letter(1).id)
+        assert row is not None
+        assert row.requeue_count == 1
+
+        database.undetermined_commits = 1
+        record = await store.record_action(
+            who="alice", action=Action.REQUEUE, integrations=["a"], count=1, description="x"
+        )
+        assert database.undetermined_commits == 0
+        log = await store.actions()
+        assert [entry.seq for entry in log.rows] == [record.seq] == [1]
+    finally:
+        await store.close()
+
+
+def test_times_far_out_of_range_fit_the_unsigned_columns() -> None:
+    where = DeadLetterFilter(since=-1e20, until=1e20)
+    text = check(yql.page(where, None, 10, 0, None))
     assert "DECLARE" in text
-    rows, _, _, _ = fold_failures([letter(1, dead_lettered_at=-3.0, first_failure_at=-9.0)], {}, 0)
-    assert (rows[0].columns["dead_lettered_us"], rows[0].columns["first_failure_us"]) == (0, 0)
-
-
-@pytest.mark.parametrize("directory", ["nemesis/dlq", "/nemesis/dlq/"])
-def test_tables_live_under_the_configured_directory(directory: str) -> None:
-    assert Yql(directory).table("letters") == "`nemesis/dlq/letters`"
+    early_and_late = letter(1, dead_lettered_at=-3.0, first_failure_at=1e20)
+    folded = fold_failures([early_and_late], {}, (), 0, YdbDeadLetterStore.times)
+    [row] = folded.inserts
+    assert row["dead_lettered_us"] == 0
+    assert 0 < row["first_failure_us"] < 2**63

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from typing import cast
 
 import pytest
-from ydb import TopicReaderBatch, TopicReaderMessage
+import zstandard
+from ydb import TopicReaderAsyncIO, TopicReaderBatch, TopicReaderMessage
 from ydb._grpc.grpcwrapper.ydb_topic import Codec, OffsetsRange
 from ydb._topic_reader.datatypes import PartitionSession as SdkPartitionSession
 from ydb._topic_writer.topic_writer import InternalMessage
@@ -15,13 +16,16 @@ from ydb._topic_writer.topic_writer import InternalMessage
 from nemesis.broker.port import OutgoingMessage, PartitionSession
 from nemesis.broker.ydb.mapping import (
     KEY_ITEM,
+    Undecodable,
     YdbSession,
+    sdk_partition_sessions,
     sdk_session,
     session_key,
     to_message,
     to_sdk_message,
     unix_seconds,
 )
+from nemesis.broker.ydb.reader import zstd_decompress
 
 NAIVE_UTC = datetime.datetime(2026, 11, 30, 12, 0, 0)
 
@@ -156,3 +160,15 @@ def test_unix_seconds_of_sdk_times() -> None:
     assert unix_seconds(aware) == datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC).timestamp()
     assert unix_seconds(datetime.datetime(1970, 1, 1)) == 0.0
     assert unix_seconds(None) == 0.0
+
+
+def test_an_sdk_reader_without_a_stream_has_no_partition_sessions() -> None:
+    # Before its first connect (or if a later SDK moved the table): none, not an error.
+    assert sdk_partition_sessions(cast(TopicReaderAsyncIO, object())) == []
+
+
+def test_undecodable_data_keeps_its_bytes_and_its_codec() -> None:
+    data = Undecodable(b"lzop-bytes", Codec.CODEC_LZOP)
+    assert data == b"lzop-bytes"
+    assert data.codec == Codec.CODEC_LZOP
+    assert zstd_decompress(zstandard.compress(b"x" * 1000)) == b"x" * 1000

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import gzip
+import itertools
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, cast
 
 import pytest
+import zstandard
 from ydb import TopicClientAsyncIO, issues
 from ydb._grpc.grpcwrapper.common_utils import ServerStatus
 from ydb._grpc.grpcwrapper.ydb_topic import (
@@ -33,7 +36,9 @@ from ydb._topic_writer import topic_writer_asyncio
 from ydb.aio.driver import Driver
 
 from nemesis.broker.port import Message, OutgoingMessage, PartitionSession, WriteStatus
-from nemesis.broker.ydb import YdbReader, YdbSession, YdbWriter
+from nemesis.broker.ydb import YdbBroker, YdbReader, YdbSession, YdbWriter
+from nemesis.broker.ydb.reader import open_sdk_reader
+from nemesis.config.models import YdbBackendConfig
 from nemesis.errors import BrokerError, BrokerTimeout, TopicNotFound
 
 WRITTEN_AT = datetime.datetime(2026, 11, 30, 12, 0, 0)  # naive UTC, as protobuf makes them
@@ -56,11 +61,18 @@ _new_stream = cast(Callable[[], FakeStream], FakeStream)
 
 
 class Grpc:
-    """Replaces the SDK's stream wrapper; hands every stream the SDK opens to the test."""
+    """Replaces the SDK's stream wrapper; hands every stream the SDK opens to the test.
+
+    Also the server's state that outlives one stream: which partition each
+    producer id is bound to (YDB binds a producer id to the first partition it
+    writes to, and refuses it on any other).
+    """
 
     def __init__(self) -> None:
         self.opened: list[FakeStream] = []
         self._new: asyncio.Queue[FakeStream] = asyncio.Queue()
+        self.producers: dict[str, int] = {}
+        self.tasks: list[asyncio.Future[None]] = []  # the fake servers' own
 
     def __call__(self, convert: object) -> FakeStream:
         stream = _new_stream()
@@ -91,6 +103,8 @@ async def topics(grpc: Grpc) -> AsyncIterator[TopicClientAsyncIO]:
     client = TopicClientAsyncIO(cast(Driver, _NoCredentials()))
     yield client
     cast(Callable[[], None], client.close)()  # untyped in the SDK
+    for task in grpc.tasks:
+        task.cancel()
 
 
 async def _from_client(stream: FakeStream, kind: type[Any]) -> Any:
@@ -102,33 +116,59 @@ async def _from_client(stream: FakeStream, kind: type[Any]) -> Any:
             return message
 
 
-def sent_so_far(stream: FakeStream) -> list[Any]:
-    """What the SDK has sent on ``stream`` and the test has not read yet."""
-    sent = []
-    while not stream.from_client.empty():
-        message = stream.from_client.get_nowait()
-        sent.append(getattr(message, "client_message", getattr(message, "value", message)))
-    return sent
+# What one message costs of the reader's read budget (YDB counts its bytes, roughly).
+MESSAGE_BYTES = 10
 
 
 class ReadServer:
-    """The server's half of one read stream."""
+    """The server's half of one read stream.
 
-    def __init__(self, stream: FakeStream) -> None:
+    Plays YDB's flow control: a message is sent only while the bytes the
+    reader granted (``ReadRequest``: its buffer at the start, then what it
+    frees) cover it; the rest waits here, in order, as on a server. Control
+    messages (partition starts and stops, commit acks) are not counted.
+    """
+
+    def __init__(
+        self,
+        stream: FakeStream,
+        init: StreamReadMessage.InitRequest,
+        budget: int,
+        grpc: Grpc,
+    ) -> None:
         self.stream = stream
+        self.init = init
+        self.budget = budget
+        self.held: list[tuple[int, int, StreamReadMessage.ReadResponse.MessageData]] = []
+        self.received: asyncio.Queue[Any] = asyncio.Queue()  # what the SDK sent, not budget
+        grpc.tasks.append(asyncio.ensure_future(self._read_client()))
 
     @classmethod
     async def accept(cls, grpc: Grpc) -> ReadServer:
         stream = await grpc.next_stream()
-        await _from_client(stream, StreamReadMessage.InitRequest)
+        init: StreamReadMessage.InitRequest = await _from_client(
+            stream, StreamReadMessage.InitRequest
+        )
         stream.from_server.put_nowait(
             StreamReadMessage.FromServer(
                 server_status=OK,
                 server_message=StreamReadMessage.InitResponse(session_id="read-session"),
             )
         )
-        await _from_client(stream, StreamReadMessage.ReadRequest)
-        return cls(stream)
+        request: StreamReadMessage.ReadRequest = await _from_client(
+            stream, StreamReadMessage.ReadRequest
+        )
+        return cls(stream, init, request.bytes_size, grpc)
+
+    async def _read_client(self) -> None:
+        while True:
+            sent = await self.stream.from_client.get()
+            message = getattr(sent, "client_message", getattr(sent, "value", sent))
+            if isinstance(message, StreamReadMessage.ReadRequest):
+                self.budget += message.bytes_size
+                self._flush()
+            else:
+                self.received.put_nowait(message)
 
     def _put(self, message: Any, status: ServerStatus = OK) -> None:
         self.stream.from_server.put_nowait(
@@ -152,36 +192,51 @@ class ReadServer:
         offsets: Sequence[int],
         *,
         metadata: Mapping[str, bytes] | None = None,
+        codec: int = Codec.CODEC_RAW,
+        encode: Callable[[bytes], bytes] = bytes,
     ) -> None:
-        data = [
-            StreamReadMessage.ReadResponse.MessageData(
+        """Messages of one partition session, sent as the reader's budget allows."""
+        for offset in offsets:
+            data = StreamReadMessage.ReadResponse.MessageData(
                 offset=offset,
                 seq_no=offset + 1,
                 created_at=CREATED_AT,
-                data=b"v%d" % offset,
+                data=encode(b"v%d" % offset),
                 metadata_items=dict(metadata or {}),
                 uncompresed_size=3,
                 message_group_id="shop",
             )
-            for offset in offsets
+            self.held.append((session_id, codec, data))
+        self._flush()
+
+    def _flush(self) -> None:
+        """Sends what the budget covers, in order, consecutive messages of a session in a batch."""
+        count = min(len(self.held), self.budget // MESSAGE_BYTES)
+        if not count:
+            return
+        sending, self.held = self.held[:count], self.held[count:]
+        self.budget -= count * MESSAGE_BYTES
+        partitions = [
+            StreamReadMessage.ReadResponse.PartitionData(
+                partition_session_id=session_id,
+                batches=[
+                    StreamReadMessage.ReadResponse.Batch(
+                        message_data=[data for _, _, data in run],
+                        producer_id="shop",
+                        write_session_meta={},
+                        codec=codec,
+                        written_at=WRITTEN_AT,
+                    )
+                ],
+            )
+            for (session_id, codec), grouped in itertools.groupby(
+                sending, key=lambda item: (item[0], item[1])
+            )
+            for run in [list(grouped)]
         ]
         self._put(
             StreamReadMessage.ReadResponse(
-                partition_data=[
-                    StreamReadMessage.ReadResponse.PartitionData(
-                        partition_session_id=session_id,
-                        batches=[
-                            StreamReadMessage.ReadResponse.Batch(
-                                message_data=data,
-                                producer_id="shop",
-                                write_session_meta={},
-                                codec=Codec.CODEC_RAW,
-                                written_at=WRITTEN_AT,
-                            )
-                        ],
-                    )
-                ],
-                bytes_size=len(offsets),
+                partition_data=partitions, bytes_size=count * MESSAGE_BYTES
             )
         )
 
@@ -210,16 +265,23 @@ class ReadServer:
         self._put(StreamReadMessage.InitResponse(session_id="x"), ServerStatus(status, []))
 
     async def commit_request(self) -> StreamReadMessage.CommitOffsetRequest:
-        request: StreamReadMessage.CommitOffsetRequest = await _from_client(
-            self.stream, StreamReadMessage.CommitOffsetRequest
-        )
-        return request
+        while True:
+            message = await asyncio.wait_for(self.received.get(), 2)
+            if isinstance(message, StreamReadMessage.CommitOffsetRequest):
+                return message
+
+    def sent_so_far(self) -> list[Any]:
+        """What the SDK has sent on this stream, but for read requests, not read yet."""
+        sent = []
+        while not self.received.empty():
+            sent.append(self.received.get_nowait())
+        return sent
 
 
 @pytest.fixture
 async def reader(topics: TopicClientAsyncIO) -> AsyncIterator[YdbReader]:
     opened = YdbReader(
-        topics.reader("/local/orders", consumer="billing"),
+        lambda: open_sdk_reader(topics, "/local/orders", "billing", 1 << 20),
         topic="orders",
         consumer="billing",
         stash_limit=3,
@@ -235,6 +297,13 @@ async def receive_all(reader: YdbReader, count: int, max_messages: int = 100) ->
         while len(received) < count:
             received.extend(await reader.receive(max_messages, 0.5))
     return received
+
+
+async def quiet_until(reader: YdbReader, reached: Callable[[], bool]) -> None:
+    """Receives, expecting nothing, until ``reached()``: the SDK works in the background."""
+    async with asyncio.timeout(3):
+        while not reached():
+            assert await reader.receive(10, 0.05) == ()
 
 
 def offsets(messages: Sequence[Message]) -> list[tuple[int, int]]:
@@ -318,9 +387,7 @@ async def test_a_stopped_partitions_messages_are_dropped_and_its_commits_ignored
     server.send(2, [1])
     assert offsets(await receive_all(reader, 1)) == [(1, 1)]
     assert not [
-        m
-        for m in sent_so_far(server.stream)
-        if isinstance(m, StreamReadMessage.CommitOffsetRequest)
+        m for m in server.sent_so_far() if isinstance(m, StreamReadMessage.CommitOffsetRequest)
     ]
 
 
@@ -420,33 +487,158 @@ async def test_pause_holds_a_partition_back_and_resume_hands_it_out_first(
     assert offsets(await receive_all(reader, 1)) == [(0, 3)]
 
 
-async def test_a_full_stash_stops_the_whole_reader_until_the_resume(
+async def test_a_paused_partition_past_its_stash_costs_the_others_nothing(
+    topics: TopicClientAsyncIO, grpc: Grpc
+) -> None:
+    # A read buffer of 5 messages: the server sends no more than the reader frees.
+    reader = YdbReader(
+        lambda: open_sdk_reader(topics, "/local/orders", "billing", 5 * MESSAGE_BYTES),
+        topic="orders",
+        consumer="billing",
+        stash_limit=3,
+        commit_timeout_s=2.0,
+    )
+    try:
+        server = await ReadServer.accept(grpc)
+        server.start(session_id=1, partition=0)
+        server.start(session_id=2, partition=1)
+        server.send(1, [0])
+        [head] = await receive_all(reader, 1)
+        reader.pause(session_of(head))
+        server.send(1, list(range(1, 11)))  # 10 messages: past the stash's 3
+        # With partition 0 paused and spilled, partition 1 delivers all of its 60.
+        server.send(2, list(range(60)))
+        others = await receive_all(reader, 60)
+        assert offsets(others) == [(1, offset) for offset in range(60)]
+        stats = reader.statistics()
+        assert (stats.paused, stats.spilled, stats.stashed, stats.dropped) == (1, 1, 0, 10)
+        committing = asyncio.create_task(reader.commit([head]))  # the paused one's commits work
+        assert (await server.commit_request()).commit_offsets[0].offsets == [OffsetsRange(0, 1)]
+        server.ack(1, 1)
+        await asyncio.wait_for(committing, 2)
+
+        # The resume reads everything again from a new read session.
+        reader.resume(session_of(head))
+        again = asyncio.create_task(receive_all(reader, 10))
+        second = await ReadServer.accept(grpc)
+        assert not head.alive
+        assert not others[0].alive
+        second.start(session_id=1, partition=0, committed=1)
+        second.send(1, list(range(1, 11)))
+        assert offsets(await again) == [(0, offset) for offset in range(1, 11)]
+        assert reader.statistics().reopens == 1
+    finally:
+        await reader.close()
+
+
+async def test_the_pause_stash_is_bounded_in_bytes_too(
+    topics: TopicClientAsyncIO, grpc: Grpc
+) -> None:
+    reader = YdbReader(
+        lambda: open_sdk_reader(topics, "/local/orders", "billing", 1 << 20),
+        topic="orders",
+        consumer="billing",
+        stash_limit=1000,
+        stash_bytes=7,  # three messages of 2 bytes (v1, v2, v3)
+    )
+    try:
+        server = await ReadServer.accept(grpc)
+        server.start(session_id=1, partition=0)
+        server.send(1, [0])
+        [head] = await receive_all(reader, 1)
+        reader.pause(session_of(head))
+        server.send(1, [1, 2, 3])
+        await quiet_until(reader, lambda: reader.statistics().stashed == 3)
+        assert (reader.statistics().stashed_bytes, reader.statistics().spilled) == (6, 0)
+        server.send(1, [4])
+        await quiet_until(reader, lambda: reader.statistics().spilled == 1)
+        stats = reader.statistics()
+        assert (stats.stashed, stats.stashed_bytes, stats.spilled) == (0, 0, 1)
+    finally:
+        await reader.close()
+
+
+async def test_partitions_count_as_assigned_from_their_start_not_their_first_message(
     reader: YdbReader, grpc: Grpc
 ) -> None:
     server = await ReadServer.accept(grpc)
     server.start(session_id=1, partition=0)
     server.start(session_id=2, partition=1)
-    server.send(1, [0])
-    [head] = await receive_all(reader, 1)
-    reader.pause(session_of(head))
-    server.send(1, [1, 2, 3])  # the stash holds 3: full
-    await asyncio.sleep(0.02)
-    assert await reader.receive(10, 0.05) == ()
+    # Nothing written: no message at all, and yet two partitions held.
+    await quiet_until(reader, lambda: len(reader.sessions()) == 2)
+    assert [s.partition for s in reader.sessions()] == [0, 1]
+    assert reader.statistics().sessions == 2
+    server.stop(2)
+    await quiet_until(reader, lambda: len(reader.sessions()) == 1)
+    assert [s.partition for s in reader.sessions()] == [0]
+
+    # A reader that reconnects and then reads nothing still holds its partitions.
+    server.fail(issues.Unavailable("the node went away"))
+    second = await ReadServer.accept(grpc)
+    second.start(session_id=1, partition=0)
+    second.start(session_id=2, partition=2)
+    await quiet_until(reader, lambda: [s.partition for s in reader.sessions()] == [0, 2])
+    # A session listed before its first message is the one its messages come with.
+    listed = reader.sessions()[1]
+    second.send(2, [0])
+    [message] = await receive_all(reader, 1)
+    assert message.session is listed
+
+
+# --- codecs -----------------------------------------------------------------------------------
+
+
+def zstd_frames(data: bytes) -> bytes:
+    """ZSTD as streaming producers write it: no content size in the header, two frames."""
+    half = len(data) // 2
+    frames = b""
+    for part in (data[:half], data[half:]):
+        compressor = zstandard.ZstdCompressor().compressobj()
+        frames += compressor.compress(part) + compressor.flush()
+    return frames
+
+
+async def test_zstd_messages_are_decoded(reader: YdbReader, grpc: Grpc) -> None:
+    server = await ReadServer.accept(grpc)
+    server.start(session_id=1, partition=0)
+    server.send(1, [0, 1], codec=Codec.CODEC_ZSTD, encode=zstd_frames)
+    server.send(1, [2], codec=Codec.CODEC_GZIP, encode=gzip.compress)
+    assert [m.value for m in await receive_all(reader, 3)] == [b"v0", b"v1", b"v2"]
+
+
+async def test_a_codec_nemesis_cannot_decode_parks_its_partition_and_says_why(
+    reader: YdbReader, grpc: Grpc
+) -> None:
+    server = await ReadServer.accept(grpc)
+    server.start(session_id=1, partition=0)
+    server.start(session_id=2, partition=1)
+    server.send(1, [0, 1], codec=Codec.CODEC_LZOP, encode=lambda data: b"lzop:" + data)
     server.send(2, [0])
-    # Partition 1 has a message waiting, but the reader takes nothing any more.
-    assert await reader.receive(10, 0.2) == ()
+    server.send(1, [2])  # after the parked batch: not handed out either
+    server.send(2, [1])
+    assert offsets(await receive_all(reader, 2)) == [(1, 0), (1, 1)]
+    await quiet_until(reader, lambda: reader.statistics().dropped == 3)  # 0, 1 and 2
     stats = reader.statistics()
-    assert (stats.stalled, stats.paused, stats.stashed) == (True, 1, 3)
-    reader.resume(session_of(head))
-    assert offsets(await receive_all(reader, 4)) == [(0, 1), (0, 2), (0, 3), (1, 0)]
-    assert not reader.statistics().stalled
+    assert stats.parked == {
+        0: "orders[0] offset 0 is compressed with LZOP, which Nemesis cannot decode"
+        " (it reads RAW, GZIP and ZSTD): the partition is parked"
+    }
+    assert stats.sessions == 2  # still held: the committed offset stays before it
+
+
+async def test_an_unknown_codec_fails_the_reader_naming_it(reader: YdbReader, grpc: Grpc) -> None:
+    server = await ReadServer.accept(grpc)
+    server.start(session_id=1, partition=0)
+    server.send(1, [0], codec=10042)  # a custom codec
+    with pytest.raises(BrokerError, match=r"codec Nemesis cannot decode .*10042"):
+        await receive_all(reader, 1)
 
 
 async def test_a_commit_that_times_out_is_a_broker_timeout_and_a_late_ack_is_harmless(
     topics: TopicClientAsyncIO, grpc: Grpc
 ) -> None:
     reader = YdbReader(
-        topics.reader("/local/orders", consumer="billing"),
+        lambda: open_sdk_reader(topics, "/local/orders", "billing", 1 << 20),
         topic="orders",
         consumer="billing",
         commit_timeout_s=0.05,
@@ -523,6 +715,10 @@ async def test_close_ends_the_sessions_and_a_closed_reader_refuses_to_read(
 # --- writing ----------------------------------------------------------------------------------
 
 
+class ProducerRefused(Exception):
+    """The fake server refused a write stream (the SDK was told why)."""
+
+
 class WriteServer:
     """The server's half of one write stream (one partition)."""
 
@@ -538,11 +734,26 @@ class WriteServer:
             stream, StreamWriteMessage.InitRequest
         )
         assert isinstance(init.partitioning, StreamWriteMessage.PartitioningPartitionID)
+        partition = init.partitioning.partition_id
+        bound = grpc.producers.setdefault(init.producer_id, partition)
+        if bound != partition:
+            # The server's partition chooser: a producer id writes to one partition only.
+            refusal = f"SourceId {init.producer_id} already bound to PartitionGroupId {bound + 1}"
+            stream.from_server.put_nowait(
+                StreamWriteMessage.InitResponse(
+                    last_seq_no=0,
+                    session_id="",
+                    partition_id=partition,
+                    supported_codecs=[],
+                    status=ServerStatus(issues.StatusCode.BAD_REQUEST, []),
+                )
+            )
+            raise ProducerRefused(refusal)
         stream.from_server.put_nowait(
             StreamWriteMessage.InitResponse(
                 last_seq_no=last_seqno,
                 session_id="write-session",
-                partition_id=init.partitioning.partition_id,
+                partition_id=partition,
                 supported_codecs=[Codec.CODEC_RAW],
                 status=OK,
             )
@@ -616,7 +827,7 @@ async def test_a_write_returns_after_the_acks_with_offsets(
         server = await WriteServer.accept(grpc, last_seqno=7)
         # Unkeyed messages go to the producer's home partition, the same hash as embedded.
         assert server.partition == zlib.crc32(b"shop") % 4
-        assert server.init.producer_id == "shop"
+        assert server.init.producer_id == f"shop.p{server.partition}"
         sent = await server.written()
         assert [(m.seq_no, m.data) for m in sent] == [(8, b"a"), (9, b"b")]
         assert sent[0].metadata_items == {"type": b"t"}
@@ -685,6 +896,12 @@ async def test_keys_and_partitions_choose_the_partition_writer(
             server.ack([1])
         results = await asyncio.wait_for(writing, 2)
         assert [r.partition for r in results] == [key_partition, explicit]
+        # Each partition's writer is a producer of its own: the server binds a
+        # producer id to one partition.
+        assert {s.init.producer_id for s in servers.values()} == {
+            f"shop.p{key_partition}",
+            f"shop.p{explicit}",
+        }
         with pytest.raises(ValueError, match="out of range"):
             await writer.write([OutgoingMessage(value=b"", partition=4)])
     finally:
@@ -735,3 +952,71 @@ async def test_a_writer_that_cannot_start_is_a_broker_error(
         await writer.close()
     with pytest.raises(RuntimeError, match="closed"):
         await writer.write([OutgoingMessage(value=b"")])
+
+
+async def test_each_partition_is_written_by_a_producer_of_its_own_and_keeps_its_seqnos(
+    topics: TopicClientAsyncIO, grpc: Grpc
+) -> None:
+    writer = writer_for(topics, partitions=2)
+    try:
+        writing = asyncio.create_task(
+            writer.write([OutgoingMessage(value=b"a", partition=0, seqno=5)])
+        )
+        p0 = await WriteServer.accept(grpc, last_seqno=4)
+        assert [m.seq_no for m in await p0.written()] == [5]
+        p0.ack([5])
+        await asyncio.wait_for(writing, 2)
+        # The same writer on the other partition: refused by YDB if it reused the id.
+        writing = asyncio.create_task(
+            writer.write([OutgoingMessage(value=b"b", partition=1, seqno=5)])
+        )
+        p1 = await WriteServer.accept(grpc, last_seqno=0)
+        # Seqnos are per (producer, partition): 5 is new on partition 1.
+        assert [m.seq_no for m in await p1.written()] == [5]
+        p1.ack([5])
+        [result] = await asyncio.wait_for(writing, 2)
+        assert (result.status, result.partition) == (WriteStatus.WRITTEN, 1)
+        assert grpc.producers == {"shop.p0": 0, "shop.p1": 1}
+    finally:
+        await writer.close()
+
+
+async def test_the_brokers_readers_decode_zstd_and_spill_by_its_configuration(
+    topics: TopicClientAsyncIO, grpc: Grpc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = YdbBackendConfig(
+        endpoint="grpc://localhost:2136",
+        database="/local",
+        directory="nemesis",
+        pause_stash_messages=2,
+    )
+
+    async def no_scheme(path: str) -> Any:
+        raise AssertionError(f"no scheme call expected ({path})")
+
+    async def registered(topic: str) -> list[str]:
+        return ["billing"]
+
+    broker = YdbBroker(
+        cast(Driver, _NoCredentials()),
+        config,
+        owns_driver=False,
+        topics=topics,
+        list_directory=no_scheme,
+        make_directory=no_scheme,
+    )
+
+    monkeypatch.setattr(broker.admin, "consumers", registered)
+    reader = await broker.reader("orders", "billing")
+    server = await ReadServer.accept(grpc)
+    assert server.init.topics_read_settings[0].path == "/local/nemesis/orders"
+    assert server.init.consumer == "billing"
+    assert server.budget == config.reader_buffer_bytes
+    server.start(session_id=1, partition=0)
+    server.send(1, [0, 1], codec=Codec.CODEC_ZSTD, encode=zstd_frames)
+    [head, second] = await receive_all(reader, 2)
+    assert (head.value, second.value) == (b"v0", b"v1")
+    reader.pause(session_of(head))
+    server.send(1, [2, 3, 4])
+    await quiet_until(reader, lambda: reader.statistics().spilled == 1)
+    await broker.close()

@@ -17,7 +17,9 @@ TypeName = Annotated[str, Field(min_length=1, max_length=200)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: a field the schema calls boolean takes true/false, not 0 or "yes"; an
+    # integer takes 4, not "4" or 4.0 (a number still takes an integer: 5 is 5.0).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class BatchPatch(_Request):
@@ -262,3 +264,49 @@ class ErrorMessage(BaseModel):
     """Why a request was refused."""
 
     detail: str
+
+
+class FleetMemberStatus(BaseModel):
+    """One replica of the fleet, from its row in the state store."""
+
+    member_id: str
+    host: str
+    pid: int
+    started_at: float
+    heartbeat_age_s: float
+    lease_left_s: float  # negative: expired, forgotten at the next look
+    draining: bool  # shutting down: takes nothing new, hands its integrations over
+    running: int  # integrations it runs now
+    this: bool  # the member answering
+
+
+class FleetPlacement(BaseModel):
+    """Who should run an integration (``assigned``) and who runs it now (``running``)."""
+
+    name: str
+    replicas: int | Literal["all"]
+    assigned: list[str]
+    running: list[str]
+
+
+class FleetOverride(BaseModel):
+    """A live value stored for the whole fleet."""
+
+    integration: str
+    field: str
+    value: Any
+    version: int
+    set_by: str
+    set_at: float
+
+
+class FleetStatus(BaseModel):
+    """The replicas sharing this configuration's state store, and their integrations."""
+
+    location: str
+    generation: int
+    member_id: str
+    members: list[FleetMemberStatus]
+    integrations: list[FleetPlacement]
+    overrides: list[FleetOverride]
+    last_error: str | None  # the state store's last failure, while it lasts

@@ -17,6 +17,10 @@ topics). The semantics are chosen so that YDB fits without contortions:
   message whether it was written or skipped as a duplicate (producer id +
   seqno, as YDB de-duplicates).
 * Every call that can block takes a timeout: the YDB SDK retries forever.
+* Where a consumer starts (``StartFrom``) matters only on a partition it has
+  never committed: once it committed, a reader resumes from the commit.
+  ``TopicAdmin.seek`` moves a committed offset either way; the reader that
+  holds the partition loses it and its next owner reads from there.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -129,6 +133,41 @@ class TopicDescription:
     retention_s: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class StartFrom:
+    """Where a consumer starts on a partition it has never committed.
+
+    ``earliest``: the oldest retained message. ``latest``: the partition's
+    end when the reader first takes the partition (only messages written
+    after that). ``time``: the first message the broker wrote at or after
+    ``at`` (Unix seconds), or the end if there is none. Until the
+    consumer's first commit a backend may choose again at a restart (Kafka
+    and YDB do; the embedded backend commits its choice at once).
+
+    Kafka maps ``earliest``/``latest`` onto ``auto.offset.reset`` and
+    ``time`` onto ``offsets_for_times`` for the partitions without a commit.
+    """
+
+    kind: Literal["earliest", "latest", "time"] = "earliest"
+    at: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.kind == "time") != (self.at is not None):
+            raise ValueError("a start from a time needs `at`, and only it")
+
+
+EARLIEST = StartFrom("earliest")
+
+
+@dataclass(frozen=True, slots=True)
+class Seek:
+    """A committed offset moved by ``TopicAdmin.seek``: where it was and where it is."""
+
+    partition: int
+    before: int
+    after: int
+
+
 class TopicAdmin(Protocol):
     async def create_topic(
         self,
@@ -149,6 +188,34 @@ class TopicAdmin(Protocol):
     async def describe_topic(self, name: str) -> TopicDescription: ...
 
     async def drop_topic(self, name: str) -> None: ...
+
+    async def offsets_for_time(self, topic: str, at: float) -> Mapping[int, int]:
+        """Per partition, the offset of the first message written at or after ``at``
+        (Unix seconds, the broker's write time); the end offset where there is none."""
+        ...
+
+    async def seek(self, topic: str, consumer: str, partition: int, offset: int) -> Seek:
+        """Sets ``consumer``'s committed offset (the next to read) on one partition.
+
+        Moves either way; an offset outside the retained range is clamped to
+        it; a partition that does not exist is a ValueError. A reader holding
+        the partition loses it (its later commits of the partition are
+        ignored) and its next owner reads from ``offset``: seek while the
+        consumer's readers are paused or gone, or they may deliver what they
+        had read already. A backend that cannot move the offset of a consumer
+        with live readers (Kafka: a group that has members) raises BrokerError
+        saying so, and the caller stops the readers first.
+        """
+        ...
+
+    async def live_readers(self, topic: str, consumer: str) -> Sequence[str]:
+        """Names of the readers of ``consumer`` the broker knows to be alive now."""
+        ...
+
+    async def write_times(self, topic: str, offsets: Mapping[int, int]) -> Mapping[int, float]:
+        """The broker's write time of the message at ``offsets[partition]``, where it is
+        cheap to know; partitions it cannot tell (or without that message) are left out."""
+        ...
 
 
 class TopicReader(Protocol):
@@ -198,7 +265,11 @@ class Broker(Protocol):
     @property
     def admin(self) -> TopicAdmin: ...
 
-    async def reader(self, topic: str, consumer: str) -> TopicReader: ...
+    async def reader(
+        self, topic: str, consumer: str, *, start_from: StartFrom = EARLIEST
+    ) -> TopicReader:
+        """A reader of ``topic`` as ``consumer``; ``start_from`` for partitions never committed."""
+        ...
 
     async def writer(self, topic: str, producer_id: str | None = None) -> TopicWriter: ...
 

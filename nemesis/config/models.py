@@ -1,7 +1,7 @@
 """Configuration models: validated once at load time, frozen, unknown keys rejected.
 
 ``nemesis.yaml`` describes the process (backend, directories, addresses);
-``integrations/<name>.yaml`` describes one integration (DESIGN.md section 5).
+``integrations/<name>.yaml`` describes one integration.
 Units are in the names (``timeout_s``, ``max_wait_ms``, ``window_s``);
 durations written as text (``90s``, ``5m``, ``1h``) are accepted where a
 field says so.
@@ -9,67 +9,148 @@ field says so.
 
 from __future__ import annotations
 
+import datetime
 import re
-from typing import Annotated, Any, Literal
+from collections.abc import Hashable, Iterator
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
-    Discriminator,
     Field,
     IPvAnyNetwork,
     SecretStr,
-    Tag,
     field_validator,
     model_validator,
 )
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-
-
-def parse_duration(value: Any) -> float:
-    """``90`` -> 90.0 s; ``"1.5s"``, ``"5m"``, ``"2h"``, ``"7d"``, ``"250ms"`` -> seconds."""
-    if isinstance(value, bool):
-        # pydantic turns only ValueError into a validation error; a TypeError would escape.
-        raise ValueError("expected a duration such as 30s, 5m or 1h")  # noqa: TRY004
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str) and (match := _DURATION.match(value)):
-        seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
-    else:
-        raise ValueError(f"expected a duration such as 30s, 5m or 1h, got {value!r}")
-    if seconds < 0:
-        raise ValueError("a duration cannot be negative")
-    return seconds
-
-
-DurationS = Annotated[float, BeforeValidator(parse_duration)]
+from nemesis.backends import BackendModel, DlqModel, StateModel, default_backends
+from nemesis.backends.embedded import EmbeddedBackendConfig as EmbeddedBackendConfig
+from nemesis.backends.sqlite import SqliteDlqConfig as SqliteDlqConfig
+from nemesis.backends.sqlite import SqliteStateConfig as SqliteStateConfig
+from nemesis.backends.ydb import YdbBackendConfig as YdbBackendConfig
+from nemesis.backends.ydb import YdbConnectionConfig as YdbConnectionConfig
+from nemesis.backends.ydb import YdbCredentialsConfig as YdbCredentialsConfig
+from nemesis.backends.ydb import YdbDlqConfig as YdbDlqConfig
+from nemesis.broker.port import StartFrom
+from nemesis.config_base import CROSS_FIELD_ERROR as CROSS_FIELD_ERROR
+from nemesis.config_base import CrossRule as CrossRule
+from nemesis.config_base import DurationS as DurationS
+from nemesis.config_base import Model as Model
+from nemesis.config_base import get_path
+from nemesis.config_base import parse_duration as parse_duration
 
 NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
 TOPIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
+# A source topic may also be an absolute path (YDB: /<database>/<path>, a topic
+# outside the backend's directory); topics Nemesis creates are always relative.
+SOURCE_TOPIC_PATTERN = r"^/?[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 
 
 def _check_target_url(url: str) -> str:
     if not re.match(r"^(https?|grpcs?)://[^/\s]+", url):
         raise ValueError("must start with http://, https://, grpc:// or grpcs:// and name a host")
+    if "${" in url:
+        return url  # an unset variable while validating without secrets: checked where it is set
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError("the port must be a number from 1 to 65535")
     return url
-
-
-class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 # --- integration --------------------------------------------------------------
 
 
+START_FROM_HELP = (
+    "earliest, latest, a time with its zone (2026-12-01T09:00:00Z) or a duration back"
+    " from now (-1h, -30m, -2d)"
+)
+
+
+def parse_start_from(value: Any) -> str:
+    """Checks a ``start_from`` value (see ``START_FROM_HELP``); returns it as written."""
+    if not isinstance(value, str):
+        # pydantic turns only ValueError into a validation error.
+        raise ValueError(f"expected {START_FROM_HELP}, got {value!r}")  # noqa: TRY004
+    text = value.strip()
+    if text in ("earliest", "latest"):
+        return text
+    if text.startswith("-"):
+        try:
+            parse_duration(text[1:])
+        except ValueError:
+            raise ValueError(f"expected {START_FROM_HELP}, got {value!r}") from None
+        return text
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"expected {START_FROM_HELP}, got {value!r}") from None
+    if moment.tzinfo is None:
+        raise ValueError(f"{value!r} has no zone: add Z or +03:00, so it means one moment")
+    return text
+
+
+def start_from_at(text: str, now: float) -> StartFrom:
+    """The position a checked ``start_from`` names; a duration is counted back from ``now``."""
+    text = parse_start_from(text)
+    if text in ("earliest", "latest"):
+        return StartFrom(text)  # type: ignore[arg-type]  # one of the two literals
+    if text.startswith("-"):
+        return StartFrom("time", now - parse_duration(text[1:]))
+    return StartFrom("time", datetime.datetime.fromisoformat(text).timestamp())
+
+
 class SourceConfig(Model):
-    topic: Annotated[str, Field(pattern=TOPIC_PATTERN)]
+    topic: Annotated[str, Field(pattern=SOURCE_TOPIC_PATTERN)]
     consumer: Annotated[str, Field(pattern=TOPIC_PATTERN)]
     # The metadata key that names a message's type (ce-type, flags.disabled_types).
     type_key: str = "type"
+    # Where the consumer starts on partitions it never committed (the retry tier and
+    # replay flows always start at earliest): see ``START_FROM_HELP``. A duration
+    # counts back from when the integration starts reading.
+    start_from: Annotated[str, BeforeValidator(parse_start_from)] = "earliest"
+
+    def start_position(self, now: float) -> StartFrom:
+        """``start_from`` as the broker port takes it."""
+        return start_from_at(self.start_from, now)
+
+
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class SigningConfig(Model):
+    """Signed deliveries (``nemesis.delivery.signing``): where the secrets are, never what.
+
+    ``secrets_env`` names one environment variable, or two during a rotation
+    (the new secret and the previous one): every request then carries one
+    signature per secret. ``nemesis run`` reads them when the integration
+    starts and refuses to start it when one is unset or empty.
+    """
+
+    secrets_env: Annotated[
+        list[Annotated[str, Field(pattern=ENV_NAME_PATTERN, max_length=128)]],
+        Field(min_length=1, max_length=2),
+    ]
+
+    @field_validator("secrets_env", mode="before")
+    @classmethod
+    def _names_not_values(cls, names: Any) -> Any:
+        if isinstance(names, str):
+            # A ValueError, not a TypeError: pydantic reports only the former as a problem.
+            message = "a list of 1 or 2 environment variable names, e.g. [HOOK_SECRET]"
+            raise ValueError(message)  # noqa: TRY004
+        return names
+
+    @field_validator("secrets_env")
+    @classmethod
+    def _distinct(cls, names: list[str]) -> list[str]:
+        if len(set(names)) != len(names):
+            raise ValueError("the same variable twice: name the new and the previous secret")
+        return names
 
 
 class TargetConfig(Model):
@@ -78,6 +159,8 @@ class TargetConfig(Model):
     format: Literal["json", "protobuf", "bytes"] = "json"
     # Extra request headers; values may use ${VAR} interpolation for secrets.
     headers: dict[str, str] = Field(default_factory=dict)
+    # None: requests are not signed.
+    signing: SigningConfig | None = None
 
     @property
     def scheme(self) -> str:
@@ -89,19 +172,36 @@ class BatchConfig(Model):
     max_wait_ms: Annotated[int, Field(ge=0, le=60_000)] = 0
 
 
+def _int_at(data: Any, *path: str, default: int) -> int | None:
+    value = get_path(data, *path, default=default)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _number_at(data: Any, *path: str, default: float) -> float | None:
+    value = get_path(data, *path, default=default)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _buffer_holds_a_batch(delivery: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    buffer, size = (
+        _int_at(delivery, "buffer", default=1000),
+        _int_at(delivery, "batch", "size", default=1),
+    )
+    if buffer is not None and size is not None and buffer < size:
+        yield (), f"buffer ({buffer}) must hold at least one batch ({size})"
+
+
 class DeliveryConfig(Model):
     workers: Annotated[int, Field(ge=1, le=4096)] = 32
     buffer: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
     batch: BatchConfig = BatchConfig()
     ordering: Literal["none", "key", "partition"] = "none"
 
-    @model_validator(mode="after")
-    def _buffer_holds_a_batch(self) -> DeliveryConfig:
-        if self.buffer < self.batch.size:
-            raise ValueError(
-                f"buffer ({self.buffer}) must hold at least one batch ({self.batch.size})"
-            )
-        return self
+    cross_rules = (_buffer_holds_a_batch,)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}s"
 
 
 class RetryConfig(Model):
@@ -114,10 +214,27 @@ class RetryConfig(Model):
 
     @field_validator("tiers")
     @classmethod
-    def _positive(cls, tiers: list[float]) -> list[float]:
+    def _positive_and_growing(cls, tiers: list[float]) -> list[float]:
         if any(t <= 0 for t in tiers):
             raise ValueError("every retry tier needs a delay above zero")
+        for index in range(1, len(tiers)):
+            if tiers[index] < tiers[index - 1]:
+                # A failing handler needs more time at each step, not less; and a message
+                # moves from tier to tier, so a shorter tier after a longer one only shortens
+                # the total wait for no gain: write the delays from the shortest up.
+                raise ValueError(
+                    f"tier {index + 1} ({_seconds(tiers[index])}) is shorter than tier {index}"
+                    f" ({_seconds(tiers[index - 1])}): each tier must wait at least as long as"
+                    " the one before it, since retries back off as failures go on"
+                )
         return tiers
+
+
+def _hysteresis(breaker: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    open_above = _number_at(breaker, "open_above", default=0.5)
+    close_below = _number_at(breaker, "close_below", default=0.2)
+    if open_above is not None and close_below is not None and close_below >= open_above:
+        yield (), "close_below must be lower than open_above"
 
 
 class BreakerConfig(Model):
@@ -127,11 +244,7 @@ class BreakerConfig(Model):
     min_requests: Annotated[int, Field(ge=1)] = 20
     cooldown_s: Annotated[float, Field(gt=0)] = 10.0
 
-    @model_validator(mode="after")
-    def _hysteresis(self) -> BreakerConfig:
-        if self.close_below >= self.open_above:
-            raise ValueError("close_below must be lower than open_above")
-        return self
+    cross_rules = (_hysteresis,)
 
 
 class RateLimitsConfig(Model):
@@ -144,6 +257,18 @@ class RateLimitsConfig(Model):
 
 class FlagsConfig(Model):
     disabled_types: list[str] = Field(default_factory=list)
+
+
+def _halt_needs_ordering(integration: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    on_exhausted = get_path(integration, "retry", "on_exhausted", default="dead_letter")
+    ordering = get_path(integration, "delivery", "ordering", default="none")
+    if on_exhausted == "halt" and ordering == "none":
+        yield (
+            ("retry", "on_exhausted"),
+            "halt needs delivery.ordering key or partition: only an ordered integration retries"
+            " in place and can hold a key back; with ordering none a message that runs out of"
+            " retries goes to the DLQ. Set delivery.ordering, or on_exhausted: dead_letter",
+        )
 
 
 class IntegrationConfig(Model):
@@ -159,127 +284,47 @@ class IntegrationConfig(Model):
     rate_limits: RateLimitsConfig = RateLimitsConfig()
     flags: FlagsConfig = FlagsConfig()
     paused: bool = False
+    # How many members of the fleet run it; "all" for a heavy one, whose partitions
+    # the broker then spreads over every member.
+    replicas: Annotated[int, Field(ge=1, le=1000)] | Literal["all"] = 1
+
+    cross_rules = (_halt_needs_ordering,)
 
 
 # --- process ------------------------------------------------------------------
 
 
-class EmbeddedBackendConfig(Model):
-    kind: Literal["embedded"] = "embedded"
-    # Relative paths are taken from data_dir.
-    path: str = "nemesis.db"
-    lease_s: Annotated[float, Field(gt=0)] = 10.0
-    retention: DurationS = 7 * 86400.0
-    default_partitions: Annotated[int, Field(ge=1, le=1024)] = 4
-
-
-class SqliteDlqConfig(Model):
-    kind: Literal["sqlite"] = "sqlite"
-    # Relative paths are taken from data_dir.
-    path: str = "dlq.db"
-    # Rows older than this (by dead-letter time) are deleted; months, so teams can look back.
-    retention: DurationS = 180 * 86400.0
-
-
-# --- YDB (nemesis.broker.ydb, nemesis.dlq.ydb) ------------------------------------
-
-
-class YdbCredentialsConfig(Model):
-    """How Nemesis signs in to YDB; secrets come from ``${VAR}`` references, never the file.
-
-    ``anonymous``: none (a local YDB). ``token``: an access token (IAM, OAuth).
-    ``static``: a YDB user and password. ``service_account``: an authorized
-    key JSON file (needs the ``ydb[yc]`` extra). ``metadata``: the cloud VM's
-    metadata service. ``env``: the SDK's own ``YDB_*`` environment variables.
-    """
-
-    mode: Literal["anonymous", "token", "static", "service_account", "metadata", "env"] = (
-        "anonymous"
-    )
-    token: str | None = None
-    user: str | None = None
-    password: str | None = None
-    key_file: str | None = None
-
-    @model_validator(mode="after")
-    def _what_the_mode_needs(self) -> YdbCredentialsConfig:
-        needed = {"token": ("token",), "static": ("user",), "service_account": ("key_file",)}
-        missing = [name for name in needed.get(self.mode, ()) if not getattr(self, name)]
-        if missing:
-            raise ValueError(f"credentials mode {self.mode!r} needs {' and '.join(missing)}")
-        return self
-
-
-class YdbConnectionConfig(Model):
-    """Where a YDB database is and how to reach it."""
-
-    endpoint: Annotated[str, Field(pattern=r"^grpcs?://[^/\s]+$")]  # grpcs:// for TLS
-    database: Annotated[str, Field(pattern=r"^/\S+$")]  # /local, /ru-central1/b1g.../etn...
-    credentials: YdbCredentialsConfig = YdbCredentialsConfig()
-    # PEM file with the CA certificates for grpcs:// (None: the SDK's bundled roots).
-    root_certificates: str | None = None
-    connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 10.0
-    # Every call to YDB is bounded by this: the SDK itself retries forever.
-    request_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30.0
-
-
-class YdbBackendConfig(YdbConnectionConfig):
-    """YDB topics: the production broker (``nemesis.broker.ydb``)."""
-
-    kind: Literal["ydb"] = "ydb"
-    # Topics live under <database>/<directory>; "" is the database root.
-    directory: Annotated[str, Field(pattern=r"^[A-Za-z0-9._/-]*$")] = ""
-    retention: DurationS = 7 * 86400.0
-    default_partitions: Annotated[int, Field(ge=1, le=1024)] = 4
-    reader_buffer_bytes: Annotated[int, Field(ge=64 * 1024)] = 16 * 1024 * 1024
-    # Messages of a paused partition held in memory before the whole reader
-    # stops taking messages (YDB cannot pause one partition: see the README).
-    pause_stash_messages: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
-
-
-class YdbDlqConfig(Model):
-    """The DLQ in YDB tables, with a TTL on the dead-letter time (``nemesis.dlq.ydb``)."""
-
-    kind: Literal["ydb"] = "ydb"
-    # The directory of the DLQ tables, relative to the database.
-    path: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*$")] = "nemesis/dlq"
-    retention: DurationS = 180 * 86400.0
-    # None: the backend's connection (the backend must then be ydb).
-    connection: YdbConnectionConfig | None = None
-
-
-# The kafka backend's model lives with its code; imported here, below Model and DurationS.
-from nemesis.broker.kafka.config import KafkaBackendConfig  # noqa: E402
-
-
-def _backend_kind(value: Any) -> str:
-    # Anything but "ydb" or "kafka" validates as embedded, so a wrong kind is reported at
-    # backend.kind together with the other fields' problems.
-    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
-    return kind if kind in ("ydb", "kafka") else "embedded"
-
-
-def _dlq_kind(value: Any) -> str:
-    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
-    return "ydb" if kind == "ydb" else "sqlite"
-
-
-BackendConfig = Annotated[
-    Annotated[EmbeddedBackendConfig, Tag("embedded")]
-    | Annotated[YdbBackendConfig, Tag("ydb")]
-    | Annotated[KafkaBackendConfig, Tag("kafka")],
-    Discriminator(_backend_kind),
-]
-DlqConfig = Annotated[
-    Annotated[SqliteDlqConfig, Tag("sqlite")] | Annotated[YdbDlqConfig, Tag("ydb")],
-    Discriminator(_dlq_kind),
-]
+# The backend and the DLQ store: one model per built-in kind, chosen by ``kind``
+# (``nemesis.backends``); to the type checker, what every kind has.
+if TYPE_CHECKING:
+    BackendConfig = BackendModel
+    DlqConfig = DlqModel
+    StateConfig = StateModel
+else:
+    BackendConfig = default_backends().backend_config()
+    DlqConfig = default_backends().dlq_config()
+    StateConfig = default_backends().state_config()
 
 
 class ListenConfig(Model):
+    """An address to listen on; the default port is the DLQ viewer's (the admin API has its own).
+
+    Every field has a default, so ``viewer: {enabled: false}`` needs no port.
+    """
+
     host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, le=65535)]
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
     enabled: bool = True
+
+
+class ViewerConfig(ListenConfig):
+    """The DLQ viewer's address, and the reverse proxies whose forwarded addresses it believes."""
+
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+    # Connections from these networks may name the client in X-Forwarded-For or
+    # Forwarded (sign-in throttling counts per client address). Empty: the TCP peer
+    # is the client, and forwarded headers are ignored.
+    trusted_proxies: list[IPvAnyNetwork] = Field(default_factory=list)
 
 
 # --- admin API, reload, metrics (nemesis.admin, nemesis.runtime.reload) ----------
@@ -436,11 +481,13 @@ class AuthConfig(Model):
 class NemesisConfig(Model):
     backend: BackendConfig = EmbeddedBackendConfig()
     dlq: DlqConfig = SqliteDlqConfig()
+    # Where the replicas of this configuration meet (nemesis.fleet).
+    state: StateConfig = SqliteStateConfig()
     data_dir: str = "data"
     integrations_dir: str = "integrations"
     pipelines_dir: str = "pipelines"
     admin: AdminConfig = AdminConfig()
-    viewer: ListenConfig = ListenConfig(port=8080)
+    viewer: ViewerConfig = ViewerConfig()
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     log_format: Literal["text", "json"] = "text"
     auth: AuthConfig = AuthConfig()
@@ -448,13 +495,6 @@ class NemesisConfig(Model):
     metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
-    def _ydb_dlq_has_a_connection(self) -> NemesisConfig:
-        if (
-            isinstance(self.dlq, YdbDlqConfig)
-            and self.dlq.connection is None
-            and not isinstance(self.backend, YdbBackendConfig)
-        ):
-            raise ValueError(
-                "dlq.kind ydb needs dlq.connection (endpoint, database) unless the backend is ydb"
-            )
+    def _dlq_works_with_the_backend(self) -> NemesisConfig:
+        self.dlq.check_backend(self.backend)
         return self

@@ -1,12 +1,13 @@
 """The gRPC transport: the handler contract over ``nemesis.v1.HandlerService`` (grpcio asyncio).
 
-The contract mirrors HTTP's (DESIGN.md section 6): ``Deliver`` carries one
-event, ``DeliverBatch`` a batch whose answer applies to every event in it;
-an ``Event`` holds the same CloudEvents attributes as the ``ce-*`` headers
-(``nemesis/proto/nemesis/v1/handler.proto``). The answer is a status code,
-turned into an ``Outcome`` by one function, ``outcome_for_status``; a
-``nemesis-verdict`` trailer overrides the status, and a ``retry-after``
-(seconds) or ``grpc-retry-pushback-ms`` trailer asks for a later retry.
+``Deliver`` carries one event, ``DeliverBatch`` a batch whose answer applies
+to every event in it; an ``Event`` holds the same CloudEvents attributes as
+the HTTP transport's ``ce-*`` headers (``nemesis/proto/nemesis/v1/handler.proto``).
+The transport moves the call and nothing more: the status, details and
+trailers that come back (or the failure on the wire) are turned into a
+``DeliveryResult`` by ``nemesis.delivery.contract``, which owns the status
+table, the ``nemesis-verdict`` trailer, ``retry-after`` /
+``grpc-retry-pushback-ms`` and the error text.
 
 One channel per transport (one integration's target), opened on first use
 and shared by every call: gRPC multiplexes the calls over HTTP/2, so the
@@ -31,8 +32,19 @@ from nemesis import __version__
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import TargetConfig
 from nemesis.delivery.cloudevents import SPECVERSION, source_for
-from nemesis.delivery.http import VERDICT_HEADER, _one_line, _redacted, parse_retry_after
+from nemesis.delivery.contract import (
+    RETRY_AFTER_HEADER,
+    SIGNATURE_HEADER,
+    VERDICT_HEADER,
+    WireError,
+    WireFailure,
+    contract_for,
+    grpc_retry_after_s,
+    outcome_for_grpc_status,
+    timeout_after,
+)
 from nemesis.delivery.port import DeliveryResult, Event, Outcome
+from nemesis.delivery.signing import grpc_batch_body
 from nemesis.errors import ConfigError, ConfigProblem
 from nemesis.proto import SERVICE
 
@@ -48,95 +60,27 @@ except ModuleNotFoundError as exc:
 DELIVER_METHOD: Final = f"/{SERVICE}/Deliver"
 DELIVER_BATCH_METHOD: Final = f"/{SERVICE}/DeliverBatch"
 VERDICT_TRAILER: Final = VERDICT_HEADER
-RETRY_AFTER_TRAILER: Final = "retry-after"
-PUSHBACK_TRAILER: Final = "grpc-retry-pushback-ms"
+RETRY_AFTER_TRAILER: Final = RETRY_AFTER_HEADER
 DEFAULT_PORTS: Final = {"grpc": 80, "grpcs": 443}
-
-_StatusCode = grpc.StatusCode
-_DEAD_CODES: Final = frozenset(
-    {
-        _StatusCode.INVALID_ARGUMENT,
-        _StatusCode.FAILED_PRECONDITION,
-        _StatusCode.OUT_OF_RANGE,
-        _StatusCode.ALREADY_EXISTS,
-    }
+# The largest answer read: a DeliverResponse is empty, so anything near this is not one.
+MAX_RESPONSE_BYTES: Final = 256 * 1024
+# grpcio's own words for an answer above the limit and for a target that refused to connect.
+_TOO_LARGE_DETAILS: Final = "larger than max"
+_REFUSED_DETAILS: Final = re.compile(
+    r"(connections to all backends failing|failed to connect to all addresses).*Connection refused"
 )
-_TRY_LATER_CODES: Final = frozenset(
-    {
-        _StatusCode.UNAVAILABLE,
-        _StatusCode.RESOURCE_EXHAUSTED,
-        _StatusCode.DEADLINE_EXCEEDED,
-        _StatusCode.ABORTED,
-        _StatusCode.INTERNAL,
-    }
-)
-_MISCONFIGURED_CODES: Final = frozenset(
-    {
-        _StatusCode.UNAUTHENTICATED,
-        _StatusCode.PERMISSION_DENIED,
-        _StatusCode.UNIMPLEMENTED,
-        _StatusCode.NOT_FOUND,
-    }
-)
-_VERDICTS: Final = {"drop": Outcome.DROPPED, "dead": Outcome.DEAD, "retry": Outcome.RETRY}
 
 
 def outcome_for_status(
     code: grpc.StatusCode | None, trailers: Mapping[str, str] | None = None
 ) -> Outcome:
-    """The gRPC handler contract: the call's status (None: no answer) and trailers -> Outcome.
-
-    It mirrors ``nemesis.delivery.http.outcome_for_response``: integration-wide
-    failures retry, so that the circuit breaker stops the flow and messages
-    wait in the topic; only message-level violations go to the DLQ at once,
-    and a status this table does not know never does (a truly bad message
-    still reaches the DLQ when the retry tiers run out).
-    """
-    verdict = trailers.get(VERDICT_TRAILER) if trailers is not None else None
-    if verdict is not None:
-        # The handler's explicit verdict overrides the status; an unknown one is
-        # ignored rather than guessed at, and the status decides.
-        by_verdict = _VERDICTS.get(verdict.strip().lower())
-        if by_verdict is not None:
-            return by_verdict
-    if code is None:
-        # No status at all (the transport was closed before the call): try again later.
-        return Outcome.RETRY
-    if code is _StatusCode.OK:
-        # The handler took the event: its offset may be committed.
-        return Outcome.DELIVERED
-    if code in _DEAD_CODES:
-        # INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE: this message breaks the
-        # contract (HTTP's 400/422); ALREADY_EXISTS is HTTP's 409. Retrying cannot help.
-        return Outcome.DEAD
-    if code in _TRY_LATER_CODES:
-        # UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED (our deadline or the
-        # handler's), ABORTED, INTERNAL: the handler is down, overloaded or failed (5xx, 429).
-        return Outcome.RETRY
-    if code in _MISCONFIGURED_CODES:
-        # UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED, NOT_FOUND: credentials,
-        # service or method are wrong for every message alike (HTTP's 401/403/404/405).
-        return Outcome.RETRY
-    # UNKNOWN (what a server answers when the handler raised), CANCELLED (the server
-    # or our shutdown cancelled the call), DATA_LOSS: the handler failed, not the
-    # message; retry, as argued above.
-    return Outcome.RETRY
+    """``nemesis.delivery.contract.outcome_for_grpc_status`` for grpcio's status codes."""
+    return outcome_for_grpc_status(None if code is None else code.value[0], trailers)
 
 
 def retry_after_s(trailers: Mapping[str, str], now: float) -> float | None:
-    """The delay a handler asked for: ``retry-after`` (as HTTP's) or ``grpc-retry-pushback-ms``."""
-    delay = parse_retry_after(trailers.get(RETRY_AFTER_TRAILER), now)
-    if delay is not None:
-        return delay
-    pushback = trailers.get(PUSHBACK_TRAILER)
-    if pushback is None:
-        return None
-    try:
-        milliseconds = int(pushback.strip())
-    except ValueError:
-        return None
-    # gRFC A6: a negative pushback means "do not retry"; Nemesis still retries, with no hint.
-    return milliseconds / 1000 if milliseconds >= 0 else None
+    """The delay a handler asked for (``nemesis.delivery.contract.grpc_retry_after_s``)."""
+    return grpc_retry_after_s(trailers, now)
 
 
 def event_message(event: Event, source: str) -> pb.Event:
@@ -198,6 +142,12 @@ class GrpcTransport:
         self._clock = clock
         self._source = source_for(integration)
         self._metadata = _checked_metadata(target.headers, integration)
+        self._contract = contract_for(
+            target,
+            integration=integration,
+            clock=clock,
+            redact=[value for _, value in self._metadata],
+        )
         # Opened on first use: a grpc.aio channel belongs to the loop it is created in.
         self._channel: _Channel | None = None
         self._closed = False
@@ -212,9 +162,13 @@ class GrpcTransport:
     async def deliver(self, event: Event) -> DeliveryResult:
         """Calls ``Deliver`` with one event."""
         if self._closed:
-            return _closed()
-        request = pb.DeliverRequest(event=event_message(event, self._source))
-        call = self._open().deliver(request, timeout=self._timeout_s, metadata=self._metadata)
+            return self._closed_result()
+        proto = event_message(event, self._source)
+        metadata = self._metadata
+        if self._contract.signs:
+            metadata = (*metadata, (SIGNATURE_HEADER, self._contract.sign(proto.id, proto.data)))
+        request = pb.DeliverRequest(event=proto)
+        call = self._open().deliver(request, timeout=self._timeout_s, metadata=metadata)
         return await self._call(call, (event.body,))
 
     async def deliver_batch(self, events: Sequence[Event]) -> DeliveryResult:
@@ -222,11 +176,14 @@ class GrpcTransport:
         if not events:
             raise ValueError("deliver_batch needs at least one event")
         if self._closed:
-            return _closed()
-        request = pb.DeliverBatchRequest(
-            events=[event_message(event, self._source) for event in events]
-        )
-        call = self._open().deliver_batch(request, timeout=self._timeout_s, metadata=self._metadata)
+            return self._closed_result()
+        protos = [event_message(event, self._source) for event in events]
+        metadata = self._metadata
+        if self._contract.signs:
+            signed = grpc_batch_body((proto.id, proto.data) for proto in protos)
+            metadata = (*metadata, (SIGNATURE_HEADER, self._contract.sign("", signed)))
+        request = pb.DeliverBatchRequest(events=protos)
+        call = self._open().deliver_batch(request, timeout=self._timeout_s, metadata=metadata)
         return await self._call(call, [event.body for event in events])
 
     async def close(self) -> None:
@@ -279,22 +236,26 @@ class GrpcTransport:
                 trailers = _metadata_dict(await call.trailing_metadata())
         finally:
             self._in_flight -= 1
-        duration_s = self._clock.monotonic() - started
-        outcome = outcome_for_status(code, trailers)
-        if outcome is Outcome.DELIVERED:
-            error = None
-        elif code is _StatusCode.DEADLINE_EXCEEDED and duration_s >= self._timeout_s:
-            error = f"timeout after {self._timeout_s}s"  # our deadline, not the handler's
-        else:
-            error = _error_text(code, details, sent)
-        return DeliveryResult(
-            outcome,
-            status=code.value[0],
-            error=error,
-            retry_after_s=retry_after_s(trailers, self._clock.time()),
-            duration_s=duration_s,
-            protocol="grpc",
-        )
+        contract = self._contract
+        number = code.value[0]
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED and (
+            self._clock.monotonic() - started >= self._timeout_s
+        ):
+            # Our deadline, not the handler's.
+            failure = timeout_after(self._timeout_s)
+            return contract.wire_error(failure, started, protocol="grpc", status=number)
+        if code is grpc.StatusCode.UNAVAILABLE and _REFUSED_DETAILS.search(details or ""):
+            # Nothing listens at the target: the same words as HTTP's refused connection.
+            failure = WireError(WireFailure.REFUSED)
+            return contract.wire_error(failure, started, protocol="grpc", status=number)
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE_DETAILS in (details or ""):
+            # grpcio refused an answer above MAX_RESPONSE_BYTES: the handler's status is unknown.
+            failure = WireError(WireFailure.TOO_LARGE, f"above {MAX_RESPONSE_BYTES} bytes")
+            return contract.wire_error(failure, started, protocol="grpc", status=number)
+        return contract.grpc_answer(number, details, trailers, sent, started)
+
+    def _closed_result(self) -> DeliveryResult:
+        return self._contract.wire_error(WireError(WireFailure.CLOSED), None, protocol="grpc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +273,7 @@ class _Channel:
             # A DNS name with several addresses (a headless Kubernetes service) spreads
             # the calls over every handler pod instead of pinning one connection.
             ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}'),
+            ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
         ]
         if secure:
             credentials = grpc.ssl_channel_credentials()
@@ -336,17 +298,6 @@ class _Channel:
 def grpc_transport(target: TargetConfig, integration: str, max_connections: int) -> GrpcTransport:
     """The gRPC transport for one integration (a TransportFactory for grpc:// and grpcs://)."""
     return GrpcTransport(target, integration=integration, max_connections=max_connections)
-
-
-def _error_text(code: grpc.StatusCode, details: str | None, sent: Sequence[bytes]) -> str:
-    """``gRPC UNAVAILABLE: <details>``, without anything of what we sent."""
-    # Handlers like to echo the request in their details; logs and the DLQ must not.
-    snippet = _one_line(_redacted((details or "").encode(), sent).decode(errors="replace"))
-    return f"gRPC {code.name}: {snippet}" if snippet else f"gRPC {code.name}"
-
-
-def _closed() -> DeliveryResult:
-    return DeliveryResult(outcome_for_status(None), error="transport closed", protocol="grpc")
 
 
 def _metadata_dict(metadata: Iterable[object] | None) -> dict[str, str]:
@@ -415,6 +366,9 @@ def _checked_metadata(headers: Mapping[str, str], integration: str) -> tuple[tup
             raise ConfigError([_problem(integration, field, message)])
         if key.startswith("grpc-") or key in _RESERVED_METADATA:
             raise ConfigError([_problem(integration, field, "set by gRPC itself")])
+        if key == SIGNATURE_HEADER:
+            message = "set by Nemesis when target.signing is configured"
+            raise ConfigError([_problem(integration, field, message)])
         if _UNSAFE_VALUE_CHARS.search(value):
             message = "gRPC metadata values are printable ASCII"
             raise ConfigError([_problem(integration, field, message)])

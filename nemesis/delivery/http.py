@@ -1,25 +1,23 @@
 """The HTTP transport: CloudEvents over HTTP/1.1 on a pooled aiohttp session.
 
-The handler contract (DESIGN.md section 6) is implemented here: one POST per
-event in CloudEvents binary mode, or one POST per batch in the CloudEvents
-JSON batch format (``nemesis.delivery.cloudevents``), and one function,
-``outcome_for_response``, that turns the handler's answer into an ``Outcome``.
-Whatever happens on the wire comes back as a ``DeliveryResult``; aiohttp's
-exceptions are translated here and never reach the caller.
+It moves bytes and nothing more: one POST per event in CloudEvents binary
+mode, or one POST per batch in the CloudEvents JSON batch format
+(``nemesis.delivery.cloudevents``). What comes back (a status, headers and
+the first KiB of the body) or what went wrong on the wire (aiohttp's
+exceptions, translated here into a ``WireError``, never reaching the caller)
+is turned into a ``DeliveryResult`` by ``nemesis.delivery.contract``, which
+owns the outcome table, verdicts, Retry-After and error text.
 
-aiohttp rather than httpx: on this machine it delivers 10-15x more requests
-per CPU second (research/perf-baseline.md).
+aiohttp rather than httpx: it delivers 10-15x more requests per CPU second.
 """
 
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import errno
 import re
 from collections.abc import Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC
 from typing import Any, Final
 
 import aiohttp
@@ -34,16 +32,20 @@ from nemesis.delivery.cloudevents import (
     constant_headers,
     source_for,
 )
+from nemesis.delivery.contract import (
+    ERROR_BODY_BYTES,
+    SIGNATURE_HEADER,
+    WireError,
+    WireFailure,
+    contract_for,
+    timeout_after,
+)
 from nemesis.delivery.deadlines import Deadlines
-from nemesis.delivery.port import DeliveryResult, Event, Outcome
+from nemesis.delivery.port import DeliveryResult, Event
 from nemesis.errors import ConfigError, ConfigProblem
 
-VERDICT_HEADER: Final = "nemesis-verdict"
 USER_AGENT: Final = f"nemesis/{__version__}"
 
-# What is kept of a response body for the error text, and how much of it the error shows.
-ERROR_BODY_BYTES: Final = 1024
-ERROR_TEXT_CHARS: Final = 200
 # A longer response body is not read to the end: closing the connection is cheaper.
 DRAIN_LIMIT_BYTES: Final = 256 * 1024
 # Below the idle timeout of common servers (uvicorn and Node 5 s), so a pooled
@@ -54,75 +56,6 @@ _CONSTANT_HEADER_SETS: Final = 256
 _NO_TIMEOUT: Final = aiohttp.ClientTimeout(
     total=None, connect=None, sock_read=None, sock_connect=None
 )
-
-_DEAD_STATUSES: Final = frozenset({400, 409, 410, 413, 415, 422})
-_COME_BACK_LATER_STATUSES: Final = frozenset({408, 425, 429})
-_MISCONFIGURED_STATUSES: Final = frozenset({401, 403, 404, 405})
-_VERDICTS: Final = {"drop": Outcome.DROPPED, "dead": Outcome.DEAD, "retry": Outcome.RETRY}
-
-
-def outcome_for_response(status: int | None, headers: Mapping[str, str] | None = None) -> Outcome:
-    """The HTTP handler contract: the handler's answer (None: no answer) -> Outcome.
-
-    ``headers`` must look names up case-insensitively (aiohttp's response
-    headers do). Integration-wide failures retry, so that the circuit breaker
-    stops the flow and the messages wait in the topic; only the listed
-    message-level violations go to the DLQ at once. An unlisted status never
-    dead-letters at once: a truly bad message still reaches the DLQ when the
-    retry tiers run out, while a misbehaving handler cannot drain a topic into
-    the DLQ.
-    """
-    verdict = headers.get(VERDICT_HEADER) if headers is not None else None
-    if verdict is not None:
-        # The handler's explicit verdict overrides the status; an unknown one is
-        # ignored rather than guessed at, and the status decides.
-        by_verdict = _VERDICTS.get(verdict.strip().lower())
-        if by_verdict is not None:
-            return by_verdict
-    if status is None:
-        # Timeout, refused or reset connection: the handler may be down or overloaded.
-        return Outcome.RETRY
-    if 200 <= status <= 299:
-        # The handler took the message: its offset may be committed.
-        return Outcome.DELIVERED
-    if status in _DEAD_STATUSES:
-        # 400, 409, 410, 413, 415, 422: this message breaks the contract; retrying cannot help.
-        return Outcome.DEAD
-    if status in _COME_BACK_LATER_STATUSES:
-        # 408, 425, 429: the handler asks to be called again later (Retry-After).
-        return Outcome.RETRY
-    if status in _MISCONFIGURED_STATUSES:
-        # 401, 403, 404, 405: credentials, route or method are wrong for every message alike.
-        return Outcome.RETRY
-    if 500 <= status <= 599:
-        # The handler failed or is unavailable.
-        return Outcome.RETRY
-    # 1xx as a final answer, 3xx (redirects are not followed: a moved handler is a
-    # reviewed config change, and a POST must not turn into a GET), the other 4xx
-    # and nonsense statuses: retry, as argued above.
-    return Outcome.RETRY
-
-
-def parse_retry_after(value: str | None, now: float) -> float | None:
-    """``Retry-After`` (delta seconds or HTTP date) as seconds from ``now`` (Unix seconds)."""
-    if value is None:
-        return None
-    value = value.strip()
-    try:
-        # RFC 9110 says whole seconds; a fraction is accepted rather than ignored.
-        seconds = float(value)
-    except ValueError:
-        pass
-    else:
-        return seconds if 0 <= seconds < float("inf") else None
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except ValueError:
-        return None
-    # A date without a zone (or "-0000") is naive; HTTP dates are always GMT.
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, when.timestamp() - now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +72,6 @@ class HttpTransportStatistics:
 _RESERVED_HEADERS: Final = frozenset({"content-type", "content-length", "transfer-encoding"})
 _TOKEN: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _UNSAFE_VALUE_CHARS: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-_BLANK_OR_CONTROL_RUNS: Final = re.compile(r"[\s\x00-\x1f\x7f]+")
 
 
 class HttpTransport:
@@ -165,6 +97,11 @@ class HttpTransport:
         self._max_connections = max_connections
         self._clock = clock
         self._source = source_for(integration)
+        checked_headers = _checked_headers(target.headers, integration)
+        self._contract = contract_for(
+            target, integration=integration, clock=clock, redact=checked_headers.values()
+        )
+        self._signs = self._contract.signs
         # Sent with every request, so that aiohttp adds none of its own: asking it to skip
         # its defaults (skip_auto_headers) costs more per request than sending these.
         self._extra_headers = {
@@ -172,7 +109,7 @@ class HttpTransport:
             "accept": "*/*",
             # The body is drained unread: asking for compression would be waste.
             "accept-encoding": "identity",
-            **_checked_headers(target.headers, integration),
+            **checked_headers,
         }
         self._batch_headers = {"content-type": BATCH_CONTENT_TYPE, **self._extra_headers}
         # Headers every event of a (type, topic, content type) shares, with the extra ones.
@@ -196,7 +133,11 @@ class HttpTransport:
         if constant is None:
             constant = self._constant_for(shared)
         body = event.message.value if event.payload is None else event.payload  # event.body
-        return self._post(body, binary_headers_from(constant, event), (body,))
+        headers = binary_headers_from(constant, event)
+        if self._signs:
+            # The id as the handler reads it: the ce-id header's value.
+            headers[SIGNATURE_HEADER] = self._contract.sign(headers["ce-id"], body)
+        return self._post(body, headers, (body,))
 
     def _constant_for(self, shared: tuple[str, str, str]) -> dict[str, str]:
         if len(self._constant_headers) >= _CONSTANT_HEADER_SETS:
@@ -212,7 +153,11 @@ class HttpTransport:
         if not events:
             raise ValueError("deliver_batch needs at least one event")
         body = batch_body(events, self._source)
-        return self._post(body, self._batch_headers, [event.body for event in events])
+        headers = self._batch_headers
+        if self._signs:
+            # A batch signs the empty id: its body carries every event's id.
+            headers = {**headers, SIGNATURE_HEADER: self._contract.sign("", body)}
+        return self._post(body, headers, [event.body for event in events])
 
     async def close(self) -> None:
         """Closes the pooled connections; later deliveries answer RETRY."""
@@ -248,7 +193,7 @@ class HttpTransport:
         self, body: bytes, headers: Mapping[str, str], sent: Collection[bytes]
     ) -> DeliveryResult:
         if self._closed:
-            return DeliveryResult(Outcome.RETRY, error="transport closed")
+            return self._contract.wire_error(WireError(WireFailure.CLOSED), None)
         if self._session is None:
             self._session = self._open_session()
         session = self._session
@@ -267,7 +212,9 @@ class HttpTransport:
                         self._url, data=body, headers=headers, allow_redirects=False
                     ) as response:
                         kept = await _drain(response)
-                        return self._answered(response, kept, sent, started)
+                        return self._contract.http_answer(
+                            response.status, response.headers, kept, sent, started
+                        )
                 except (aiohttp.ClientError, OSError) as exc:
                     if (
                         not resent
@@ -281,47 +228,14 @@ class HttpTransport:
                         self._resends += 1
                         resent = True
                         continue
-                    return self._failed(_describe(exc), started)
+                    return self._contract.wire_error(wire_error(exc), started)
         except asyncio.CancelledError:
             if deadline.timed_out():
-                return self._failed(f"timeout after {self._timeout_s}s", started)
+                return self._contract.wire_error(timeout_after(self._timeout_s), started)
             raise
         finally:
             deadlines.finish(deadline)
             self._in_flight -= 1
-
-    def _answered(
-        self,
-        response: aiohttp.ClientResponse,
-        kept: bytes,
-        sent: Collection[bytes],
-        started: float,
-    ) -> DeliveryResult:
-        status = response.status
-        headers = response.headers
-        if 200 <= status <= 299 and VERDICT_HEADER not in headers and "retry-after" not in headers:
-            # The common answer, without the table's general path.
-            return DeliveryResult(
-                Outcome.DELIVERED, status, None, None, self._clock.monotonic() - started
-            )
-        outcome = outcome_for_response(status, headers)
-        error = None if outcome is Outcome.DELIVERED else _error_text(status, response, kept, sent)
-        retry_after = response.headers.get("retry-after")
-        if retry_after is not None:
-            retry_after_s = parse_retry_after(retry_after, self._clock.time())
-        else:
-            retry_after_s = None
-        return DeliveryResult(
-            outcome,
-            status=status,
-            error=error,
-            retry_after_s=retry_after_s,
-            duration_s=self._clock.monotonic() - started,
-        )
-
-    def _failed(self, error: str, started: float) -> DeliveryResult:
-        outcome = outcome_for_response(None)
-        return DeliveryResult(outcome, error=error, duration_s=self._clock.monotonic() - started)
 
 
 def http_transport(
@@ -364,49 +278,30 @@ def _died_under_us(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE)
 
 
-def _describe(exc: aiohttp.ClientError | OSError) -> str:
-    """Short text for an exception; built from parts that cannot hold the payload or a secret."""
+def wire_error(exc: aiohttp.ClientError | OSError) -> WireError:
+    """aiohttp's exception as a wire error; built from parts that cannot hold the payload."""
     if isinstance(exc, aiohttp.ClientConnectorDNSError):
-        return f"cannot resolve {exc.host}"
+        return WireError(WireFailure.DNS, exc.host)
     if isinstance(exc, aiohttp.ClientSSLError):
-        return _one_line(f"TLS error: {exc.os_error}")
+        return WireError(WireFailure.TLS, str(exc.os_error))
     if isinstance(exc, aiohttp.ClientConnectorError):
         if exc.os_error.errno == errno.ECONNREFUSED:
-            return "connection refused"
-        return _one_line(f"cannot connect: {exc.os_error.strerror or type(exc.os_error).__name__}")
+            return WireError(WireFailure.REFUSED)
+        detail = exc.os_error.strerror or type(exc.os_error).__name__
+        return WireError(WireFailure.CONNECT, detail)
     if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "server disconnected"
+        return WireError(WireFailure.RESET)
+    if isinstance(exc, aiohttp.ClientConnectionResetError):
+        return WireError(WireFailure.RESET, "connection reset")
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return WireError(WireFailure.RESET, "answer cut short")
     if isinstance(exc, aiohttp.ClientResponseError):
-        return _one_line(f"invalid HTTP response: {exc.message}")
+        return WireError(WireFailure.PROTOCOL, f"HTTP: {exc.message}")
     if isinstance(exc, OSError):
-        return _one_line(f"connection error: {exc.strerror or type(exc).__name__}")
-    return f"HTTP client error: {type(exc).__name__}"
-
-
-def _error_text(
-    status: int, response: aiohttp.ClientResponse, kept: bytes, sent: Collection[bytes]
-) -> str:
-    """``HTTP 503: <start of the body>``, without anything of what we sent."""
-    text = f"HTTP {status}"
-    verdict = response.headers.get(VERDICT_HEADER, "").strip().lower()
-    if verdict in _VERDICTS:
-        text += f" ({VERDICT_HEADER}: {verdict})"
-    snippet = _one_line(_redacted(kept, sent).decode("utf-8", errors="replace"))
-    return f"{text}: {snippet}" if snippet else text
-
-
-def _redacted(kept: bytes, sent: Collection[bytes]) -> bytes:
-    # Handlers like to echo the request in their error; logs and the DLQ reason must not
-    # carry the payload. Shorter payloads than this would match by coincidence.
-    for body in sent:
-        probe = body[:64]
-        if len(probe) >= 8 and (at := kept.find(probe)) >= 0:
-            kept = kept[:at] + b"<request payload>"
-    return kept
-
-
-def _one_line(text: str) -> str:
-    return _BLANK_OR_CONTROL_RUNS.sub(" ", text).strip()[:ERROR_TEXT_CHARS].rstrip()
+        if exc.errno in (errno.ECONNRESET, errno.EPIPE):
+            return WireError(WireFailure.RESET, exc.strerror or "connection reset")
+        return WireError(WireFailure.CONNECT, exc.strerror or type(exc).__name__)
+    return WireError(WireFailure.PROTOCOL, f"HTTP client error: {type(exc).__name__}")
 
 
 def _checked_headers(headers: Mapping[str, str], integration: str) -> dict[str, str]:
@@ -418,6 +313,9 @@ def _checked_headers(headers: Mapping[str, str], integration: str) -> dict[str, 
             raise ConfigError([_problem(integration, field, "not a valid HTTP header name")])
         if lowered.startswith("ce-") or lowered in _RESERVED_HEADERS:
             raise ConfigError([_problem(integration, field, "set by Nemesis (handler contract)")])
+        if lowered == SIGNATURE_HEADER:
+            message = "set by Nemesis when target.signing is configured"
+            raise ConfigError([_problem(integration, field, message)])
         if _UNSAFE_VALUE_CHARS.search(value):
             raise ConfigError([_problem(integration, field, "control characters in the value")])
         checked[lowered] = value

@@ -2,7 +2,7 @@
 
 A delivery's result is a value, never an exception: each transport has one
 table-like function from the handler's answer to an ``Outcome``
-(``nemesis.delivery.http.outcome_for_response`` for HTTP).
+(``nemesis.delivery.contract`` holds them, one per protocol).
 """
 
 from __future__ import annotations

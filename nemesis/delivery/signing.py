@@ -17,6 +17,21 @@ The scheme (one header, any language can check it with HMAC-SHA256)::
   a handler accepts the request when any ``v1`` matches any of its secrets,
   so old and new handlers both pass while the secrets change.
 
+Over gRPC the header is the call's ``nemesis-signature`` metadata, and what
+is signed is defined on the protobuf fields, so that a handler never needs
+the bytes of the request as they travelled:
+
+- ``Deliver``: ``event id`` is ``Event.id``; ``body`` is ``Event.data``.
+- ``DeliverBatch``: ``event id`` is the empty string, as for an HTTP batch;
+  ``body`` is every event's ``id`` (UTF-8) and ``data``, in the request's
+  order, each written as a netstring, ``<length in decimal>:<bytes>,``
+  (``grpc_batch_body``). Two events ``a`` / ``{}`` and ``b7`` / (empty) sign
+  ``1:a,2:{},2:b7,0:,``.
+
+Nemesis takes ``t`` from its clock when it sends the request (a retry is
+signed anew), and the secrets from the environment variables the
+integration's ``target.signing.secrets_env`` names (``secrets_from_environment``).
+
 A handler answers an unsigned, mis-signed or stale request with 401, which
 Nemesis counts as a retryable failure (a configuration error between the two
 sides), never as a dead letter.
@@ -26,7 +41,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+
+from nemesis.config.models import SigningConfig
+from nemesis.errors import ConfigError, ConfigProblem
 
 SIGNATURE_HEADER = "nemesis-signature"
 DEFAULT_TOLERANCE_S = 300
@@ -95,3 +113,38 @@ def verify(
         if any(hmac.compare_digest(expected, candidate) for candidate in given):
             return
     raise SignatureError(f"{SIGNATURE_HEADER} matches no secret")
+
+
+def grpc_batch_body(events: Iterable[tuple[str, bytes]]) -> bytes:
+    """What a ``DeliverBatch`` call signs: each event's (id, data) as netstrings, in order."""
+    parts: list[bytes] = []
+    for event_id, data in events:
+        encoded = event_id.encode()
+        parts += [b"%d:" % len(encoded), encoded, b",", b"%d:" % len(data), data, b","]
+    return b"".join(parts)
+
+
+def secrets_from_environment(
+    config: SigningConfig, env: Mapping[str, str], *, where: str
+) -> tuple[bytes, ...]:
+    """The signing secrets the variables of ``config`` hold, in its order.
+
+    Raises ``ConfigError`` naming ``where`` (the integration file) and every
+    variable that is unset or empty; the message never holds a value.
+    """
+    problems: list[ConfigProblem] = []
+    secrets: list[bytes] = []
+    for index, name in enumerate(config.secrets_env):
+        value = env.get(name, "")
+        if not value:
+            message = (
+                f"environment variable {name} is unset or empty: it must hold the signing"
+                " secret (set it, or remove target.signing to send unsigned requests)"
+            )
+            problems.append(
+                ConfigProblem(where, None, f"target.signing.secrets_env.{index}", message)
+            )
+        secrets.append(value.encode())
+    if problems:
+        raise ConfigError(problems)
+    return tuple(secrets)

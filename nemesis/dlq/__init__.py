@@ -1,7 +1,8 @@
 """The dead-letter store: one row per dead message, for the runner, the UI and the CLI.
 
-``DeadLetterStore`` (``nemesis.dlq.port``) is the port; ``open_sqlite_dlq``
-opens the embedded implementation. A YDB table is the other backend.
+``DeadLetterStore`` (``nemesis.dlq.port``) is the port; ``nemesis.dlq.core``
+implements it over a store's queries. ``open_sqlite_dlq`` opens the embedded
+store; ``nemesis.dlq.ydb`` (imported on demand: it loads the YDB SDK) the other.
 """
 
 from nemesis.dlq.port import (

@@ -13,7 +13,8 @@ and paged by keyset: a page's ``next_cursor`` is an opaque string that
 resumes after its last row, so deep pages cost what the first one costs and
 rows added meanwhile never shift a page. Every filter takes the set of
 integrations the caller may see (``None``: all, for admins; an empty set:
-nothing). Stores: ``nemesis.dlq.sqlite`` (embedded) and, later, YDB.
+nothing). Stores: ``nemesis.dlq.sqlite`` (embedded) and ``nemesis.dlq.ydb``,
+both ``nemesis.dlq.core`` plus their queries.
 """
 
 from __future__ import annotations
@@ -58,10 +59,12 @@ class Status(enum.StrEnum):
 
 
 class Action(enum.StrEnum):
-    """What a person did to dead letters (the audit log)."""
+    """What a person did to dead letters, or to an integration's offsets (the audit log)."""
 
     REQUEUE = "requeue"
     DISCARD = "discard"
+    SEEK = "seek"  # nemesis offsets seek: committed offsets moved
+    SKIP = "skip"  # nemesis offsets skip: messages passed over unread
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,19 +1,25 @@
 """``nemesis check-handler URL``: probes a handler and says whether it follows the contract.
 
 The probes go through the real transports, so the handler sees exactly what
-Nemesis sends, and their answers are judged by the transports' own outcome
-tables (``outcome_for_response``, ``outcome_for_status``):
+Nemesis sends, and their answers are judged by the handler contract's own
+outcome tables (``nemesis.delivery.contract``):
 
 1. a normal event must be delivered (2xx / OK);
 2. the same event again, same ``ce-id``, as a retry would send it, must be
    answered done too: a handler that rejects a repeat dead-letters every
    redelivery, one that fails it retries forever;
-3. with ``--batch N``, one batch of N events must be delivered;
+3. with ``--batch N`` (N > 1), one batch of N events and one batch of one
+   must be delivered: a batch integration always sends the batch form, also
+   when only one message is waiting;
 4. an event whose payload cannot be right (JSON that does not parse) should
    be dead-lettered (4xx / INVALID_ARGUMENT): retrying it only delays the
    DLQ, and acknowledging it hides a lost message (a warning: some handlers
    take any bytes on purpose);
-5. every answer should come well inside the timeout.
+5. with ``--signing-secret-env VAR`` every probe is signed with the secret
+   in ``VAR`` (``nemesis.delivery.signing``), and the handler must check
+   signatures: one unsigned request and one signed too long ago must both be
+   refused with 401 (gRPC UNAUTHENTICATED);
+6. every answer should come well inside the timeout.
 
 Probe events are real events to the handler: run the check against a
 development or staging instance. They carry ``ce-source:
@@ -30,15 +36,20 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from nemesis.broker.port import Message
-from nemesis.config.models import TargetConfig
+from nemesis.clock import SYSTEM_CLOCK, Clock
+from nemesis.config.models import SigningConfig, TargetConfig
 from nemesis.delivery.cloudevents import is_json
 from nemesis.delivery.port import DeliveryResult, Event, Outcome, Transport
+from nemesis.delivery.signing import DEFAULT_TOLERANCE_S
 
 PROBE_INTEGRATION: Final = "check-handler"
 PROBE_TOPIC: Final = "nemesis.check-handler"
 DEFAULT_DATA: Final = b'{"nemesis_probe": true}'
 _MALFORMED_JSON: Final = b'{"nemesis_probe": '
 _MALFORMED_BYTES: Final = b"\xff\xfe\x00 not a valid payload"
+# How far in the past the stale probe is signed: well outside any sane tolerance.
+_STALE_BY_S: Final = 12 * DEFAULT_TOLERANCE_S
+_UNAUTHENTICATED: Final = {"http": 401, "grpc": 16}  # HTTP status, gRPC code number
 
 
 class Verdict(enum.Enum):
@@ -62,6 +73,8 @@ class ProbeOptions:
     event_type: str = "nemesis.probe"
     headers: Mapping[str, str] = field(default_factory=dict)
     slow_ms: float = 1000.0  # a warning above this
+    # Sign with the secrets in these variables (1, or 2 during a rotation), and check.
+    signing_secrets_env: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,19 +138,27 @@ class HandlerReport:
         }
 
 
-TransportFactory = Callable[[TargetConfig, str, int], Transport]
+TransportFactory = Callable[[TargetConfig, Clock], Transport]
 Describe = Callable[[DeliveryResult], str]
 
 
-async def check_handler(
-    options: ProbeOptions, *, transport_factory: TransportFactory | None = None
-) -> HandlerReport:
-    """Sends the probes to ``options.url`` and judges every answer."""
+async def check_handler(options: ProbeOptions, *, clock: Clock = SYSTEM_CLOCK) -> HandlerReport:
+    """Sends the probes to ``options.url`` and judges every answer.
+
+    Raises ``ConfigError`` when ``options.signing_secret_env`` names an unset
+    or empty variable.
+    """
+    signing = None
+    if options.signing_secrets_env:
+        signing = SigningConfig(secrets_env=list(options.signing_secrets_env))
     target = TargetConfig(
-        url=options.url, timeout_s=options.timeout_s, headers=dict(options.headers)
+        url=options.url,
+        timeout_s=options.timeout_s,
+        headers=dict(options.headers),
+        signing=signing,
     )
-    factory, describe = _transport_for(target.scheme)
-    transport = (transport_factory or factory)(target, PROBE_INTEGRATION, 2)
+    factory, describe, protocol = _transport_for(target.scheme)
+    transport = factory(target, clock)
     probes = _Probes(options, transport, describe)
     try:
         first = await probes.single()
@@ -146,18 +167,53 @@ async def check_handler(
             # would fail for the same reason and bury it.
             later = ["answers a repeat of the same ce-id", "dead-letters a malformed event"]
             if options.batch_size > 1:
-                later.insert(1, f"delivers a batch of {options.batch_size} events")
+                later[1:1] = [_batch_name(options.batch_size), _batch_name(1)]
+            if signing is not None:
+                later.append(_SIGNATURES)
             skipped = "not run: the first delivery failed, fix that first"
             results = [first, *(ProbeResult(name, Verdict.SKIP, skipped) for name in later)]
         else:
             results = [first, await probes.repeat()]
             if options.batch_size > 1:
-                results.append(await probes.batch())
+                results.append(await probes.batch(options.batch_size))
+                results.append(await probes.batch(1))
             results.append(await probes.malformed())
+            if signing is not None:
+                unsigned = factory(target.model_copy(update={"signing": None}), clock)
+                stale = factory(target, _Behind(clock, _STALE_BY_S))
+                try:
+                    results.append(await probes.signatures(unsigned, stale, protocol))
+                finally:
+                    await unsigned.close()
+                    await stale.close()
     finally:
         await transport.close()
     results.append(_latency(results, options))
     return HandlerReport(options.url, tuple(results))
+
+
+_SIGNATURES: Final = "checks signatures"
+
+
+def _batch_name(size: int) -> str:
+    return f"delivers a batch of {size} events" if size > 1 else "delivers a batch of one event"
+
+
+class _Behind:
+    """``clock``, ``behind_s`` in the past: what a replayed, captured request would carry."""
+
+    def __init__(self, clock: Clock, behind_s: float) -> None:
+        self._clock = clock
+        self._behind_s = behind_s
+
+    def time(self) -> float:
+        return self._clock.time() - self._behind_s
+
+    def monotonic(self) -> float:
+        return self._clock.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await self._clock.sleep(seconds)
 
 
 class _Probes:
@@ -237,9 +293,8 @@ class _Probes:
             )
         return self.judged(name, result, Verdict.FAIL, detail)
 
-    async def batch(self) -> ProbeResult:
-        size = self.options.batch_size
-        name = f"delivers a batch of {size} events"
+    async def batch(self, size: int) -> ProbeResult:
+        name = _batch_name(size)
         result = await self.transport.deliver_batch([self.event() for _ in range(size)])
         if result.outcome.done:
             return self.passed(name, result)
@@ -252,8 +307,36 @@ class _Probes:
             name,
             result,
             Verdict.FAIL,
-            detail + " (with delivery.batch.size > 1 the handler must accept batches)",
+            detail + " (with delivery.batch.size > 1 the handler must accept batches,"
+            " of one event too)",
         )
+
+    async def signatures(self, unsigned: Transport, stale: Transport, protocol: str) -> ProbeResult:
+        refusal = _UNAUTHENTICATED[protocol]
+        answers = {
+            "an unsigned request": await unsigned.deliver(self.event()),
+            "a request signed 1 hour ago": await stale.deliver(self.event()),
+        }
+        shown = ", ".join(self.describe(result) for result in answers.values())
+        slowest = max(result.duration_s for result in answers.values())
+        accepted = [what for what, result in answers.items() if result.outcome.done]
+        if accepted:
+            detail = (
+                f"does NOT check signatures: it accepted {' and '.join(accepted)}; set"
+                " NEMESIS_SIGNING_SECRET (or your handler's equivalent) so that only Nemesis"
+                " can deliver to it"
+            )
+            return ProbeResult(_SIGNATURES, Verdict.FAIL, detail, shown, slowest)
+        wrong = [what for what, result in answers.items() if result.status != refusal]
+        if wrong:
+            refusal_name = "401" if protocol == "http" else "UNAUTHENTICATED"
+            detail = (
+                f"refused {' and '.join(wrong)} without {refusal_name}: answer a missing,"
+                f" wrong or stale signature with {refusal_name}, which Nemesis retries"
+                " (other refusals may dead-letter every message while secrets differ)"
+            )
+            return ProbeResult(_SIGNATURES, Verdict.FAIL, detail, shown, slowest)
+        return ProbeResult(_SIGNATURES, Verdict.PASS, "", shown, slowest)
 
     async def malformed(self) -> ProbeResult:
         name = "dead-letters a malformed event"
@@ -302,11 +385,19 @@ _HINTS: Final = (
     ("cannot resolve", "check the host name"),
     ("HTTP 404", "check the URL's path"),
     ("HTTP 405", "the handler must accept POST at this URL"),
-    ("HTTP 401", "check the credentials (--header authorization=...)"),
+    (
+        "HTTP 401",
+        "check the credentials (--header authorization=...); a handler that checks"
+        " signatures wants --signing-secret-env with its secret",
+    ),
     ("HTTP 403", "check the credentials (--header authorization=...)"),
     ("gRPC UNIMPLEMENTED", "the server does not implement nemesis.v1.HandlerService"),
     ("gRPC UNAVAILABLE", "is the handler running at this address (and plaintext vs TLS)?"),
-    ("gRPC UNAUTHENTICATED", "check the credentials (--header authorization=...)"),
+    (
+        "gRPC UNAUTHENTICATED",
+        "check the credentials (--header authorization=...); a handler that checks"
+        " signatures wants --signing-secret-env with its secret",
+    ),
     ("timeout after", "the handler did not answer in time (--timeout-s)"),
 )
 
@@ -339,28 +430,30 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds >= 0.01 else f"{seconds * 1000:.1f} ms"
 
 
-def _transport_for(scheme: str) -> tuple[TransportFactory, Describe]:
+def _transport_for(scheme: str) -> tuple[TransportFactory, Describe, str]:
     if scheme in ("grpc", "grpcs"):
         # Imported here: HTTP checks never load grpcio.
-        import grpc
+        from nemesis.delivery.contract import grpc_code_name
+        from nemesis.delivery.grpc import GrpcTransport
 
-        from nemesis.delivery.grpc import grpc_transport
-
-        codes = {code.value[0]: code.name for code in grpc.StatusCode}
+        def grpc_factory(target: TargetConfig, clock: Clock) -> Transport:
+            return GrpcTransport(
+                target, integration=PROBE_INTEGRATION, max_connections=2, clock=clock
+            )
 
         def grpc_answer(result: DeliveryResult) -> str:
             if result.status is None:
                 return "no answer"
-            return codes.get(result.status, f"status {result.status}")
+            return grpc_code_name(result.status)
 
-        return grpc_transport, grpc_answer
+        return grpc_factory, grpc_answer, "grpc"
 
-    from nemesis.delivery.http import http_transport
+    from nemesis.delivery.http import HttpTransport
 
-    def http_factory(target: TargetConfig, integration: str, max_connections: int) -> Transport:
-        return http_transport(target, integration=integration, max_connections=max_connections)
+    def http_factory(target: TargetConfig, clock: Clock) -> Transport:
+        return HttpTransport(target, integration=PROBE_INTEGRATION, max_connections=2, clock=clock)
 
     def http_answer(result: DeliveryResult) -> str:
         return "no answer" if result.status is None else f"HTTP {result.status}"
 
-    return http_factory, http_answer
+    return http_factory, http_answer, "http"

@@ -5,9 +5,7 @@ from __future__ import annotations
 from nemesis.broker.port import Message
 from nemesis.config.models import IntegrationConfig
 from nemesis.delivery.port import Event
-
-# Metadata keys Nemesis itself writes (retry tiers, replays); producers should not use them.
-META_EVENT_ID = "nemesis-event-id"
+from nemesis.topology import META_EVENT_ID
 
 DEFAULT_EVENT_TYPE = "nemesis.message"
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from nemesis.backends import Backends, open_backend, open_dlq
 from nemesis.broker.port import Broker, ConsumerSpec
@@ -152,6 +151,4 @@ async def _consumer(broker: Broker, topic: str, consumer: str, integration: str)
 
 
 def _dlq_location(config: NemesisConfig) -> str:
-    if config.dlq.kind == "ydb":
-        return f"ydb:{config.dlq.path}"
-    return f"sqlite:{Path(config.data_dir, config.dlq.path)}"
+    return config.dlq.location(config.data_dir)

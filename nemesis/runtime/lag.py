@@ -59,6 +59,8 @@ class PartitionLag:
     messages: int
     seconds: float | None  # None: no time known yet (no message was ever seen written)
     exact: bool  # from a message this process read, not from the offset table
+    # How long the broker keeps the topic's messages; None: forever (or unknown).
+    retention_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +212,7 @@ class LagMonitor:
             if description is None:
                 continue
             lags.extend(
-                self._lag_of(target, info, now, oldest_unfinished)
+                self._lag_of(target, info, now, oldest_unfinished, description.retention_s)
                 for info in description.partitions
             )
         return lags
@@ -221,6 +223,7 @@ class LagMonitor:
         info: PartitionInfo,
         now: float,
         oldest_unfinished: OldestUnfinished | None,
+        retention_s: float | None = None,
     ) -> PartitionLag:
         # Retention may have removed what was never committed: that is gone, not lag.
         committed = max(info.committed.get(target.consumer, info.start_offset), info.start_offset)
@@ -248,6 +251,7 @@ class LagMonitor:
             messages=messages,
             seconds=seconds,
             exact=exact,
+            retention_s=retention_s or None,
         )
 
     async def _describe(self, topic: str) -> None:

@@ -183,14 +183,25 @@ def _lag_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
         " 0 when nothing is behind.",
         labels,
     )
+    retention = _gauge(
+        "nemesis_topic_retention_seconds",
+        "How long the broker keeps the messages of a flow's topic (absent: kept forever);"
+        " commit lag in seconds approaching it means messages expire unread.",
+        labels[:3],
+    )
     for integration in snapshot.integrations:
+        topics: set[tuple[str, str]] = set()
         for lag in integration.lags:
             values = [integration.name, lag.flow, lag.topic, str(lag.partition)]
             messages.add_metric(values, float(lag.messages))
             if lag.seconds is not None:
                 seconds.add_metric(values, lag.seconds)
+            if lag.retention_s is not None and (lag.flow, lag.topic) not in topics:
+                topics.add((lag.flow, lag.topic))
+                retention.add_metric([integration.name, lag.flow, lag.topic], lag.retention_s)
     yield messages
     yield seconds
+    yield retention
     stats = snapshot.lag
     age = _gauge(
         "nemesis_lag_refresh_age_seconds",

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from nemesis.delivery.http import VERDICT_HEADER, outcome_for_response
+from nemesis.delivery.contract import VERDICT_HEADER, outcome_for_response
 
 
 @dataclass(slots=True)

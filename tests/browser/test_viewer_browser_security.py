@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 import uvicorn
-from playwright.async_api import Locator
+from playwright.async_api import Browser, Locator
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
+from dlq_viewer.auth import SESSION_COOKIE
 from dlq_viewer.testing import (
     STANDARD_ACCESS,
     ViewerEnv,
@@ -182,6 +183,33 @@ async def test_another_teams_messages_stay_out_of_sight(env: ViewerEnv, tab: Tab
         row = await env.store.get(foreign)
         assert row is not None
         assert row.status is Status.DEAD
+    tab.assert_clean()
+
+
+async def test_signing_out_ends_the_session_for_a_copy_of_its_cookie_too(
+    env: ViewerEnv, tab: Tab, browser: Browser
+) -> None:
+    async with serving(env) as base:
+        tab.base_url = base
+        await tab.sign_in(ALICE)
+        cookies = await tab.page.context.cookies()
+        session = [cookie for cookie in cookies if cookie["name"] == SESSION_COOKIE]
+        assert len(session) == 1
+        other = await browser.new_context()  # another machine, holding a copy of the cookie
+        try:
+            await other.add_cookies(
+                [{"name": SESSION_COOKIE, "value": session[0]["value"], "url": base}]
+            )
+            copy = await other.new_page()
+            await copy.goto(base + "/messages")
+            assert copy.url.startswith(base + "/messages")  # the copy works while signed in
+            async with tab.page.expect_navigation():
+                await tab.page.click("text=Sign out")
+            assert tab.page.url.startswith(base + "/login")
+            await copy.goto(base + "/messages")
+            assert copy.url.startswith(base + "/login")  # and not after signing out
+        finally:
+            await other.close()
     tab.assert_clean()
 
 

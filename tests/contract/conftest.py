@@ -102,6 +102,24 @@ def embedded_config(directory: Path) -> NemesisConfig:
     )
 
 
+# Cases the kafka backend implements for Kafka but the test broker (Tansu 0.6) cannot
+# show, as observed: strict, so a broker that can makes them fail until taken out.
+TANSU_GAPS = {
+    "test_latest_starts_after_what_was_written_before_the_reader": (
+        "Tansu drops offset-commit metadata, which tells a consumer's registration from a read"
+    ),
+    "test_a_time_starts_at_the_first_message_written_at_or_after_it": (
+        "Tansu drops offset-commit metadata, which tells a consumer's registration from a read"
+    ),
+    "test_seek_moves_a_committed_offset_back_and_forth": (
+        "Tansu refuses a commit from outside a group that has had members (unknown member)"
+    ),
+    "test_live_readers_lists_an_open_reader_and_forgets_a_closed_one": (
+        "Tansu's DescribeGroups lists no members of a live group"
+    ),
+}
+
+
 def kafka_config(bootstrap: str, directory: Path) -> NemesisConfig:
     return NemesisConfig(
         backend=kafka_backend_config(bootstrap),
@@ -142,6 +160,10 @@ async def drop_everything(config: NemesisConfig) -> None:
 @pytest.fixture(params=BACKENDS)
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     kind = request.param
+    if kind == "kafka" and request.node.originalname in TANSU_GAPS:
+        request.applymarker(
+            pytest.mark.xfail(strict=True, reason=TANSU_GAPS[request.node.originalname])
+        )
     tansu = start_tansu(tmp_path) if kind == "kafka" else None
     if tansu is not None:
         config = kafka_config(tansu.bootstrap, tmp_path)

@@ -50,9 +50,9 @@ from typing import Any
 
 import msgspec
 
-from nemesis.broker.embedded.db import when_unlocked
 from nemesis.broker.embedded.tail import ReadRow, read_row
 from nemesis.clock import Clock
+from nemesis.sqlite_thread import when_unlocked
 
 logger = logging.getLogger(__name__)
 

@@ -2,28 +2,29 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import logging
 import os
 import secrets
-import socket
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from nemesis.broker.embedded import log
+from nemesis.aio import TaskScope
+from nemesis.broker.embedded import leases, log
 from nemesis.broker.embedded.bells import Bell, Ringer, RingerStatistics, RingRows, Rings
 from nemesis.broker.embedded.db import Checkpoint, Database, checkpoint
 from nemesis.broker.embedded.reader import EmbeddedReader, Wakeups
 from nemesis.broker.embedded.tail import TailCache
 from nemesis.broker.port import (
+    EARLIEST,
     ConsumerSpec,
     OutgoingMessage,
+    Seek,
+    StartFrom,
     TopicDescription,
     WriteResult,
 )
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 # more than a few milliseconds; appends queue behind them on the same thread.
 DELETE_BATCH = 1000
 ADMIN_TIMEOUT_S = 30.0
+SEEK_POLL_S = 0.05  # how often a seek looks whether the partition's readers took it back
 CHECKPOINT_INTERVAL_S = 1.0
 # A WAL this long (4 KiB pages: 64 MB) is restarted even when appends never pause (see
 # checkpoint). Each restart holds appends up for a few ms (1.5-6 measured); at 1,000
@@ -109,6 +111,65 @@ class EmbeddedAdmin:
         topic_id = await broker.db.writer.run(drop, timeout_s=ADMIN_TIMEOUT_S)
         broker.forget_topic(topic_id)
         await broker.purge_dropped()
+
+    async def offsets_for_time(self, topic: str, at: float) -> Mapping[int, int]:
+        """Per partition, the first offset written at or after ``at``; the end where none."""
+        return await self._broker.db.reader.run(
+            partial(log.offsets_for_time, name=topic, at=at), timeout_s=ADMIN_TIMEOUT_S
+        )
+
+    async def seek(self, topic: str, consumer: str, partition: int, offset: int) -> Seek:
+        """Sets the committed offset and takes the partition's lease from its holder.
+
+        The holder finds its lease gone at its next heartbeat (within
+        ``lease_s / 3``) and takes the partition again from the new offset.
+        Returns once a reader holds the partition again, or none is alive
+        (bounded by ``lease_s``): a paused reader resumed after that reads
+        from the new offset, not from where it had stopped.
+        """
+        broker = self._broker
+        moved = await broker.db.writer.run(
+            partial(
+                log.seek,
+                topic=topic,
+                consumer=consumer,
+                partition=partition,
+                offset=offset,
+                now=broker.clock.time(),
+            ),
+            timeout_s=ADMIN_TIMEOUT_S,
+        )
+        deadline = broker.clock.monotonic() + broker.config.lease_s
+        while broker.clock.monotonic() < deadline:
+            taken_back = await broker.db.reader.run(
+                partial(
+                    log.lease_settled,
+                    topic=topic,
+                    consumer=consumer,
+                    partition=partition,
+                    now=broker.clock.time(),
+                ),
+                timeout_s=ADMIN_TIMEOUT_S,
+            )
+            if taken_back:
+                break
+            await broker.clock.sleep(SEEK_POLL_S)
+        return Seek(moved.partition, moved.before, moved.after)
+
+    async def live_readers(self, topic: str, consumer: str) -> Sequence[str]:
+        """Member ids (host:pid:random/n) whose lease heartbeat has not expired."""
+        return await self._broker.db.reader.run(
+            partial(
+                log.live_members, topic=topic, consumer=consumer, now=self._broker.clock.time()
+            ),
+            timeout_s=ADMIN_TIMEOUT_S,
+        )
+
+    async def write_times(self, topic: str, offsets: Mapping[int, int]) -> Mapping[int, float]:
+        """The write time of the message at each offset: one point lookup per partition."""
+        return await self._broker.db.reader.run(
+            partial(log.write_times, topic=topic, offsets=dict(offsets)), timeout_s=ADMIN_TIMEOUT_S
+        )
 
 
 class EmbeddedWriter:
@@ -201,7 +262,10 @@ class EmbeddedBroker:
         self._writers: set[EmbeddedWriter] = set()
         self._tail = TailCache()
         self._reader_numbers = itertools.count(1)
-        self._housekeeping_task: asyncio.Task[None] | None = None
+        # Owns the housekeeping loop: a failure is logged with its traceback and the
+        # loop started again (``_housekeeping_failed``); close() cancels and awaits it.
+        self._background = TaskScope("embedded broker", self._housekeeping_failed)
+        self._housekeeping_running = False
         self._closed = False
 
     @property
@@ -212,8 +276,14 @@ class EmbeddedBroker:
     def admin(self) -> EmbeddedAdmin:
         return self._admin
 
-    async def reader(self, topic: str, consumer: str) -> EmbeddedReader:
-        """Joins ``consumer``'s readers of ``topic`` and takes this reader's share of partitions."""
+    async def reader(
+        self, topic: str, consumer: str, *, start_from: StartFrom = EARLIEST
+    ) -> EmbeddedReader:
+        """Joins ``consumer``'s readers of ``topic`` and takes this reader's share of partitions.
+
+        ``start_from`` places the partitions the consumer never committed
+        (see ``leases._start_position``).
+        """
         self._check_open()
         found = await self.db.reader.run(
             partial(log.find_consumer, topic=topic, consumer=consumer), timeout_s=ADMIN_TIMEOUT_S
@@ -231,6 +301,7 @@ class EmbeddedBroker:
             on_close=self._forget_reader,
             wakeups=self.wakeups,
             bell=None if bell is None else bell.address,
+            start_from=start_from,
         )
         try:
             await reader.start(timeout_s=max(self.config.lease_s, 5.0))
@@ -380,10 +451,20 @@ class EmbeddedBroker:
 
     def start_housekeeping(self) -> None:
         """Starts the periodic checkpoint and retention task (stopped by ``close``)."""
-        if self._housekeeping_task is None:
-            self._housekeeping_task = asyncio.create_task(
+        if not self._housekeeping_running:
+            self._housekeeping_running = True
+            self._background.start(
                 self._housekeeping_loop(), name=f"nemesis-housekeeping:{self.path.name}"
             )
+
+    def _housekeeping_failed(self, error: BaseException) -> None:
+        # Not a broker error (those are retried in the loop): a bug. Checkpoints must go
+        # on, or the WAL grows without bound: log it loudly and start the loop again (it
+        # waits a checkpoint interval before its first round, so a bug cannot spin).
+        logger.error("housekeeping of %s failed; starting it again", self.path, exc_info=error)
+        self._housekeeping_running = False
+        if not self._closed:
+            self.start_housekeeping()
 
     async def _housekeeping_loop(self) -> None:
         # Checkpoints often, so the WAL stays small (reads through a long WAL
@@ -414,11 +495,7 @@ class EmbeddedBroker:
         if self._closed:
             return
         self._closed = True
-        task, self._housekeeping_task = self._housekeeping_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._background.aclose()
         readers = [r for group in self._readers.values() for r in group]
         for reader in readers:
             await reader.close(timeout_s)
@@ -435,8 +512,8 @@ class EmbeddedBroker:
 
 
 def default_member_id() -> str:
-    """host:pid:random: unique per broker, and readable in the leases table."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+    """host:pid:random:node: unique per broker, readable, and says where it runs (see leases)."""
+    return leases.local_member_id()
 
 
 async def open_embedded(

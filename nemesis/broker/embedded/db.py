@@ -1,35 +1,32 @@
-"""SQLite plumbing: the schema, and connections that each live on their own thread.
+"""The embedded broker's SQLite file: its schema, and the connections the broker keeps.
 
-The event loop never touches a ``sqlite3.Connection``. Each connection is
-created, used and closed by one worker thread (``SqliteThread``), so jobs
-on it run one at a time, in submission order. The broker keeps three
-(see ``Database``), so that a long append or a checkpoint does not delay
-delivery.
-
-Durability: WAL with ``synchronous=NORMAL`` survives a process kill (the WAL
-is written before the commit returns; only an OS crash or power loss can
-drop the last transactions). Several processes may open the same file;
-writers serialize on ``BEGIN IMMEDIATE`` and wait up to the busy timeout
-(see ``write_transaction``).
+Each connection lives on its own thread (``SqliteThread``, from
+``nemesis.sqlite_thread``, which also says how durable a commit is). The
+broker keeps three (see ``Database``), so that a long append or a
+checkpoint does not delay delivery.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import queue
 import sqlite3
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TypeVar
 
-from nemesis.errors import BrokerError, BrokerTimeout
+from nemesis.errors import BrokerError
+
+# The broker's names for the connection plumbing, which lives in ``nemesis.sqlite_thread``.
+from nemesis.sqlite_thread import BACKGROUND_NICENESS as BACKGROUND_NICENESS
+from nemesis.sqlite_thread import LOCK_POLL_FIRST_S as LOCK_POLL_FIRST_S
+from nemesis.sqlite_thread import LOCK_POLL_MAX_S as LOCK_POLL_MAX_S
+from nemesis.sqlite_thread import Connection as Connection
+from nemesis.sqlite_thread import SqliteThread as SqliteThread
+from nemesis.sqlite_thread import connect as connect
+from nemesis.sqlite_thread import poll_for_locks as poll_for_locks
+from nemesis.sqlite_thread import read_transaction as read_transaction
+from nemesis.sqlite_thread import translate as translate
+from nemesis.sqlite_thread import when_unlocked as when_unlocked
+from nemesis.sqlite_thread import write_transaction as write_transaction
 
 T = TypeVar("T")
 
@@ -129,310 +126,6 @@ SCHEMA = (
 )
 
 
-def translate(exc: sqlite3.Error) -> BrokerError:
-    """Maps a sqlite3 error to the Nemesis tree: a busy or locked file is a timeout."""
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-        return BrokerTimeout(f"sqlite: {exc}")
-    return BrokerError(f"sqlite: {exc}")
-
-
-# Waiting for a lock another connection holds. SQLite's own busy handler sleeps
-# 1 ms, then 2, 5, 10 ms..., while the write lock is mostly held for a fraction of
-# a millisecond (another process's append or offset commit): at 1,000 appends a
-# second beside a proxy committing every 100 ms, 0.3-0.45% of appends slept that
-# millisecond. A connection that polls (``poll_for_locks``) asks again from 50 us
-# on, doubling to 1 ms.
-LOCK_POLL_FIRST_S = 50e-6
-LOCK_POLL_MAX_S = 0.001
-
-
-class Connection(sqlite3.Connection):
-    """A connection that may wait for locks itself (see ``poll_for_locks``)."""
-
-    lock_wait_ms = 0  # 0: SQLite's busy handler waits
-
-
-def connect(path: Path, *, busy_timeout_s: float) -> Connection:
-    """A connection in autocommit mode (transactions are explicit) for this thread only."""
-    return sqlite3.connect(
-        path,
-        timeout=busy_timeout_s,
-        isolation_level=None,  # transactions are explicit: BEGIN IMMEDIATE / COMMIT
-        check_same_thread=True,
-        factory=Connection,
-    )
-
-
-def poll_for_locks(conn: Connection) -> None:
-    """From now on, a lock held elsewhere is waited for in short steps, up to the busy timeout.
-
-    SQLite's busy handler is switched off (switching it for each transaction
-    costs as much as the transaction), so every statement that may need the
-    write lock must go through ``write_transaction`` or ``when_unlocked``.
-    Reads need none in WAL mode, short of recovering from a writer that died
-    mid-commit; one that meets that fails as busy (BrokerTimeout: retry).
-    """
-    conn.lock_wait_ms = int(conn.execute("PRAGMA busy_timeout").fetchone()[0])
-    conn.execute("PRAGMA busy_timeout = 0")
-
-
-def when_unlocked(
-    conn: sqlite3.Connection, sql: str, parameters: Sequence[object] = ()
-) -> sqlite3.Cursor:
-    """``conn.execute(sql, parameters)``, asked again while a lock it needs is held elsewhere.
-
-    For one statement in autocommit mode (or ``BEGIN``): failing busy, it did nothing.
-    """
-    wait_ms = getattr(conn, "lock_wait_ms", 0)
-    if not wait_ms:
-        return conn.execute(sql, parameters)
-    deadline = None
-    pause = LOCK_POLL_FIRST_S
-    while True:
-        try:
-            cursor = conn.execute(sql, parameters)
-        except sqlite3.OperationalError as exc:
-            if not _is_busy(exc):
-                raise
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + wait_ms / 1000
-            elif now >= deadline:
-                raise
-        else:
-            return cursor
-        time.sleep(pause)
-        pause = min(pause * 2, LOCK_POLL_MAX_S)
-
-
-def _is_busy(exc: sqlite3.OperationalError) -> bool:
-    code = getattr(exc, "sqlite_errorcode", None)
-    return code is not None and code & 0xFF == sqlite3.SQLITE_BUSY
-
-
-@contextmanager
-def write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    """``BEGIN IMMEDIATE`` ... ``COMMIT``; rolls back on any exception.
-
-    IMMEDIATE takes the write lock up front, so a transaction that reads
-    before it writes (end offsets, lease rows) cannot be invalidated by
-    another process and fail with SQLITE_BUSY half-way. A connection that
-    polls for locks waits for the write lock in steps far shorter than
-    SQLite's (see ``LOCK_POLL_FIRST_S``).
-    """
-    when_unlocked(conn, "BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
-
-
-@contextmanager
-def read_transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    """One snapshot for several SELECTs."""
-    conn.execute("BEGIN")
-    try:
-        yield
-    finally:
-        conn.execute("COMMIT")
-
-
-# Niceness of the maintenance thread (Linux schedules threads on their own): a checkpoint
-# copying the WAL should not take CPU from the event loop on a busy core. With
-# tests/bench/delivery.py (e), the latency p99 moved by less than the run-to-run noise (six runs
-# each way: 1.3-2.0 ms added with it, 1.5-1.8 ms without); kept because it cannot hurt the loop.
-BACKGROUND_NICENESS = 10
-
-
-def _lower_priority() -> None:
-    """Lowers the calling thread's scheduling priority, where the system allows it."""
-    if sys.platform != "linux":
-        return  # elsewhere the niceness is the whole process's
-    with contextlib.suppress(OSError):
-        tid = threading.get_native_id()
-        os.setpriority(
-            os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICENESS
-        )
-
-
-class SqliteThread:
-    """One sqlite3 connection owned by one thread; jobs run there one at a time.
-
-    A job goes to the thread through a queue and its result comes back with
-    one ``call_soon_threadsafe``; one timer handle keeps its deadline.
-    ``run_in_executor`` under ``asyncio.timeout`` did the same with futures
-    chained across threads, a condition variable per job and a timeout
-    context: 146 us of CPU per job against 81 here at 1,000 jobs a second,
-    98 against 37 back to back (``tests/bench/sqlite_thread.py``). A one-message
-    append pays that on top of its transaction.
-
-    The thread is a daemon: ``close`` is how a connection is meant to end. A
-    process that exits without it loses at most the job in flight, as a kill
-    would, and SQLite recovers from that.
-    """
-
-    def __init__(
-        self,
-        path: Path,
-        name: str,
-        *,
-        busy_timeout_s: float,
-        pragmas: Sequence[str] = (),
-        background: bool = False,
-        poll_locks: bool = False,
-    ) -> None:
-        self._path = path
-        self._name = name
-        self._busy_timeout_s = busy_timeout_s
-        self._pragmas = tuple(pragmas)
-        self._background = background
-        self._poll_locks = poll_locks
-        self._jobs: queue.SimpleQueue[_Job[Any] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None  # started by the first job
-        self._conn: sqlite3.Connection | None = None
-        self._closed = False
-
-    async def open(self, timeout_s: float) -> None:
-        """Connects on the worker thread and applies the pragmas."""
-        await self._submit(self._connect, timeout_s)
-
-    async def run(self, job: Callable[[sqlite3.Connection], T], *, timeout_s: float) -> T:
-        """Runs ``job(conn)`` on the connection's thread.
-
-        On timeout (BrokerTimeout) or cancellation the job is abandoned, not
-        interrupted: one that already started runs to its end (its transaction
-        commits or rolls back whole); one still queued never starts.
-        """
-        return await self._submit(lambda: job(self._connection()), timeout_s)
-
-    async def close(self, timeout_s: float = 5.0) -> None:
-        """Closes the connection on its thread, then stops the thread."""
-        if self._closed:
-            return
-        try:
-            await self._submit(self._disconnect, timeout_s)
-        finally:
-            self._closed = True
-            thread = self._thread
-            if thread is not None:
-                self._jobs.put(None)  # the thread ends once it takes this
-                # It is idle unless the close timed out; then it is left to finish its
-                # job and end on its own rather than block the loop.
-                if self._conn is None:
-                    thread.join()
-
-    async def _submit(self, job: Callable[[], T], timeout_s: float) -> T:
-        if self._closed:
-            raise BrokerError(f"{self._name}: the connection is closed")
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._serve, name=f"nemesis-{self._name}", daemon=True
-            )
-            self._thread.start()
-        loop = asyncio.get_running_loop()
-        work: _Job[T] = _Job(job, loop.create_future())
-        self._jobs.put(work)
-        expiry = loop.call_later(timeout_s, work.expire, self._name, timeout_s)
-        try:
-            return await work.future
-        finally:
-            # Timed out, cancelled or done: a job that has not started yet never will.
-            work.abandoned = True
-            expiry.cancel()
-
-    def _serve(self) -> None:
-        jobs = self._jobs
-        while (work := jobs.get()) is not None:
-            if work.abandoned:
-                continue
-            try:
-                result = self._translated(work.job)
-            except BaseException as exc:  # noqa: BLE001  # the caller's to handle, as from an executor
-                work.answer(False, exc)
-            else:
-                work.answer(True, result)
-
-    @staticmethod
-    def _translated(job: Callable[[], T]) -> T:
-        try:
-            return job()
-        except sqlite3.Error as exc:
-            raise translate(exc) from exc
-
-    def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
-            raise BrokerError(f"{self._name}: the connection is not open")
-        return self._conn
-
-    def _connect(self) -> None:
-        if self._conn is not None:
-            return
-        if self._background:
-            _lower_priority()
-        conn = connect(self._path, busy_timeout_s=self._busy_timeout_s)
-        try:
-            self._configure(conn)
-            if self._poll_locks:
-                poll_for_locks(conn)
-        except BaseException:
-            conn.close()
-            raise
-        self._conn = conn
-
-    def _configure(self, conn: sqlite3.Connection) -> None:
-        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
-            raise BrokerError(f"{self._path}: cannot use WAL mode (got {mode!r})")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA temp_store=MEMORY")
-        conn.execute("PRAGMA cache_size=-16000")
-        for pragma in self._pragmas:
-            conn.execute(f"PRAGMA {pragma}")
-
-    def _disconnect(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-
-class _Job(Generic[T]):
-    """One job on its way to a ``SqliteThread`` and its answer on the way back."""
-
-    __slots__ = ("abandoned", "future", "job")
-
-    def __init__(self, job: Callable[[], T], future: asyncio.Future[T]) -> None:
-        self.job = job
-        self.future = future
-        # Set on the loop once nobody waits for the answer; read by the thread
-        # before it starts the job (a plain attribute: one word, no lock needed).
-        self.abandoned = False
-
-    def answer(self, ok: bool, value: Any) -> None:
-        """Called on the thread: hands the result (or the exception) to the loop."""
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-            self.future.get_loop().call_soon_threadsafe(self._settle, ok, value)
-
-    def _settle(self, ok: bool, value: Any) -> None:
-        if self.future.done():
-            return  # timed out or cancelled meanwhile
-        if ok:
-            self.future.set_result(value)
-        elif isinstance(value, StopIteration):
-            # A future refuses StopIteration (it would end the awaiting coroutine).
-            self.future.set_exception(RuntimeError(f"job raised StopIteration: {value}"))
-        else:
-            self.future.set_exception(value)
-
-    def expire(self, name: str, timeout_s: float) -> None:
-        """Called on the loop when the job's time is up."""
-        self.abandoned = True
-        if not self.future.done():
-            self.future.set_exception(BrokerTimeout(f"{name}: no answer within {timeout_s:g}s"))
-
-
 class Database:
     """The connections of one broker, each on its own thread.
 
@@ -466,7 +159,12 @@ class Database:
 
     async def open(self, timeout_s: float) -> None:
         """Opens every connection and creates (or checks) the schema."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BrokerError(
+                f"{self.path}: cannot create the folder {self.path.parent}: {exc.strerror or exc}"
+            ) from exc
         try:
             # The write connection switches the file to WAL before the others open.
             await self.writer.open(timeout_s)

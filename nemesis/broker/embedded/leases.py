@@ -18,17 +18,96 @@ The generation is the fencing token: a commit updates the offset only if the
 lease row still names the committing reader with the session's generation,
 in the same transaction, so a reader that lost its partition cannot move the
 new owner's offset.
+
+A dead predecessor on the same machine does not have to expire. A member id
+(``local_member_id``) says where its process runs: host name, pid, and a
+digest of the boot and the pid namespace. In step 1 a member whose id names
+this host, this boot and this pid namespace, and a pid that is no longer
+alive (``is_dead_neighbour``), is forgotten at once and its leases are freed:
+a ``nemesis run`` restarted after ``kill -9`` takes its partitions back
+without waiting ``lease_s``. Anything it cannot be sure of (another host,
+another container, a pid that is alive, even if reused) waits for expiry as
+before; the generation fences a mistaken takeover in any case.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import secrets
+import socket
 import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from nemesis.broker.embedded import bells
-from nemesis.broker.embedded.db import when_unlocked, write_transaction
+from nemesis.broker.embedded import bells, log
+from nemesis.broker.port import EARLIEST, StartFrom
 from nemesis.errors import TopicNotFound
+from nemesis.sqlite_thread import when_unlocked, write_transaction
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+@functools.cache
+def _node() -> str:
+    """This boot of this machine and this pid namespace, as 8 hex digits.
+
+    Two processes with one node digest see each other's pids; a container has
+    its own pid namespace (so its own digest) even where it has the host's name.
+    """
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    if not boot or not namespace:
+        # Nothing to tell this boot and pid namespace from another: a random digest,
+        # so no other process can take this one for its neighbour (leases then expire).
+        return secrets.token_hex(4)
+    return hashlib.sha256(f"{boot}/{namespace}".encode()).hexdigest()[:8]
+
+
+def local_member_id() -> str:
+    """``host:pid:random:node``: unique per broker, readable, and says where it runs."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}:{_node()}"
+
+
+def is_dead_neighbour(member_id: str) -> bool:
+    """True when ``member_id`` is a process of this host, boot and pid namespace that is gone.
+
+    A reader's id is its broker's plus ``/<n>``. Ids that say nothing of where
+    they run (other formats, other hosts) are never taken for dead.
+    """
+    parts = member_id.split("/", 1)[0].split(":")
+    if len(parts) != 4 or parts[0] != socket.gethostname() or parts[3] != _node():
+        return False
+    try:
+        pid = int(parts[1])
+    except ValueError:
+        return False
+    if pid <= 0 or pid == os.getpid():
+        return False
+    return not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    # Killed but not yet reaped by its parent: a zombie holds its pid and nothing else.
+    stat = _read(f"/proc/{pid}/stat")
+    state = stat.rpartition(")")[2].split()[:1]
+    return state != ["Z"]
 
 
 def fair_share(members: Sequence[str], partitions: int, member: str) -> frozenset[int]:
@@ -45,7 +124,7 @@ class Acquired:
 
     partition: int
     generation: int
-    position: int  # the committed offset, or the oldest retained one
+    position: int  # the committed offset, or where ``start_from`` says
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +151,7 @@ def heartbeat(
     lease_s: float,
     bell: bytes | None = None,
     leaving: bool = False,
+    start_from: StartFrom = EARLIEST,
 ) -> HeartbeatResult:
     """Runs one round of the lease protocol for ``member_id`` (see the module docstring).
 
@@ -79,6 +159,7 @@ def heartbeat(
     generations. ``bell`` is the address writers ring for this member.
     ``leaving`` releases everything the member holds and removes the member
     (and its bell), so the others rebalance at their next heartbeat.
+    ``start_from`` places a partition the consumer never committed.
     """
     expires_at = now + lease_s
     with write_transaction(conn):
@@ -108,6 +189,7 @@ def heartbeat(
             "DELETE FROM members WHERE topic_id = ? AND consumer = ? AND expires_at < ?",
             (topic_id, consumer, now),
         )
+        _forget_dead_neighbours(conn, topic_id, consumer, member_id)
         if bell is not None:
             bells.renew(
                 conn,
@@ -166,7 +248,9 @@ def heartbeat(
                 continue
             acquired.append(
                 Acquired(
-                    partition, generation + 1, _start_position(conn, topic_id, consumer, partition)
+                    partition,
+                    generation + 1,
+                    _start_position(conn, topic_id, consumer, partition, start_from, now),
                 )
             )
         conn.executemany(
@@ -190,14 +274,67 @@ def heartbeat(
     )
 
 
-def _start_position(conn: sqlite3.Connection, topic_id: int, consumer: str, partition: int) -> int:
+def _forget_dead_neighbours(
+    conn: sqlite3.Connection, topic_id: int, consumer: str, member_id: str
+) -> None:
+    """Removes the other members of this host whose process is gone, and frees their leases."""
+    dead = [
+        r[0]
+        for r in conn.execute(
+            "SELECT member_id FROM members WHERE topic_id = ? AND consumer = ?",
+            (topic_id, consumer),
+        )
+        if r[0] != member_id and is_dead_neighbour(r[0])
+    ]
+    for member in dead:
+        conn.execute(
+            "DELETE FROM members WHERE topic_id = ? AND consumer = ? AND member_id = ?",
+            (topic_id, consumer, member),
+        )
+        conn.execute(
+            "UPDATE leases SET owner = NULL, expires_at = 0"
+            " WHERE topic_id = ? AND consumer = ? AND owner = ?",
+            (topic_id, consumer, member),
+        )
+        bells.remove(conn, topic_id=topic_id, member_id=member)
+
+
+def _start_position(
+    conn: sqlite3.Connection,
+    topic_id: int,
+    consumer: str,
+    partition: int,
+    start_from: StartFrom,
+    now: float,
+) -> int:
+    """The committed offset; for a partition never committed, where ``start_from`` says.
+
+    A position other than the oldest message is committed at once, in the
+    heartbeat's transaction: the next owner of the partition (a restart
+    before the first commit, a rebalance) starts there too, not at a later
+    ``latest``.
+    """
     row = conn.execute(
-        "SELECT MAX(p.start_offset, COALESCE(o.committed, 0)) FROM partitions p"
+        "SELECT p.start_offset, p.end_offset, o.committed FROM partitions p"
         " LEFT JOIN offsets o ON o.topic_id = p.topic_id AND o.partition_id = p.partition_id"
         " AND o.consumer = ? WHERE p.topic_id = ? AND p.partition_id = ?",
         (consumer, topic_id, partition),
     ).fetchone()
-    return 0 if row is None else int(row[0])
+    if row is None:
+        return 0
+    start, end, committed = int(row[0]), int(row[1]), row[2]
+    if committed is not None or start_from.kind == "earliest":
+        return max(start, 0 if committed is None else int(committed))
+    if start_from.at is None:
+        position = end
+    else:
+        position = log.first_offset_at(conn, topic_id, partition, start_from.at)
+    conn.execute(
+        "INSERT INTO offsets (topic_id, consumer, partition_id, committed, committed_at)"
+        " VALUES (?, ?, ?, ?, ?)",
+        (topic_id, consumer, partition, position, now),
+    )
+    return position
 
 
 def commit_offset(

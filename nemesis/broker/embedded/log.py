@@ -18,7 +18,6 @@ from typing import Any
 
 import orjson
 
-from nemesis.broker.embedded.db import read_transaction, write_transaction
 from nemesis.broker.embedded.tail import ReadRow
 from nemesis.broker.port import (
     ConsumerSpec,
@@ -31,6 +30,7 @@ from nemesis.broker.port import (
     WriteStatus,
 )
 from nemesis.errors import TopicExists, TopicNotFound
+from nemesis.sqlite_thread import read_transaction, write_transaction
 
 _NO_METADATA: Mapping[str, str] = MappingProxyType({})
 
@@ -592,3 +592,141 @@ def expire(conn: sqlite3.Connection, candidate: ExpiryCandidate, batch: int) -> 
             (new_start, topic_id, partition),
         )
     return int(new_start - start)
+
+
+# --- offsets for operators ----------------------------------------------------------
+
+
+def first_offset_at(conn: sqlite3.Connection, topic_id: int, partition: int, at: float) -> int:
+    """The offset of the first retained message written at or after ``at``; the end if none.
+
+    A binary search over the partition's offsets, a point lookup per step:
+    appends stamp ``written_at`` in offset order, so the times only grow
+    (after a wall-clock step back the boundary found is one of the steps).
+    """
+    row = conn.execute(
+        "SELECT start_offset, end_offset FROM partitions WHERE topic_id = ? AND partition_id = ?",
+        (topic_id, partition),
+    ).fetchone()
+    if row is None:
+        raise TopicNotFound(f"topic id {topic_id} has no partition {partition}")
+    low, high = int(row[0]), int(row[1])
+    while low < high:
+        middle = (low + high) // 2
+        found = conn.execute(
+            "SELECT written_at FROM messages WHERE topic_id = ? AND partition_id = ?"
+            " AND msg_offset = ?",
+            (topic_id, partition, middle),
+        ).fetchone()
+        # Inside one transaction [start, end) is dense; a missing row would be below start.
+        if found is not None and found[0] >= at:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def offsets_for_time(conn: sqlite3.Connection, name: str, at: float) -> dict[int, int]:
+    """Per partition, ``first_offset_at``."""
+    with read_transaction(conn):
+        topic = find_topic(conn, name)
+        return {p: first_offset_at(conn, topic.id, p, at) for p in range(topic.partitions)}
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """What ``seek`` did to one partition's committed offset."""
+
+    partition: int
+    before: int
+    after: int
+
+
+def seek(
+    conn: sqlite3.Connection, topic: str, consumer: str, partition: int, offset: int, now: float
+) -> Moved:
+    """Sets a committed offset (clamped to the retained range) and revokes the partition's lease.
+
+    The lease row loses its owner in the same transaction: the reader that
+    held the partition finds its lease lost at its next heartbeat, its
+    session ends (its commits are fenced by the generation), and whoever
+    takes the partition next starts at the new offset.
+    """
+    with write_transaction(conn):
+        found = find_consumer(conn, topic, consumer)
+        row = conn.execute(
+            "SELECT p.start_offset, p.end_offset, o.committed FROM partitions p LEFT JOIN offsets o"
+            " ON o.topic_id = p.topic_id AND o.partition_id = p.partition_id AND o.consumer = ?"
+            " WHERE p.topic_id = ? AND p.partition_id = ?",
+            (consumer, found.id, partition),
+        ).fetchone()
+        if row is None:
+            raise ValueError(
+                f"partition {partition} is out of range: topic {topic!r} has {found.partitions}"
+            )
+        start, end, committed = int(row[0]), int(row[1]), row[2]
+        before = max(start, 0 if committed is None else int(committed))
+        after = min(max(offset, start), end)
+        conn.execute(
+            "INSERT INTO offsets (topic_id, consumer, partition_id, committed, committed_at)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic_id, consumer, partition_id)"
+            " DO UPDATE SET committed = excluded.committed, committed_at = excluded.committed_at",
+            (found.id, consumer, partition, after, now),
+        )
+        conn.execute(
+            "UPDATE leases SET owner = NULL, expires_at = 0"
+            " WHERE topic_id = ? AND consumer = ? AND partition_id = ?",
+            (found.id, consumer, partition),
+        )
+    return Moved(partition, before, after)
+
+
+def lease_settled(
+    conn: sqlite3.Connection, topic: str, consumer: str, partition: int, now: float
+) -> bool:
+    """After a seek: a reader holds the partition again, or no reader of the consumer is alive."""
+    with read_transaction(conn):
+        found = find_topic(conn, topic)
+        owner = conn.execute(
+            "SELECT owner FROM leases WHERE topic_id = ? AND consumer = ? AND partition_id = ?",
+            (found.id, consumer, partition),
+        ).fetchone()
+        if owner is not None and owner[0] is not None:
+            return True
+        alive = conn.execute(
+            "SELECT 1 FROM members WHERE topic_id = ? AND consumer = ? AND expires_at >= ?",
+            (found.id, consumer, now),
+        ).fetchone()
+        return alive is None
+
+
+def live_members(conn: sqlite3.Connection, topic: str, consumer: str, now: float) -> list[str]:
+    """The members of a consumer whose heartbeat has not expired."""
+    with read_transaction(conn):
+        found = find_topic(conn, topic)
+        return [
+            row[0]
+            for row in conn.execute(
+                "SELECT member_id FROM members WHERE topic_id = ? AND consumer = ?"
+                " AND expires_at >= ? ORDER BY member_id",
+                (found.id, consumer, now),
+            )
+        ]
+
+
+def write_times(
+    conn: sqlite3.Connection, topic: str, offsets: Mapping[int, int]
+) -> dict[int, float]:
+    """The ``written_at`` of the message at each partition's offset, where it exists."""
+    with read_transaction(conn):
+        found = find_topic(conn, topic)
+        times: dict[int, float] = {}
+        for partition, offset in offsets.items():
+            row = conn.execute(
+                "SELECT written_at FROM messages WHERE topic_id = ? AND partition_id = ?"
+                " AND msg_offset = ?",
+                (found.id, partition, offset),
+            ).fetchone()
+            if row is not None:
+                times[partition] = float(row[0])
+        return times

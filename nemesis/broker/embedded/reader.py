@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import sqlite3
@@ -11,10 +10,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
+from nemesis.aio import TaskScope, first_of
 from nemesis.broker.embedded import leases, log
 from nemesis.broker.embedded.db import Database
 from nemesis.broker.embedded.tail import TailCache
-from nemesis.broker.port import Message, PartitionSession
+from nemesis.broker.port import EARLIEST, Message, PartitionSession, StartFrom
 from nemesis.clock import Clock
 from nemesis.errors import BrokerError, TopicNotFound
 
@@ -172,8 +172,10 @@ class EmbeddedReader:
         wakeups: Wakeups,
         bell: bytes | None = None,
         commit_timeout_s: float = 10.0,
+        start_from: StartFrom = EARLIEST,
     ) -> None:
         self._db = db
+        self._start_from = start_from
         self._tail = tail
         # When the tail cache began answering instead of the file (see _read_tail).
         self._tail_since: float | None = None
@@ -213,7 +215,8 @@ class EmbeddedReader:
         self._receive_lock = asyncio.Lock()
         self._heartbeat_lock = asyncio.Lock()
         self._poke = asyncio.Event()
-        self._heartbeat_task: asyncio.Task[None] | None = None
+        # Owns the heartbeat: its failure ends the sessions at once (``_heartbeat_failed``).
+        self._background = TaskScope(f"reader {member_id}", self._heartbeat_failed)
         self._failure: BrokerError | None = None
         self._closed = False
 
@@ -236,7 +239,7 @@ class EmbeddedReader:
     async def start(self, timeout_s: float) -> None:
         """Joins the consumer's members, takes a first share, and starts heartbeating."""
         await self.heartbeat(timeout_s)
-        self._heartbeat_task = asyncio.create_task(
+        self._background.start(
             self._heartbeat_loop(), name=f"nemesis-lease:{self._topic.name}:{self._member_id}"
         )
 
@@ -450,9 +453,6 @@ class EmbeddedReader:
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
             raise self._failure
-        task = self._heartbeat_task
-        if task is not None and task.done():
-            raise BrokerError("the lease heartbeat stopped") from task.exception()
 
     # --- committing -----------------------------------------------------------------
 
@@ -566,6 +566,7 @@ class EmbeddedReader:
                     held=held,
                     lease_s=self._lease_s,
                     bell=self._bell,
+                    start_from=self._start_from,
                 ),
                 timeout_s=self._lease_s if timeout_s is None else timeout_s,
             )
@@ -616,6 +617,13 @@ class EmbeddedReader:
         """Asks for a heartbeat now: a sibling reader joined or let partitions go."""
         self._poke.set()
 
+    def _heartbeat_failed(self, error: BaseException) -> None:
+        # Not a broker error (those are retried in the loop): a bug. The leases are
+        # no longer renewed, so the sessions end now; receive() raises it to the runner.
+        failure = BrokerError(f"the lease heartbeat of {self._member_id} failed: {error!r}")
+        failure.__cause__ = error
+        self._fail(failure)
+
     async def _heartbeat_loop(self) -> None:
         interval = self._lease_s / 3
         delay = interval
@@ -640,14 +648,7 @@ class EmbeddedReader:
             delay = interval if self._settled else interval / 4
 
     async def _sleep_or_poke(self, seconds: float) -> None:
-        sleeper = asyncio.ensure_future(self._clock.sleep(seconds))
-        poked = asyncio.ensure_future(self._poke.wait())
-        try:
-            await asyncio.wait((sleeper, poked), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in (sleeper, poked):
-                waiter.cancel()
-            await asyncio.gather(sleeper, poked, return_exceptions=True)
+        await first_of(self._clock.sleep(seconds), self._poke.wait())
 
     def _fail(self, error: BrokerError) -> None:
         self._failure = error
@@ -663,11 +664,7 @@ class EmbeddedReader:
         if self._closed:
             return
         self._closed = True
-        task, self._heartbeat_task = self._heartbeat_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._background.aclose()
         for session in self._sessions.values():
             session.end()
         held = {p: s.id for p, s in self._sessions.items()}
@@ -710,6 +707,7 @@ def _heartbeat_job(
     lease_s: float,
     bell: bytes | None = None,
     leaving: bool = False,
+    start_from: StartFrom = EARLIEST,
 ) -> leases.HeartbeatResult:
     # The time is read on the write thread, when the transaction starts, not
     # when the job was queued: expiry decisions must use the time they run at.
@@ -723,6 +721,7 @@ def _heartbeat_job(
         lease_s=lease_s,
         bell=bell,
         leaving=leaving,
+        start_from=start_from,
     )
 
 

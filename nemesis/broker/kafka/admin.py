@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -23,15 +23,24 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.protocol.metadata import MetadataRequest
+from aiokafka.structs import OffsetAndMetadata
 
 from nemesis.broker.kafka.config import KafkaBackendConfig
 from nemesis.broker.kafka.connection import client_settings, close_leftover_connections
 from nemesis.broker.kafka.errors import broker_error, error_for_code, kafka_call
 from nemesis.broker.kafka.mapping import PRODUCER_HEADER, SEQNO_HEADER, header_value
-from nemesis.broker.port import ConsumerSpec, PartitionInfo, TopicDescription
-from nemesis.errors import TopicExists, TopicNotFound
+from nemesis.broker.port import (
+    ConsumerSpec,
+    PartitionInfo,
+    Seek,
+    StartFrom,
+    TopicDescription,
+)
+from nemesis.errors import BrokerError, TopicExists, TopicNotFound
 
 GROUPS_TTL_S = 30.0
+# The metadata of the commit that registers a consumer (see add_consumer).
+REGISTERED = "nemesis:registered"
 _TOPIC_EXISTS = 36
 _UNKNOWN_TOPIC = 3
 
@@ -143,24 +152,120 @@ class KafkaAdmin:
         if any(offset >= 0 for offset in committed.values()):
             return
         starts = await self._peeker.beginning_offsets(tps)
+        # Marked as a registration: a reader with another start (latest, a time) takes
+        # such a partition as never committed.
+        offsets = {tp: OffsetAndMetadata(offset, REGISTERED) for tp, offset in starts.items()}
+        # False: the group has members; it exists, and they commit their own offsets.
+        await self._commit_as(consumer.name, offsets, f"register {consumer.name} on {topic}")
+        self._forget_groups()
+
+    async def _commit_as(
+        self, group: str, offsets: dict[TopicPartition, OffsetAndMetadata], what: str
+    ) -> bool:
+        """Commits for a group from outside it; False when the group has members (refused)."""
         member = AIOKafkaConsumer(
-            **client_settings(self._config), group_id=consumer.name, enable_auto_commit=False
+            **client_settings(self._config), group_id=group, enable_auto_commit=False
         )
-        what = f"register consumer {consumer.name} on {topic}"
         await kafka_call(what, member.start(), self._config.connect_timeout_s)
         try:
-            member.assign(tps)
+            member.assign(list(offsets))
             async with asyncio.timeout(self._timeout_s):
-                await member.commit(starts)
+                await member.commit(offsets)
         except CommitFailedError:
-            pass  # the group has members: it exists, and they commit their own offsets
+            return False
         except (KafkaError, TimeoutError) as exc:
             raise broker_error(exc, what) from exc
         finally:
             await asyncio.shield(member.stop())
             await asyncio.sleep(0.05)  # see close_leftover_connections
             close_leftover_connections(member)
+        return True
+
+    async def never_read(self, group: str, tps: list[TopicPartition]) -> list[TopicPartition]:
+        """The partitions the group never committed a read of (none, or its registration)."""
+        offsets = await kafka_call(
+            f"committed offsets of {group}",
+            self._client.list_consumer_group_offsets(group, partitions=tps),
+            self._timeout_s,
+        )
+        read = {
+            tp for tp, meta in offsets.items() if meta.offset >= 0 and meta.metadata != REGISTERED
+        }
+        return [tp for tp in tps if tp not in read]
+
+    async def start_positions(
+        self, group: str, tps: list[TopicPartition], start_from: StartFrom
+    ) -> dict[TopicPartition, int]:
+        """Where a reader starts on the partitions ``group`` never read, for ``start_from``."""
+        fresh = await self.never_read(group, tps)
+        if not fresh or start_from.kind == "earliest":
+            return {}
+        if start_from.kind == "latest":
+            return await self._ends(fresh)
+        assert start_from.at is not None
+        by_time = await self.offsets_for_time(fresh[0].topic, start_from.at)
+        return {tp: by_time[tp.partition] for tp in fresh}
+
+    # --- offsets for operators ----------------------------------------------------
+
+    async def offsets_for_time(self, topic: str, at: float) -> Mapping[int, int]:
+        """Per partition, the first offset written at or after ``at``; the end if none."""
+        tps = [TopicPartition(topic, p) for p in range(await self.partitions(topic))]
+        found = await self._peeker.offsets_for_times({tp: int(at * 1000) for tp in tps})
+        ends = await self._ends(tps)
+        # None, or (Tansu) a timestamp of -1: no message at or after ``at``.
+        return {
+            tp.partition: (
+                found[tp].offset
+                if found.get(tp) is not None and found[tp].timestamp >= 0
+                else ends[tp]
+            )
+            for tp in tps
+        }
+
+    async def _ends(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        starts = await self._peeker.beginning_offsets(tps)
+        tails = await self._peeker.tails(tps, starts, await self._peeker.end_offsets(tps))
+        return {tp: tails[tp][0] for tp in tps}
+
+    async def seek(self, topic: str, consumer: str, partition: int, offset: int) -> Seek:
+        """Moves a group's committed offset; refused while the group has members."""
+        count = await self.partitions(topic)
+        if not 0 <= partition < count:
+            raise ValueError(f"partition {partition} is out of range: {topic} has {count}")
+        tp = TopicPartition(topic, partition)
+        start = (await self._peeker.beginning_offsets([tp]))[tp]
+        end = (await self._ends([tp]))[tp]
+        committed = (await self._committed(consumer, [tp]))[tp]
+        before = max(committed, start) if committed >= 0 else start
+        after = min(max(offset, start), end)
+        moved = await self._commit_as(
+            consumer, {tp: OffsetAndMetadata(after, "")}, f"seek {consumer} on {topic}"
+        )
+        if not moved:
+            raise BrokerError(
+                f"consumer {consumer} of {topic} has live readers: Kafka moves the offsets of"
+                " a group without members only; stop (or pause) its readers first"
+            )
         self._forget_groups()
+        return Seek(partition, before, after)
+
+    async def live_readers(self, topic: str, consumer: str) -> Sequence[str]:
+        """The group's members now (by member id); the group may read other topics too."""
+        described = await kafka_call(
+            f"describe group {consumer}",
+            self._client.describe_consumer_groups([consumer]),
+            self._timeout_s,
+        )
+        members: list[str] = []
+        for response in described:
+            for group in response.groups:
+                members.extend(str(member[0]) for member in group[5])
+        return sorted(members)
+
+    async def write_times(self, topic: str, offsets: Mapping[int, int]) -> Mapping[int, float]:
+        """Left out on Kafka: telling it takes a fetch per partition (not cheap)."""
+        return {}
 
     async def is_registered(self, topic: str, consumer: str) -> bool:
         """Whether a group has committed offsets on a topic (asked now, never cached)."""
@@ -279,6 +384,16 @@ class Peeker:
                 "start offsets", consumer.beginning_offsets(tps), self._timeout_s
             )
         return {tp: int(found[tp]) for tp in tps}
+
+    async def offsets_for_times(
+        self, stamps: dict[TopicPartition, int]
+    ) -> dict[TopicPartition, Any]:
+        async with self._lock:
+            consumer = await self._started()
+            found = await kafka_call(
+                "offsets for a time", consumer.offsets_for_times(stamps), self._timeout_s
+            )
+        return dict(found)
 
     async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         async with self._lock:

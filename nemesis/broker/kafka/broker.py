@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -16,6 +17,7 @@ from nemesis.broker.kafka.connection import client_settings, close_leftover_conn
 from nemesis.broker.kafka.errors import kafka_call
 from nemesis.broker.kafka.reader import KafkaReader
 from nemesis.broker.kafka.writer import KafkaWriter, default_producer_id
+from nemesis.broker.port import EARLIEST, StartFrom
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.errors import TopicNotFound
 
@@ -52,8 +54,14 @@ class KafkaBroker:
     def admin(self) -> KafkaAdmin:
         return self._admin
 
-    async def reader(self, topic: str, consumer: str) -> KafkaReader:
-        """A member of group ``consumer`` reading ``topic``; the group assigns its partitions."""
+    async def reader(
+        self, topic: str, consumer: str, *, start_from: StartFrom = EARLIEST
+    ) -> KafkaReader:
+        """A member of group ``consumer`` reading ``topic``; the group assigns its partitions.
+
+        ``start_from`` applies to the partitions the group never read: Nemesis'
+        registration commit (see ``KafkaAdmin.add_consumer``) does not count.
+        """
         self._check_open()
         if not await self._admin.is_registered(topic, consumer):
             raise TopicNotFound(
@@ -82,6 +90,11 @@ class KafkaBroker:
             group=consumer,
             commit_timeout_s=config.request_timeout_s,
             leave_timeout_s=config.session_timeout_s + 2,
+            start_positions=(
+                None
+                if start_from.kind == "earliest"
+                else partial(self._admin.start_positions, consumer, start_from=start_from)
+            ),
         )
         # Subscribed after the start, which would otherwise wait for the first assignment.
         await kafka_call(f"read {topic} as {consumer}", client.start(), config.connect_timeout_s)

@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -43,8 +43,12 @@ from nemesis.broker.kafka.connection import close_leftover_connections
 from nemesis.broker.kafka.errors import broker_error, describe
 from nemesis.broker.kafka.mapping import KafkaSession, to_message
 from nemesis.broker.port import Message, PartitionSession
+from nemesis.errors import BrokerError
 
 logger = logging.getLogger(__name__)
+
+# Where a reader starts on newly assigned partitions its group never read (by partition).
+StartPositions = Callable[[list[Any]], Awaitable[dict[Any, int]]]
 
 # Added to a receive's timeout for the client's own wait to end first.
 _RECEIVE_SLACK_S = 0.5
@@ -59,6 +63,7 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         self._reader._assigned(assigned)
+        await self._reader._position(assigned)
 
 
 class KafkaReader:
@@ -72,8 +77,10 @@ class KafkaReader:
         group: str,
         commit_timeout_s: float,
         leave_timeout_s: float = 0.0,
+        start_positions: StartPositions | None = None,
     ) -> None:
         self._consumer = consumer
+        self._start_positions = start_positions
         self._leave_timeout_s = leave_timeout_s
         self._topic = topic
         self._group = group
@@ -121,6 +128,20 @@ class KafkaReader:
         logger.info(
             "%s as %s: partitions assigned %s", self._topic, self._group, _numbers(partitions)
         )
+
+    async def _position(self, partitions: Any) -> None:
+        """Moves newly assigned partitions the group never read to where reading starts."""
+        mine = [tp for tp in partitions if tp.topic == self._topic]
+        if self._start_positions is None or not mine:
+            return
+        try:
+            positions = await self._start_positions(mine)
+        except BrokerError as exc:
+            # The group's own position (its registration, or auto_offset_reset) stands.
+            logger.warning("%s as %s: start position unknown: %s", self._topic, self._group, exc)
+            return
+        for tp, offset in positions.items():
+            self._consumer.seek(tp, offset)
 
     # --- receiving ----------------------------------------------------------------
 

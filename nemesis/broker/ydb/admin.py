@@ -9,16 +9,35 @@ the database root of a busy database.
 
 ``describe_topic`` costs one ``DescribeTopic`` and one ``DescribeConsumer``
 per consumer (the committed offsets live in the consumer's statistics).
+
+Directories. The Topic API creates a topic in its parent directory and does
+not create missing directories, so ``create_topic`` first makes every
+missing directory on the way with the scheme client (``MakeDirectory``, one
+level at a time, once per admin). A directory that cannot be made is a
+BrokerError naming it, not a missing topic.
+
+A topic name that starts with ``/`` is an absolute path inside the database
+(``connection.object_path``).
+
+Topics Nemesis owns. The consumers of the retry tiers and of the replay
+topics (``INTERNAL_TOPIC_PREFIXES``) are always *important*: YDB deletes
+nothing such a consumer has not committed, whatever the retention, so a
+paused integration loses none of its retries or replays. The price is disk:
+a topic of an integration that is gone keeps growing until it is dropped
+(``ydb topic drop``). A consumer registered before, not important,
+is made important by ``add_consumer``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol, cast
 
 import ydb
 from ydb import (
+    TopicAlterConsumer,
     TopicClientAsyncIO,
     TopicConsumer,
     TopicConsumerDescription,
@@ -26,15 +45,23 @@ from ydb import (
 )
 from ydb.aio.driver import Driver
 
-from nemesis.broker.port import ConsumerSpec, PartitionInfo
+from nemesis.broker.port import ConsumerSpec, PartitionInfo, Seek
 from nemesis.broker.port import TopicDescription as PortDescription
 from nemesis.broker.ydb.connection import object_path
 from nemesis.broker.ydb.errors import topic_call
 from nemesis.broker.ydb.mapping import unix_seconds
-from nemesis.errors import TopicExists, TopicNotFound
+from nemesis.errors import BrokerError, TopicExists, TopicNotFound
 
 MAX_LIST_DEPTH = 4
 MAX_LISTED = 10_000
+
+# The topics Nemesis creates for itself (nemesis.runtime.retries: tier_topic, replay_topic).
+INTERNAL_TOPIC_PREFIXES = ("nemesis.retry.", "nemesis.replay.")
+
+
+def is_internal(topic: str) -> bool:
+    """Whether ``topic`` is a retry tier or replay topic of Nemesis' own."""
+    return topic.rsplit("/", 1)[-1].startswith(INTERNAL_TOPIC_PREFIXES)
 
 
 class SchemeEntry(Protocol):
@@ -53,6 +80,7 @@ class Directory(Protocol):
 
 
 ListDirectory = Callable[[str], Awaitable[Directory]]
+MakeDirectory = Callable[[str], Awaitable[object]]
 
 
 class YdbAdmin:
@@ -63,6 +91,7 @@ class YdbAdmin:
         topics: TopicClientAsyncIO,
         list_directory: ListDirectory,
         *,
+        make_directory: MakeDirectory,
         database: str,
         directory: str,
         default_retention_s: float,
@@ -70,6 +99,8 @@ class YdbAdmin:
     ) -> None:
         self._topics = topics
         self._list_directory = list_directory
+        self._make_directory = make_directory
+        self._made: set[str] = set()  # directories known to exist
         self._database = database
         self._directory = directory
         self._default_retention_s = default_retention_s
@@ -96,15 +127,18 @@ class YdbAdmin:
         if retention_s is None:
             retention_s = self._default_retention_s
         retention = datetime.timedelta(seconds=retention_s) if retention_s else None
+        path = self.path(name)
+        parent = path.rsplit("/", 1)[0]
+        await self.make_directories(parent)
         try:
             await topic_call(
                 f"create topic {name}",
                 self._topics.create_topic(
-                    self.path(name),
+                    path,
                     min_active_partitions=partitions,
                     max_active_partitions=partitions,
                     retention_period=retention,
-                    consumers=[_consumer(c) for c in consumers],
+                    consumers=[_consumer(_spec(name, c)) for c in consumers],
                 ),
                 self._timeout_s,
             )
@@ -113,11 +147,53 @@ class YdbAdmin:
                 raise
             for consumer in consumers:
                 await self.add_consumer(name, consumer)
+        except TopicNotFound as exc:
+            # The server's word for a parent directory that is not there (any more).
+            self._made.discard(parent)
+            raise BrokerError(f"{exc} (is the directory {parent} there?)") from exc
+
+    async def make_directories(self, path: str) -> None:
+        """Makes ``path`` and every missing directory above it, up to the database root.
+
+        BrokerError naming the directory when one cannot be made (access, a
+        topic or table of that name in the way).
+        """
+        root = self._database.rstrip("/")
+        if path in self._made or not path.startswith(root + "/"):
+            return  # known, or the database root itself
+        levels = path[len(root) + 1 :].split("/")
+        for depth in range(1, len(levels) + 1):
+            directory = "/".join([root, *levels[:depth]])
+            if directory in self._made:
+                continue
+            try:
+                await topic_call(
+                    f"create directory {directory}",
+                    self._make_directory(directory),
+                    self._timeout_s,
+                )
+            except TopicExists:
+                pass  # made meanwhile by another process
+            except TopicNotFound as exc:  # the scheme's error, for a directory: not a topic
+                raise BrokerError(str(exc)) from exc
+            self._made.add(directory)
 
     async def add_consumer(self, topic: str, consumer: ConsumerSpec) -> None:
-        """Registers a consumer; a consumer that exists already is left alone."""
+        """Registers a consumer; one that exists already is left alone (but for importance:
+        the consumers of Nemesis' own topics are made important, see the module docstring)."""
+        consumer = _spec(topic, consumer)
         described = await self._describe(topic)
-        if any(c.name == consumer.name for c in described.consumers):
+        existing = next((c for c in described.consumers if c.name == consumer.name), None)
+        if existing is not None:
+            if consumer.important and not existing.important:
+                await topic_call(
+                    f"make consumer {consumer.name} of {topic} important",
+                    self._topics.alter_topic(
+                        self.path(topic),
+                        alter_consumers=[TopicAlterConsumer(consumer.name, set_important=True)],
+                    ),
+                    self._timeout_s,
+                )
             return
         try:
             await topic_call(
@@ -172,6 +248,65 @@ class YdbAdmin:
         """Deletes a topic; its readers fail at their next read."""
         await topic_call(
             f"drop topic {name}", self._topics.drop_topic(self.path(name)), self._timeout_s
+        )
+
+    async def offsets_for_time(self, topic: str, at: float) -> Mapping[int, int]:
+        """YDB has no lookup of an offset by time: a reader's ``read_from`` is its only use."""
+        raise BrokerError(
+            f"topic {topic}: YDB cannot look up an offset by time; seek to an offset,"
+            " or to earliest or latest"
+        )
+
+    async def seek(self, topic: str, consumer: str, partition: int, offset: int) -> Seek:
+        """Sets the committed offset with ``CommitOffset``, outside any read session.
+
+        Without a read session id the server interrupts the read session
+        holding the partition; the partition is then assigned again and read
+        from the new offset. (The messages the old session had handed out
+        are dropped by the reader as stale, see ``reader``.)
+        """
+        described = await self._describe(topic, include_stats=True)
+        found = next((p for p in described.partitions if p.partition_id == partition), None)
+        if found is None:
+            raise ValueError(
+                f"partition {partition} is out of range: topic {topic} has"
+                f" {len(described.partitions)}"
+            )
+        stats = found.partition_stats
+        start = stats.partition_start if stats is not None else 0
+        end = stats.partition_end if stats is not None else 0
+        before = max((await self.committed(topic, consumer)).get(partition, 0), start)
+        after = min(max(offset, start), end)
+        await topic_call(
+            f"commit offset {after} of {topic}/{partition} for {consumer}",
+            self._topics.commit_offset(self.path(topic), consumer, partition, after),
+            self._timeout_s,
+        )
+        return Seek(partition, before, after)
+
+    async def live_readers(self, topic: str, consumer: str) -> Sequence[str]:
+        """The read sessions holding a partition of ``consumer``, as the server reports them."""
+        about = await self._describe_consumer(topic, consumer)
+        sessions = {
+            f"{stats.reader_name or 'reader'} ({stats.read_session_id})"
+            for p in about.partitions
+            if (stats := p.partition_consumer_stats) is not None and stats.read_session_id
+        }
+        return sorted(sessions)
+
+    async def write_times(self, topic: str, offsets: Mapping[int, int]) -> Mapping[int, float]:
+        """Not cheap on YDB (it would take a read): nothing."""
+        return {}
+
+    async def committed(self, topic: str, consumer: str) -> dict[int, int]:
+        """``consumer``'s committed offset per partition, as the server reports it (0: never)."""
+        return consumer_offsets(await self._describe_consumer(topic, consumer))
+
+    async def _describe_consumer(self, topic: str, consumer: str) -> TopicConsumerDescription:
+        return await topic_call(
+            f"describe consumer {consumer} of {topic}",
+            self._topics.describe_consumer(self.path(topic), consumer, include_stats=True),
+            self._timeout_s,
         )
 
     async def partitions(self, name: str) -> int:
@@ -235,6 +370,17 @@ def _consumer(spec: ConsumerSpec) -> TopicConsumer | str:
     return TopicConsumer(spec.name, important=spec.important)
 
 
+def _spec(topic: str, spec: ConsumerSpec) -> ConsumerSpec:
+    if is_internal(topic) and not spec.important:
+        return dataclasses.replace(spec, important=True)
+    return spec
+
+
 def scheme_lister(driver: Driver) -> ListDirectory:
     """The scheme client's ``list_directory``, typed (the SDK leaves it untyped)."""
     return cast(ListDirectory, driver.scheme_client.list_directory)
+
+
+def scheme_maker(driver: Driver) -> MakeDirectory:
+    """The scheme client's ``make_directory``, typed (the SDK leaves it untyped)."""
+    return cast(MakeDirectory, driver.scheme_client.make_directory)

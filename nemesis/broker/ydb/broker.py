@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 
-from ydb import TopicClientAsyncIO
+from ydb import TopicClientAsyncIO, TopicReaderAsyncIO
 from ydb.aio.driver import Driver
 
-from nemesis.broker.ydb.admin import ListDirectory, YdbAdmin, scheme_lister
+from nemesis.broker.port import EARLIEST, StartFrom
+from nemesis.broker.ydb.admin import (
+    ListDirectory,
+    MakeDirectory,
+    YdbAdmin,
+    scheme_lister,
+    scheme_maker,
+)
 from nemesis.broker.ydb.connection import open_driver
-from nemesis.broker.ydb.reader import YdbReader
+from nemesis.broker.ydb.reader import YdbReader, open_sdk_reader
 from nemesis.broker.ydb.writer import YdbWriter, default_producer_id
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import YdbBackendConfig
@@ -30,6 +38,7 @@ class YdbBroker:
         clock: Clock = SYSTEM_CLOCK,
         topics: TopicClientAsyncIO | None = None,
         list_directory: ListDirectory | None = None,
+        make_directory: MakeDirectory | None = None,
     ) -> None:
         self.driver = driver
         self.config = config
@@ -39,6 +48,7 @@ class YdbBroker:
         self._admin = YdbAdmin(
             self._topics,
             list_directory if list_directory is not None else scheme_lister(driver),
+            make_directory=make_directory if make_directory is not None else scheme_maker(driver),
             database=config.database,
             directory=config.directory,
             default_retention_s=config.retention,
@@ -54,24 +64,43 @@ class YdbBroker:
 
     @property
     def topics(self) -> TopicClientAsyncIO:
-        """The SDK topic client (for transactions: ``nemesis.broker.ydb.tx``)."""
+        """The SDK topic client."""
         return self._topics
 
-    async def reader(self, topic: str, consumer: str) -> YdbReader:
-        """A reader of ``topic`` as ``consumer``; YDB assigns it its share of partitions."""
+    async def reader(
+        self, topic: str, consumer: str, *, start_from: StartFrom = EARLIEST
+    ) -> YdbReader:
+        """A reader of ``topic`` as ``consumer``; YDB assigns it its share of partitions.
+
+        ``start_from`` other than ``earliest`` becomes the read session's
+        ``read_from`` (``latest``: now), and only while the consumer has
+        committed nothing on any partition: YDB applies ``read_from`` as a
+        filter on every read, which must not skip what a seek put back. It
+        applies to the first SDK reader only, not to one reopened later.
+        """
         self._check_open()
         if consumer not in await self._admin.consumers(topic):
             raise TopicNotFound(f"topic {topic} has no consumer {consumer}")
-        sdk = self._topics.reader(
-            self._admin.path(topic),
-            consumer=consumer,
-            buffer_size_bytes=self.config.reader_buffer_bytes,
-        )
+        path = self._admin.path(topic)
+        buffer_bytes = self.config.reader_buffer_bytes
+        first_read_from: datetime.datetime | None = None
+        if start_from.kind != "earliest" and not any(
+            (await self._admin.committed(topic, consumer)).values()
+        ):
+            at = self._clock.time() if start_from.at is None else start_from.at
+            first_read_from = datetime.datetime.fromtimestamp(at, datetime.UTC)
+
+        def open_sdk() -> TopicReaderAsyncIO:
+            nonlocal first_read_from
+            read_from, first_read_from = first_read_from, None
+            return open_sdk_reader(self._topics, path, consumer, buffer_bytes, read_from)
+
         reader = YdbReader(
-            sdk,
+            open_sdk,
             topic=topic,
             consumer=consumer,
             stash_limit=self.config.pause_stash_messages,
+            stash_bytes=self.config.pause_stash_bytes,
             commit_timeout_s=self.config.request_timeout_s,
         )
         self._readers = [r for r in self._readers if not r.closed]

@@ -99,8 +99,23 @@ async def open_driver(config: YdbConnectionConfig) -> Driver:
 
 
 def object_path(database: str, directory: str, name: str) -> str:
-    """The absolute path of a topic or table: <database>/<directory>/<name>."""
-    parts = [database.rstrip("/"), directory.strip("/"), name.strip("/")]
+    """The absolute path of a topic or table: <database>/<directory>/<name>.
+
+    A name that starts with ``/`` is a path of its own (a topic another team
+    owns, elsewhere in the database): it is used as it is, and must lie inside
+    the database, since a driver reaches only its own database's objects;
+    BrokerError otherwise.
+    """
+    root = database.rstrip("/")
+    if name.startswith("/"):
+        path = name.rstrip("/")
+        if not path.startswith(root + "/"):
+            raise BrokerError(
+                f"topic {name} is outside the database {database}: an absolute topic"
+                f" name must start with {root}/"
+            )
+        return path
+    parts = [root, directory.strip("/"), name.strip("/")]
     return "/".join(part for part in parts if part)
 
 

@@ -1,11 +1,14 @@
 """The YDB reader: one SDK topic reader per (topic, consumer), adapted to the port.
 
 Partition sessions. YDB assigns partitions to read sessions and rebalances
-them between the readers of a consumer; the SDK hides the start and stop of
-partition sessions (no callbacks), so a session is seen here when its first
-message arrives and is known dead when the SDK marks it closed: its
-messages then have ``alive == False`` and are dropped, never committed.
-Another reader (or this one, after a reconnect) receives them again.
+them between the readers of a consumer. The SDK reports no session starts
+or stops to its caller (3.33: the event handler's start and stop callbacks
+are never called), so the reader reads the SDK read stream's own table of
+partition sessions (``mapping.sdk_partition_sessions``): a session is
+listed from its start, before any message of it arrived, and known dead
+when the SDK marks it closed; its messages then have ``alive == False``
+and are dropped, never committed. Another reader (or this one, after a
+reconnect) receives them again.
 
 Receiving. The SDK's ``receive_batch`` waits forever (it retries retriable
 errors under the hood), so every call is bounded by the caller's timeout.
@@ -19,12 +22,25 @@ that outlives one ``receive`` simply hands its batch to the next.
 
 Pausing. The SDK cannot pause one partition: the server keeps sending
 whatever fits in the reader's buffer. A paused session's messages are held
-here, in the session's stash, up to ``stash_limit`` messages. When a paused
-session's stash is full, the reader stops taking messages from the SDK
-altogether until that session is resumed or ends: the SDK's buffer fills
-and the server stops sending for every partition of this reader. So on YDB
-a long pause bounds memory at the price of head-of-line blocking across the
-reader's partitions (the embedded backend pauses one partition exactly).
+here, in the session's stash, up to ``stash_limit`` messages and
+``stash_bytes`` bytes. Past either, the session *spills*: its stash is
+dropped and so is everything that arrives for it while paused, so the
+reader keeps taking messages from the SDK and the other partitions keep
+flowing. What was dropped is not committed; at the resume the reader opens
+a new SDK reader (a new read session), and the server sends every partition
+again from its committed offset. The cost of a long pause on YDB is
+therefore the paused partition's traffic, read and dropped, and one reader
+reconnect at its resume, in which the other partitions' uncommitted
+messages are delivered again (at-least-once); the embedded backend pauses
+one partition exactly.
+
+Codecs. RAW and GZIP are the SDK's; ZSTD is decoded here (``zstandard``).
+A batch in LZOP parks its partition: nothing more of that session is
+handed out or committed, the reason is logged and kept in ``statistics``,
+and the other partitions keep flowing (the SDK would fail the whole read
+stream, and every restart would meet the same batch). A codec the SDK does
+not know at all (a custom one) fails the reader with a BrokerError naming
+it.
 
 Committing. ``commit`` uses ``commit_with_ack`` and waits for the server's
 acknowledgement (bounded by a timeout), rather than the fire-and-forget
@@ -39,23 +55,91 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import functools
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ydb import TopicReaderAsyncIO, TopicReaderBatch, TopicReaderMessage, issues
+import zstandard
+from ydb import (
+    TopicClientAsyncIO,
+    TopicReaderAsyncIO,
+    TopicReaderBatch,
+    TopicReaderMessage,
+    TopicReaderSelector,
+    issues,
+)
 from ydb._grpc.grpcwrapper.ydb_topic import Codec
-from ydb._topic_reader.topic_reader_asyncio import PublicTopicReaderPartitionExpiredError
+from ydb._topic_reader.datatypes import PartitionSession as SdkSession
+from ydb._topic_reader.topic_reader_asyncio import (
+    PublicTopicReaderPartitionExpiredError,
+    PublicTopicReaderUnexpectedCodecError,
+)
 
 from nemesis.broker.port import Message, PartitionSession
 from nemesis.broker.ydb.errors import broker_error
-from nemesis.broker.ydb.mapping import YdbSession, sdk_session, session_key, to_message
+from nemesis.broker.ydb.mapping import (
+    Undecodable,
+    YdbSession,
+    sdk_partition_sessions,
+    sdk_session,
+    session_key,
+    to_message,
+)
+from nemesis.errors import BrokerError
 
 logger = logging.getLogger(__name__)
 
-# How often a reader stalled on a full stash checks whether its session ended.
-_STALL_CHECK_S = 0.1
+# How long closing the SDK reader may take when a spilled session's resume reopens it.
+_REOPEN_CLOSE_S = 5.0
+
+CODEC_NAMES: Mapping[int, str] = {
+    Codec.CODEC_RAW: "RAW",
+    Codec.CODEC_GZIP: "GZIP",
+    Codec.CODEC_LZOP: "LZOP",
+    Codec.CODEC_ZSTD: "ZSTD",
+}
+DECODED = "RAW, GZIP and ZSTD"
+
+
+def zstd_decompress(data: bytes) -> bytes:
+    """A ZSTD message, one frame or several, with or without the content size in its header."""
+    with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True) as stream:
+        return stream.read()
+
+
+def _undecodable(codec: int, data: bytes) -> bytes:
+    return Undecodable(data, codec)
+
+
+def decoders() -> dict[int, Callable[[bytes], bytes]]:
+    """The SDK reader's decoders beyond its own RAW and GZIP (see the module docstring)."""
+    return {
+        Codec.CODEC_ZSTD: zstd_decompress,
+        Codec.CODEC_LZOP: functools.partial(_undecodable, Codec.CODEC_LZOP),
+    }
+
+
+def open_sdk_reader(
+    topics: TopicClientAsyncIO,
+    path: str,
+    consumer: str,
+    buffer_size_bytes: int,
+    read_from: datetime.datetime | None = None,
+) -> TopicReaderAsyncIO:
+    """An SDK reader of ``path`` as ``consumer`` with this module's decoders.
+
+    ``read_from`` (a time) makes the server skip the messages written
+    before it, on every partition of this read session.
+    """
+    selector: str | TopicReaderSelector = path
+    if read_from is not None:
+        selector = TopicReaderSelector(path, read_from=read_from)
+    return topics.reader(
+        selector, consumer=consumer, buffer_size_bytes=buffer_size_bytes, decoders=decoders()
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +151,12 @@ class ReaderStatistics:
     sessions: int
     paused: int
     stashed: int  # received from the SDK, not yet handed out
+    stashed_bytes: int
     inflight: int  # handed out, not yet committed
-    dropped: int  # received for sessions that had ended already
-    stalled: bool  # a paused session's stash is full: nothing is taken from the SDK
+    dropped: int  # received and not handed out: ended, spilled or parked sessions
+    spilled: int  # paused sessions past the stash limits: read again after their resume
+    reopens: int  # SDK readers opened again for a spilled session's resume
+    parked: Mapping[int, str]  # partition -> why nothing of it is handed out
     closed: bool
 
 
@@ -78,19 +165,24 @@ class YdbReader:
 
     def __init__(
         self,
-        sdk: TopicReaderAsyncIO,
+        open_sdk: Callable[[], TopicReaderAsyncIO],
         *,
         topic: str,
         consumer: str,
         stash_limit: int = 1000,
+        stash_bytes: int = 8 * 1024 * 1024,
         commit_timeout_s: float = 10.0,
     ) -> None:
-        if stash_limit < 1:
-            raise ValueError("stash_limit must be at least 1")
-        self._sdk = sdk
+        if stash_limit < 1 or stash_bytes < 1:
+            raise ValueError("stash_limit and stash_bytes must be at least 1")
+        self._open_sdk = open_sdk
+        self._sdk = open_sdk()
         self._topic = topic
         self._consumer = consumer
         self._stash_limit = stash_limit
+        self._stash_bytes = stash_bytes
+        self._reopen = False  # a spilled session resumed: read everything again
+        self._reopens = 0
         self._commit_timeout_s = commit_timeout_s
         self._sessions: dict[tuple[int, int], YdbSession] = {}
         self._serials = itertools.count(1)
@@ -123,17 +215,13 @@ class YdbReader:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            self._forget_dead_sessions()
+            if self._reopen:
+                await self._reopen_sdk()
+            self._sync_sessions()
             ready = self._take_stashed(max_messages)
             if ready:
                 return ready
             remaining = deadline - loop.time()
-            if self._stalled():
-                if remaining <= 0:
-                    return ()
-                # A session that ends rather than resumes is noticed at the next check.
-                await self._until_resumed(min(remaining, _STALL_CHECK_S))
-                continue
             batch = await self._next_batch(max_messages, remaining)
             if batch is not None:
                 admitted = self._admit(batch, max_messages)
@@ -165,31 +253,92 @@ class YdbReader:
         self._pending = None
         try:
             return pending.result()
+        except PublicTopicReaderUnexpectedCodecError as exc:
+            raise BrokerError(
+                f"receive from {self._topic} as {self._consumer}: a message is compressed with"
+                f" a codec Nemesis cannot decode ({exc}); it reads {DECODED}"
+            ) from exc
         except issues.Error as exc:
             raise broker_error(exc, f"receive from {self._topic} as {self._consumer}") from exc
 
-    async def _until_resumed(self, timeout_s: float) -> None:
-        self._resumed.clear()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._resumed.wait()
+    async def _reopen_sdk(self) -> None:
+        """A new SDK reader, so that the server sends every partition from its committed offset."""
+        self._reopen = False
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.cancel()  # what it held is read again by the new reader
+            with contextlib.suppress(asyncio.CancelledError, issues.Error):
+                await pending
+        old, self._sdk = self._sdk, self._open_sdk()
+        self._reopens += 1
+        logger.info("reader of %s as %s: reading again after a spilled pause", *self._names)
+        for session in self._sessions.values():
+            self._dropped += len(session.stash)
+            session.stash.clear()
+            session.stash_bytes = 0
+        self._sessions.clear()
+        self._closing = await close_sdk_reader(
+            old, _REOPEN_CLOSE_S, f"reader of {self._topic} as {self._consumer}"
+        )
+
+    @property
+    def _names(self) -> tuple[str, str]:
+        return self._topic, self._consumer
 
     def _admit(self, batch: TopicReaderBatch, max_messages: int) -> list[Message]:
         """Maps a batch; hands out up to ``max_messages``, stashes the rest and the paused."""
         out: list[Message] = []
         for received in batch.messages:
             session = self._session_of(received)
-            if session is None:
+            if session is None or session.spilled or session.parked is not None:
                 self._dropped += 1
+                continue
+            if isinstance(received.data, Undecodable):
+                self._park(session, received.offset, received.data.codec)
                 continue
             message = to_message(self._topic, received, session)
             # Behind messages already stashed, so a partition stays in offset order.
             if session.paused or session.stash or len(out) >= max_messages:
-                session.stash.append((message, received))
+                self._hold(session, message, received)
                 continue
             session.inflight[message.offset] = received
             out.append(message)
         return out
+
+    def _hold(self, session: YdbSession, message: Message, received: TopicReaderMessage) -> None:
+        size = len(message.value)
+        if session.paused and (
+            len(session.stash) >= self._stash_limit
+            or session.stash_bytes + size > self._stash_bytes
+        ):
+            logger.info(
+                "%s is paused past %d messages or %d bytes: its messages are dropped"
+                " and read again after its resume",
+                session,
+                self._stash_limit,
+                self._stash_bytes,
+            )
+            self._drop_stash(session)
+            self._dropped += 1
+            session.spilled = True
+            return
+        session.stash.append((message, received))
+        session.stash_bytes += size
+
+    def _drop_stash(self, session: YdbSession) -> None:
+        self._dropped += len(session.stash)
+        session.stash.clear()
+        session.stash_bytes = 0
+
+    def _park(self, session: YdbSession, offset: int, codec: int) -> None:
+        name = CODEC_NAMES.get(codec, str(codec))
+        session.parked = (
+            f"{self._topic}[{session.partition}] offset {offset} is compressed with {name},"
+            f" which Nemesis cannot decode (it reads {DECODED}): the partition is parked"
+        )
+        logger.error("reader of %s as %s: %s", self._topic, self._consumer, session.parked)
+        self._drop_stash(session)
+        self._dropped += 1
 
     def _session_of(self, received: TopicReaderMessage) -> YdbSession | None:
         """The session of a received message; None when it ended already (a stale message)."""
@@ -199,9 +348,13 @@ class YdbReader:
         if session is None:
             if sdk.closed:
                 return None
-            session = YdbSession(self._topic, sdk, next(self._serials), owner=self)
-            self._sessions[key] = session
+            session = self._add_session(sdk)
         return session if session.alive else None
+
+    def _add_session(self, sdk: SdkSession) -> YdbSession:
+        session = YdbSession(self._topic, sdk, next(self._serials), owner=self)
+        self._sessions[session_key(sdk)] = session
+        return session
 
     def _take_stashed(self, max_messages: int) -> list[Message]:
         out: list[Message] = []
@@ -211,21 +364,23 @@ class YdbReader:
             taken = session.stash[: max_messages - len(out)]
             del session.stash[: len(taken)]
             for message, received in taken:
+                session.stash_bytes -= len(message.value)
                 session.inflight[message.offset] = received
                 out.append(message)
             if len(out) >= max_messages:
                 break
         return out
 
-    def _stalled(self) -> bool:
-        return any(s.paused and len(s.stash) >= self._stash_limit for s in self._sessions.values())
-
-    def _forget_dead_sessions(self) -> None:
+    def _sync_sessions(self) -> None:
+        """Forgets the sessions that ended; adds those the SDK started (module docstring)."""
         for key, session in list(self._sessions.items()):
             if not session.alive:
                 # Its stash and in-flight messages are stale: the next owner reads them again.
                 self._dropped += len(session.stash)
                 del self._sessions[key]
+        for sdk in sdk_partition_sessions(self._sdk):
+            if session_key(sdk) not in self._sessions:
+                self._add_session(sdk)
 
     # --- committing ---------------------------------------------------------------
 
@@ -289,10 +444,16 @@ class YdbReader:
             own.paused = True
 
     def resume(self, session: PartitionSession) -> None:
-        """Hands this session's messages out again, the held ones first."""
+        """Hands this session's messages out again, the held ones first.
+
+        A spilled session's messages are read again from the committed offsets
+        by a new SDK reader, at the next ``receive`` (see the module docstring).
+        """
         own = self._own(session)
         if own is not None and own.paused:
             own.paused = False
+            if own.spilled:
+                self._reopen = True
             self._resumed.set()
 
     def _own(self, session: PartitionSession) -> YdbSession | None:
@@ -301,16 +462,14 @@ class YdbReader:
         return session if session.alive else None
 
     def sessions(self) -> Sequence[PartitionSession]:
-        """The live sessions this reader has received messages from, by partition.
-
-        A partition assigned to this reader shows up with its first message:
-        the SDK reports no session starts.
-        """
-        self._forget_dead_sessions()
+        """The live sessions of this reader, by partition, from their start on."""
+        self._sync_sessions()
         return sorted(self._sessions.values(), key=lambda s: (s.partition, s.id))
 
     def statistics(self) -> ReaderStatistics:
         """Sessions, paused, held and in-flight messages, for metrics and the admin API."""
+        if not self._closed:
+            self._sync_sessions()
         live = [s for s in self._sessions.values() if s.alive]
         return ReaderStatistics(
             topic=self._topic,
@@ -318,9 +477,12 @@ class YdbReader:
             sessions=len(live),
             paused=sum(s.paused for s in live),
             stashed=sum(len(s.stash) for s in live),
+            stashed_bytes=sum(s.stash_bytes for s in live),
             inflight=sum(len(s.inflight) for s in live),
             dropped=self._dropped,
-            stalled=self._stalled(),
+            spilled=sum(s.spilled for s in live),
+            reopens=self._reopens,
+            parked={s.partition: s.parked for s in live if s.parked is not None},
             closed=self._closed,
         )
 

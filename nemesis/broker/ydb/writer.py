@@ -1,8 +1,11 @@
-"""The YDB writer: one producer id, one SDK writer per partition it writes to.
+"""The YDB writer: one SDK writer per partition it writes to, each its own producer.
 
 Partitions. A YDB writer session writes to one partition, so a writer keeps
 a lane (an SDK writer with ``partition_id``) per partition it has used,
-opened on first use. A message goes to its ``partition`` if given, else to
+opened on first use. Each lane writes as its own producer, ``<producer
+id>.p<partition>`` (``lane_producer_id``): YDB binds a producer id to the
+first partition it writes to (for 14 days) and refuses it on any other,
+with an error the SDK does not retry. A message goes to its ``partition`` if given, else to
 ``partition_for_key(key)`` (the same hash as the embedded backend), else to
 the producer's home partition, ``partition_for_key(producer_id)``. Unkeyed
 messages are not spread round-robin as on the embedded backend: a retry of
@@ -10,11 +13,12 @@ a batch must reach the partition that de-duplicates it, and writers with
 different (random) producer ids spread over the partitions anyway.
 
 De-duplication. YDB skips a message whose seqno is not above the last seqno
-of its producer *in that partition*. Seqnos are always explicit here
-(``auto_seqno=False``): a message with a seqno keeps it, one without gets
-the lane's next. A seqno at or below the lane's last is reported as a
-duplicate without being sent (the SDK would raise on it), and one the
-server skips is a duplicate too.
+of its producer *in that partition*; a lane's producer id names the
+partition, so a reopened lane finds its own last seqno and nothing else's.
+Seqnos are always explicit here (``auto_seqno=False``): a message with a
+seqno keeps it, one without gets the lane's next. A seqno at or below the
+lane's last is reported as a duplicate without being sent (the SDK would
+raise on it), and one the server skips is a duplicate too.
 
 Acknowledgement. ``write`` returns when the server acknowledged every
 message (``write_with_ack``), bounded by ``timeout_s``. A lane that timed
@@ -200,14 +204,15 @@ class YdbWriter:
             lane = self._lanes.get(partition)
             if lane is not None:
                 return lane
+            producer_id = lane_producer_id(self._producer_id, partition)
             sdk = self._topics.writer(
                 self._path,
-                producer_id=self._producer_id,
+                producer_id=producer_id,
                 partition_id=partition,
                 auto_seqno=False,
                 auto_created_at=False,
             )
-            what = f"open a writer on {self._topic}[{partition}] as {self._producer_id}"
+            what = f"open a writer on {self._topic}[{partition}] as {producer_id}"
             try:
                 timeout_s = min(self._open_timeout_s, _remaining(deadline))
                 async with asyncio.timeout(timeout_s):
@@ -265,6 +270,11 @@ async def _close_quietly(sdk: TopicWriterAsyncIO, timeout_s: float) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         if closing.done() and not closing.cancelled():
             closing.exception()
+
+
+def lane_producer_id(producer_id: str, partition: int) -> str:
+    """The producer id a writer's lane for ``partition`` writes as (see the module docstring)."""
+    return f"{producer_id}.p{partition}"
 
 
 def default_producer_id() -> str:

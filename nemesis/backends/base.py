@@ -1,0 +1,183 @@
+"""What a backend kind is: a config model and a factory, registered together by name.
+
+``BackendModel``, ``DlqModel`` and ``StateModel`` are the bases of the
+``backend:``, ``dlq:`` and ``state:`` sections' models: what every kind
+has, so the CLI and the runner can read it whatever the kind. ``Backends`` is the registry; see
+``nemesis.backends`` for how a kind joins it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any, Union
+
+from pydantic import (
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from nemesis.config_base import DurationS, Model
+
+if TYPE_CHECKING:
+    from nemesis.broker.port import Broker
+    from nemesis.clock import Clock
+    from nemesis.config.models import NemesisConfig
+    from nemesis.dlq.port import DeadLetterStore
+    from nemesis.fleet.port import StateStore
+
+
+class BackendModel(Model):
+    """The ``backend:`` section of one kind; every kind has these fields."""
+
+    kind: str
+    retention: DurationS  # of a topic created without one
+    default_partitions: int  # of a topic created without a count
+
+
+class DlqModel(Model):
+    """The ``dlq:`` section of one kind."""
+
+    kind: str
+    retention: DurationS  # rows older than this are deleted; 0 keeps them forever
+
+    def location(self, data_dir: str) -> str:
+        """Where the store is, in words (``nemesis init`` prints it)."""
+        return self.kind
+
+    def check_backend(self, backend: BackendModel) -> None:
+        """Raises ValueError if this store cannot work with ``backend``."""
+
+
+class StateModel(Model):
+    """The ``state:`` section of one kind: where the replicas of a fleet meet."""
+
+    kind: str
+    # A member that stops renewing its lease for this long is taken for dead and its
+    # integrations move; it renews every third of it.
+    lease_s: Annotated[float, Field(ge=0.5, le=600)] = 10.0
+    # How often a member asks whether anything changed (one small read).
+    poll_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+
+    def location(self, data_dir: str) -> str:
+        """Where the store is, in words."""
+        return self.kind
+
+
+BrokerFactory = Callable[["NemesisConfig", "Clock"], Awaitable["Broker"]]
+DlqFactory = Callable[["NemesisConfig", "Broker | None", "Clock"], Awaitable["DeadLetterStore"]]
+StateFactory = Callable[["NemesisConfig"], Awaitable["StateStore"]]
+
+
+@dataclass(frozen=True)
+class BrokerKind:
+    """A broker backend: its name (``backend.kind``), config model and factory."""
+
+    name: str
+    config: type[BackendModel]
+    open: BrokerFactory
+
+
+@dataclass(frozen=True)
+class DlqKind:
+    """A DLQ store: its name (``dlq.kind``), config model and factory."""
+
+    name: str
+    config: type[DlqModel]
+    open: DlqFactory
+
+
+@dataclass(frozen=True)
+class StateKind:
+    """A fleet state store: its name (``state.kind``), config model and factory."""
+
+    name: str
+    config: type[StateModel]
+    open: StateFactory
+
+
+@dataclass
+class Backends:
+    """Broker, DLQ-store and state-store kinds by name; the first of each is the default."""
+
+    brokers: dict[str, BrokerKind] = field(default_factory=dict)
+    dlqs: dict[str, DlqKind] = field(default_factory=dict)
+    states: dict[str, StateKind] = field(default_factory=dict)
+
+    def copy(self) -> Backends:
+        return Backends(dict(self.brokers), dict(self.dlqs), dict(self.states))
+
+    def register_broker(self, kind: BrokerKind) -> None:
+        self.brokers[kind.name] = kind
+
+    def register_dlq(self, kind: DlqKind) -> None:
+        self.dlqs[kind.name] = kind
+
+    def register_state(self, kind: StateKind) -> None:
+        self.states[kind.name] = kind
+
+    def backend_config(self) -> Any:
+        """The type of ``backend:``: one model per registered kind, chosen by ``kind``."""
+        return _by_kind("backend", {name: kind.config for name, kind in self.brokers.items()})
+
+    def dlq_config(self) -> Any:
+        """The type of ``dlq:``: one model per registered kind, chosen by ``kind``."""
+        return _by_kind("dlq", {name: kind.config for name, kind in self.dlqs.items()})
+
+    def state_config(self) -> Any:
+        """The type of ``state:``: one model per registered kind, chosen by ``kind``."""
+        return _by_kind("state", {name: kind.config for name, kind in self.states.items()})
+
+
+_UNKNOWN = "?"  # the tag of a kind nobody registered
+
+
+def _by_kind(section: str, models: dict[str, type[Model]]) -> Any:
+    """A union of ``models`` tagged by their ``kind``, for pydantic.
+
+    A section without ``kind`` is the first model (the default kind). An
+    unknown kind is reported at ``<section>.kind`` with the known kinds, and
+    the section's other fields are still checked against the default
+    kind's model, so one run reports every problem; that check is left out
+    of the JSON schema, which lists the known kinds only.
+    """
+    if not models:
+        raise ValueError(f"no {section} kind is registered")
+    names = list(models)
+    message = f"unknown {section} kind '{{kind}}'; the known kinds are {', '.join(names)}"
+
+    def unknown_kind(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            problems: list[InitErrorDetails] = []
+            for problem in exc.errors():
+                if problem["loc"] == ("kind",):
+                    kind = {"kind": problem["input"]}
+                    error: Any = PydanticCustomError("unknown_kind", message, kind)
+                else:
+                    error = problem["type"]
+                details = InitErrorDetails(type=error, loc=problem["loc"], input=problem["input"])
+                if "ctx" in problem and not isinstance(error, PydanticCustomError):
+                    details["ctx"] = problem["ctx"]
+                problems.append(details)
+            raise ValidationError.from_exception_data(exc.title, problems) from None
+
+    def kind_of(value: Any) -> str:
+        kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+        if kind is None:
+            return names[0]
+        return kind if kind in models else _UNKNOWN
+
+    default: Any = models[names[0]]
+    choices: list[Any] = [Annotated[model, Tag(name)] for name, model in models.items()]
+    fallback: Any = Annotated[default, WrapValidator(unknown_kind), Tag(_UNKNOWN)]
+    skip: Any = SkipJsonSchema  # built at run time: to mypy not a type
+    choices.append(skip[fallback])
+    return Annotated[Union[tuple(choices)], Discriminator(kind_of)]  # noqa: UP007

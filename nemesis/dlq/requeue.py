@@ -1,0 +1,194 @@
+"""Requeue and discard of dead letters: the one path the CLI, the API and the UI share.
+
+A requeued message is written to its integration's replay topic
+(``nemesis.replay.<integration>``), never to the shared source topic, so only
+that integration receives it again, through its replay flow and at its
+``rate_limits.replay``. It carries its event id, so if it fails again it comes
+back as the same DLQ row, with the requeue count kept.
+
+The order is: write to the replay topic, then mark the rows requeued. A crash
+in between leaves rows marked dead whose messages are on their way already: a
+second requeue would send them twice, which the handler's idempotency by
+``ce-id`` absorbs. The reverse order could lose messages.
+
+This needs the state store, a broker and the topic names of
+``nemesis.topology``, nothing of the running proxy: a viewer on another host
+requeues the same way. The replay topic is used as the broker describes it;
+when it does not exist yet (the proxy has not run the integration), it is
+created with as many partitions as the message's source topic has.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from nemesis.broker.port import Broker, ConsumerSpec
+from nemesis.clock import SYSTEM_CLOCK, Clock
+from nemesis.dlq.port import (
+    MAX_SELECT_IDS,
+    Action,
+    DeadLetterFilter,
+    DeadLetterRow,
+    DeadLetterStore,
+    Status,
+)
+from nemesis.errors import TopicNotFound
+from nemesis.topology import replay_message, replay_topic
+
+_WRITE_BATCH = 500
+
+
+@dataclass(frozen=True, slots=True)
+class ActionResult:
+    """How many rows an action touched, per integration."""
+
+    action: Action
+    count: int
+    by_integration: dict[str, int]
+
+
+async def requeue(
+    store: DeadLetterStore,
+    broker: Broker,
+    ids: Collection[str],
+    *,
+    by: str,
+    allowed: frozenset[str] | None = None,
+    description: str = "",
+    clock: Clock = SYSTEM_CLOCK,
+) -> ActionResult:
+    """Sends dead rows back to their own integration's replay flow; returns what moved.
+
+    ``allowed`` limits the action to those integrations (a user's teams);
+    rows of other integrations, and rows not in ``dead`` status, are skipped.
+    """
+    rows = await _dead_rows(store, ids, allowed)
+    by_integration: dict[str, list[DeadLetterRow]] = defaultdict(list)
+    for row in rows:
+        by_integration[row.integration].append(row)
+    moved: dict[str, int] = {}
+    now = clock.time()
+    for integration, letters in sorted(by_integration.items()):
+        topic = await _replay_topic_of(broker, integration, letters[0].source_topic)
+        writer = await broker.writer(topic)
+        try:
+            for start in range(0, len(letters), _WRITE_BATCH):
+                chunk = letters[start : start + _WRITE_BATCH]
+                await writer.write(
+                    [
+                        replay_message(
+                            row.payload,
+                            event=row.event_id,
+                            key=row.key,
+                            metadata=row.metadata,
+                            source_topic=row.source_topic,
+                            source_partition=row.source_partition,
+                            source_offset=row.source_offset,
+                        )
+                        for row in chunk
+                    ]
+                )
+        finally:
+            await writer.close()
+        moved[integration] = await store.mark_requeued(
+            [row.id for row in letters], by=by, at=now, integrations=frozenset({integration})
+        )
+    return await _audited(store, Action.REQUEUE, moved, by=by, description=description, at=now)
+
+
+async def _replay_topic_of(broker: Broker, integration: str, source_topic: str) -> str:
+    """The integration's replay topic, made ready to take messages its consumer reads."""
+    topic = replay_topic(integration)
+    try:
+        described = await broker.admin.describe_topic(topic)
+    except TopicNotFound:
+        try:
+            partitions = len((await broker.admin.describe_topic(source_topic)).partitions)
+        except TopicNotFound:
+            partitions = 1  # the source is gone too: one partition keeps the messages in order
+        await broker.admin.create_topic(
+            topic,
+            partitions=max(1, partitions),
+            consumers=[ConsumerSpec(integration)],
+            exist_ok=True,
+        )
+        return topic
+    if integration not in described.consumers:
+        await broker.admin.add_consumer(topic, ConsumerSpec(integration))
+    return topic
+
+
+async def discard(
+    store: DeadLetterStore,
+    ids: Collection[str],
+    *,
+    by: str,
+    allowed: frozenset[str] | None = None,
+    description: str = "",
+    clock: Clock = SYSTEM_CLOCK,
+) -> ActionResult:
+    """Marks dead rows discarded (they stay for the audit until retention removes them)."""
+    rows = await _dead_rows(store, ids, allowed)
+    now = clock.time()
+    moved: dict[str, int] = {}
+    for integration in sorted({row.integration for row in rows}):
+        moved[integration] = await store.mark_discarded(
+            [row.id for row in rows if row.integration == integration],
+            by=by,
+            at=now,
+            integrations=frozenset({integration}),
+        )
+    return await _audited(store, Action.DISCARD, moved, by=by, description=description, at=now)
+
+
+async def _dead_rows(
+    store: DeadLetterStore, ids: Collection[str], allowed: frozenset[str] | None
+) -> list[DeadLetterRow]:
+    """The rows an action may touch: dead ones, of the integrations the actor may act on."""
+    return [
+        row
+        for row in await store.get_many(list(ids))
+        if row.status is Status.DEAD and (allowed is None or row.integration in allowed)
+    ]
+
+
+async def _audited(
+    store: DeadLetterStore,
+    action: Action,
+    moved: dict[str, int],
+    *,
+    by: str,
+    description: str,
+    at: float,
+) -> ActionResult:
+    """Writes the audit entry of an action that touched rows, and reports it."""
+    total = sum(moved.values())
+    if total:
+        await store.record_action(
+            who=by,
+            action=action,
+            integrations=sorted(moved),
+            count=total,
+            description=description or f"{total} selected",
+            at=at,
+        )
+    return ActionResult(action, total, moved)
+
+
+async def matching_ids(
+    store: DeadLetterStore, where: DeadLetterFilter, limit: int = MAX_SELECT_IDS
+) -> Sequence[str]:
+    """The ids of the dead rows a filter (or a group) covers, for a bulk action."""
+    dead_only = DeadLetterFilter(
+        integrations=where.integrations,
+        reason=where.reason,
+        status=Status.DEAD,
+        http_status=where.http_status,
+        signature=where.signature,
+        since=where.since,
+        until=where.until,
+        text=where.text,
+    )
+    return await store.select_ids(dead_only, limit)

@@ -1,0 +1,60 @@
+"""The topics Nemesis owns and the metadata it writes on them: names both sides agree on.
+
+Each integration has its own retry tier topics (``nemesis.retry.<integration>.<n>``)
+and replay topic (``nemesis.replay.<integration>``). A message Nemesis writes
+to one of them carries the original bytes and metadata plus the ``nemesis-*``
+keys below. The proxy's flows read these topics; the DLQ's requeue path (the
+CLI, the viewer) writes to the replay topics. Both take the names from here,
+so a viewer that runs apart from the proxy needs nothing of the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from nemesis.broker.port import OutgoingMessage
+
+# Metadata keys Nemesis itself writes (retry tiers, replays); producers should not use them.
+META_PREFIX = "nemesis-"
+META_EVENT_ID = "nemesis-event-id"
+META_SOURCE_TOPIC = "nemesis-source-topic"
+META_SOURCE_PARTITION = "nemesis-source-partition"
+META_SOURCE_OFFSET = "nemesis-source-offset"
+META_ATTEMPTS = "nemesis-attempts"  # deliveries tried so far
+META_DUE_AT = "nemesis-due-at"  # Unix seconds: not before
+META_FIRST_FAILURE_AT = "nemesis-first-failure-at"
+META_LAST_ERROR = "nemesis-last-error"
+META_LAST_STATUS = "nemesis-last-status"
+META_STAGE = "nemesis-stage"
+META_TIER = "nemesis-tier"
+META_REPLAY = "nemesis-replay"  # set on messages requeued from the DLQ
+
+
+def tier_topic(integration: str, tier: int) -> str:
+    """The topic of retry tier ``tier`` (1-based) of an integration."""
+    return f"nemesis.retry.{integration}.{tier}"
+
+
+def replay_topic(integration: str) -> str:
+    """The topic requeued dead letters of an integration go through."""
+    return f"nemesis.replay.{integration}"
+
+
+def replay_message(
+    payload: bytes,
+    *,
+    event: str,
+    key: str | None,
+    metadata: Mapping[str, str],
+    source_topic: str,
+    source_partition: int,
+    source_offset: int,
+) -> OutgoingMessage:
+    """A dead letter on its way back to its integration's replay topic."""
+    meta = {k: v for k, v in metadata.items() if not k.startswith(META_PREFIX)}
+    meta[META_EVENT_ID] = event
+    meta[META_SOURCE_TOPIC] = source_topic
+    meta[META_SOURCE_PARTITION] = str(source_partition)
+    meta[META_SOURCE_OFFSET] = str(source_offset)
+    meta[META_REPLAY] = "1"
+    return OutgoingMessage(value=payload, key=key, metadata=meta)
