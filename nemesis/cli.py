@@ -244,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--viewer-port", type=int, default=8080, help="the DLQ viewer's port (0: any free one)"
     )
+    demo.add_argument("--kafka", metavar="HOST:PORT", help="use this Kafka broker, not embedded")
+    demo.add_argument(
+        "--no-idempotence", action="store_true", help="for a Kafka broker without InitProducerId"
+    )
     demo.set_defaults(handler=cmd_demo)
     _log_level_everywhere(parser)
     return parser
@@ -834,7 +838,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from nemesis.demo import run_demo
 
     return run_async(
-        run_demo(args.dir, duration_s=args.duration, rate=args.rate, viewer_port=args.viewer_port)
+        run_demo(
+            args.dir,
+            duration_s=args.duration,
+            rate=args.rate,
+            viewer_port=args.viewer_port,
+            kafka=args.kafka,
+            idempotent_producer=not args.no_idempotence,
+        )
     )
 
 

@@ -515,7 +515,7 @@ def test_process_config_reports_every_problem(tmp_path: Path) -> None:
         "nemesis.yaml",
         """
         backend:
-          kind: kafka
+          kind: pulsar
           retention: forever
         admin: {port: 70000}
         """,

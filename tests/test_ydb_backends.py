@@ -50,7 +50,7 @@ async def test_the_default_kinds_open_from_the_configuration(tmp_path: Path) -> 
         await store.close()
     finally:
         await broker.close()
-    assert set(default_backends().brokers) == {"embedded", "ydb"}
+    assert set(default_backends().brokers) == {"embedded", "ydb", "kafka"}
     assert set(default_backends().dlqs) == {"sqlite", "ydb"}
 
 

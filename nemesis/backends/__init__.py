@@ -43,6 +43,7 @@ from nemesis.backends.base import (
     StateModel,
 )
 from nemesis.backends.embedded import EMBEDDED
+from nemesis.backends.kafka import KAFKA
 from nemesis.backends.sqlite import SQLITE, SQLITE_STATE
 from nemesis.backends.ydb import YDB, YDB_DLQ
 from nemesis.clock import SYSTEM_CLOCK, Clock
@@ -75,6 +76,7 @@ def default_backends() -> Backends:
     registry = Backends()
     registry.register_broker(EMBEDDED)
     registry.register_broker(YDB)
+    registry.register_broker(KAFKA)
     registry.register_dlq(SQLITE)
     registry.register_dlq(YDB_DLQ)
     registry.register_state(SQLITE_STATE)

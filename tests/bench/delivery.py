@@ -11,7 +11,9 @@ Prints, on the host it runs on:
   (c) (a) with batches of 100 per request (target >= 150,000 msg/s per CPU second),
   (d) embedded log append and read rates,
   (e) p50/p99 latency added by the proxy at 1,000 msg/s (target p99 <= 1.2 ms),
-  (f) peak RSS of the proxy process.
+  (f) peak RSS of the proxy process,
+  (k) with --only kafka: (a) and (c) on the embedded log and on a Kafka-protocol
+      broker (Tansu, from the dev extra, started on 127.0.0.1), side by side.
 
 The handler (tests/bench/fast_handler.py) and the proxy run pinned to different
 cores when the machine has two. Usage: `make bench` or
@@ -124,14 +126,21 @@ class Handler:
 
 
 class Workspace:
-    """A folder with nemesis.yaml + one integration, and the log file."""
+    """A folder with nemesis.yaml + one integration, and the log file (or a Kafka broker)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, kafka: str | None = None) -> None:
         self.root = root
         self.db = root / "bench.db"
+        self.kafka = kafka
         (root / "integrations").mkdir(parents=True, exist_ok=True)
+        backend = (
+            f"{{kind: embedded, path: {self.db}}}"
+            if kafka is None
+            # Tansu has no InitProducerId: no idempotent producer.
+            else f"{{kind: kafka, bootstrap_servers: ['{kafka}'], idempotent_producer: false}}"
+        )
         (root / "nemesis.yaml").write_text(
-            f"backend: {{kind: embedded, path: {self.db}}}\ndata_dir: .\n"
+            f"backend: {backend}\ndata_dir: .\n"
             f"integrations_dir: integrations\npipelines_dir: {REPO / 'pipelines'}\n"
             # The viewer starts with every proxy, as in production; a secret made for this
             # run keeps it from warning at each start that it had to make one itself.
@@ -180,8 +189,24 @@ def city_order(n: int) -> bytes:
     return orjson.dumps({"order": {"id": n, "city": city, "amount": amount}, "note": "x" * 200})
 
 
-async def fill(db: Path, topic: str, count: int, partitions: int = 4, make: Any = None) -> None:
-    broker = await open_embedded(EmbeddedBackendConfig(path=str(db)))
+async def fill(
+    db: Path,
+    topic: str,
+    count: int,
+    partitions: int = 4,
+    make: Any = None,
+    kafka: str | None = None,
+) -> None:
+    broker: Any
+    if kafka is None:
+        broker = await open_embedded(EmbeddedBackendConfig(path=str(db)))
+    else:
+        from nemesis.broker.kafka.broker import open_kafka
+        from nemesis.broker.kafka.config import KafkaBackendConfig
+
+        broker = await open_kafka(
+            KafkaBackendConfig(bootstrap_servers=[kafka], idempotent_producer=False)
+        )
     try:
         await broker.admin.create_topic(
             topic, partitions=partitions, consumers=[ConsumerSpec(topic)], exist_ok=True
@@ -221,7 +246,7 @@ async def through_proxy(
     With a pipeline that filters, the rate counts every message read (filtered
     ones included): the proxy is done when the handler has the passing quarter.
     """
-    await fill(space.db, topic, count, make=city_order if pipeline else None)
+    await fill(space.db, topic, count, make=city_order if pipeline else None, kafka=space.kafka)
     space.integration(
         topic,
         handler.url,
@@ -591,6 +616,8 @@ def percentile(values: Sequence[float], pct: float) -> float:
 
 
 PARTS = ("delivery", "log", "latency")
+# Not in the default run: it needs the Tansu broker of the dev extra.
+OPTIONAL_PARTS = ("kafka",)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -613,6 +640,47 @@ async def main(args: argparse.Namespace) -> None:
             print_latency(
                 await latency(space, 1000.0, args.latency_seconds, 16, args.latency_rounds)
             )
+        if "kafka" in parts:
+            await kafka_part(Path(tmp), args)
+
+
+async def kafka_part(root: Path, args: argparse.Namespace) -> None:
+    """(k): (a) and (c) on the embedded log and on Kafka (Tansu), in the same run."""
+    sys.path.insert(0, str(REPO))  # the test broker's starter lives in tests/
+    from tests.kafka_broker import start_tansu
+
+    (root / "kafka").mkdir()
+    tansu = start_tansu(root / "kafka")
+    handler = Handler()
+    cores = os.sched_getaffinity(0)
+    if (os.cpu_count() or 1) >= 2:
+        # The broker and this process beside the handler: the proxy has core 0 alone.
+        assert tansu.process is not None
+        os.sched_setaffinity(tansu.process.pid, {1})
+        os.sched_setaffinity(0, {1})
+    rates: dict[str, tuple[list[float], ProxyRun]] = {}
+    try:
+        for kind, kafka in (("embedded", None), ("kafka", tansu.bootstrap)):
+            space = Workspace(root / f"k-{kind}", kafka=kafka)
+            single = [
+                (await through_proxy(space, handler, f"k{n}", args.messages, args.workers, 1)).rate
+                for n in range(args.repeat)
+            ]
+            batched = await through_proxy(space, handler, "kb", args.messages * 5, 8, 100)
+            rates[kind] = (single, batched)
+    finally:
+        handler.close()
+        tansu.stop()
+        os.sched_setaffinity(0, cores)
+    print(
+        "  (k) the same proxy on each backend (Tansu 0.6, memory storage, on the handler's core):"
+    )
+    for kind, (single, batched) in rates.items():
+        print(
+            f"      {kind:<9} (a) 1 msg/request: {statistics.median(single):>10,.0f} msg/s"
+            f"  {fmt(single)}   (c) batches of 100: {batched.rate:>10,.0f} msg/s"
+            f"  ({1e6 / batched.cpu_us:,.0f} per CPU second)"
+        )
 
 
 async def delivery_part(space: Workspace, args: argparse.Namespace) -> None:
@@ -770,8 +838,8 @@ if __name__ == "__main__":
     parser.add_argument(
         "--only",
         action="append",
-        choices=PARTS,
+        choices=PARTS + OPTIONAL_PARTS,
         help="run only this part (repeatable): delivery = (a)-(c), (f), (g); log = (d);"
-        " latency = (e). Default: all of them, in that order",
+        " latency = (e); kafka = (k). Default: all but kafka, in that order",
     )
     _run(main(parser.parse_args()))

@@ -1,0 +1,411 @@
+"""End to end on Kafka: the real CLI in subprocesses, a real Kafka-protocol broker, real handlers.
+
+Each case starts its own Tansu broker on 127.0.0.1 (it is ready in
+milliseconds), writes a ``nemesis.yaml`` whose backend is that broker, and
+drives ``nemesis topics``, ``publish``, ``init``, ``run`` and ``dlq`` as a user
+would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from nemesis.dlq import DeadLetterFilter, open_sqlite_dlq
+from nemesis.testing import HandlerServer, Ledger, LedgerEntry
+from tests.conftest import Workspace, integration_yaml, kill_hard, stop_gracefully
+from tests.kafka_broker import TansuBroker, free_port, start_tansu
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def tansu(tmp_path: Path) -> Iterator[TansuBroker]:
+    broker = start_tansu(tmp_path)
+    yield broker
+    broker.stop()
+
+
+def kafka_config(space: Workspace, bootstrap: str, *, admin_port: int = 0) -> int:
+    """Points the workspace at the broker; returns the admin API's port."""
+    port = admin_port or free_port()
+    (space.root / "nemesis.yaml").write_text(
+        "backend:\n"
+        "  kind: kafka\n"
+        f"  bootstrap_servers: ['{bootstrap}']\n"
+        "  idempotent_producer: false   # Tansu has no InitProducerId\n"
+        "  session_timeout_s: 6\n"
+        "  heartbeat_interval_s: 1\n"
+        "  connect_timeout_s: 5\n"
+        "  request_timeout_s: 8\n"
+        "data_dir: .\n"
+        "integrations_dir: integrations\n"
+        f"admin: {{port: {port}}}\n"
+        "viewer: {port: 0, enabled: false}\n"
+        "metrics: {lag_refresh_s: 1}\n"
+    )
+    (space.root / "integrations").mkdir(exist_ok=True)
+    return port
+
+
+def write_orders(path: Path, count: int) -> set[str]:
+    ids = set()
+    with path.open("wb") as out:
+        for n in range(count):
+            ids.add(f"order-{n}")
+            out.write(orjson.dumps({"id": f"order-{n}", "n": n}) + b"\n")
+    return ids
+
+
+def order_id(entry: LedgerEntry) -> str:
+    return str(json.loads(entry.body)["id"])
+
+
+def n_of(entry: LedgerEntry) -> int:
+    return int(json.loads(entry.body)["n"])
+
+
+def publish(space: Workspace, topic: str, count: int, partitions: int = 4) -> set[str]:
+    created = space.cli("topics", "create", topic, "--partitions", str(partitions))
+    assert created.returncode == 0, created.stderr
+    ids = write_orders(space.root / "orders.jsonl", count)
+    published = space.cli(
+        "publish", topic, "--file", "orders.jsonl", "--lines", "--key-field", "id", timeout=180
+    )
+    assert published.returncode == 0, published.stderr
+    assert f"written {count} message(s)" in published.stdout
+    return ids
+
+
+def init(space: Workspace) -> None:
+    done = space.cli("init")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def committed(space: Workspace, topic: str, consumer: str) -> list[tuple[int, int]]:
+    """(committed, end) offsets per partition, as ``nemesis topics describe`` reports them."""
+    described = space.cli("topics", "describe", topic, "--json")
+    assert described.returncode == 0, described.stderr
+    partitions = json.loads(described.stdout)["partitions"]
+    return [(p["committed"].get(consumer, -1), p["end_offset"]) for p in partitions]
+
+
+async def wait_committed(space: Workspace, topic: str, consumer: str, timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        offsets = await asyncio.to_thread(committed, space, topic, consumer)
+        if all(c == end for c, end in offsets):
+            return
+        assert asyncio.get_running_loop().time() < deadline, offsets
+        await asyncio.sleep(0.5)
+
+
+async def test_run_delivers_and_commits_every_message(
+    workspace: Workspace, tansu: TansuBroker
+) -> None:
+    kafka_config(workspace, tansu.bootstrap)
+    ids = publish(workspace, "orders", 10_000)
+    async with HandlerServer() as handler:
+        workspace.write_integration("loyalty", integration_yaml("loyalty", handler.url, workers=32))
+        init(workspace)
+        proxy = await workspace.start("run")
+        await handler.ledger.wait_for(10_000, timeout_s=180)
+        await wait_committed(workspace, "orders", "loyalty", timeout_s=60)
+        assert await stop_gracefully(proxy) == 0, workspace.logs()
+    assert {order_id(e) for e in handler.ledger if e.done} == ids
+    offsets = committed(workspace, "orders", "loyalty")
+    assert sum(end for _, end in offsets) == 10_000
+    assert all(c == end for c, end in offsets), offsets
+
+
+async def test_kill_9_loses_nothing(workspace: Workspace, tansu: TansuBroker) -> None:
+    count, kills, buffer, partitions = 20_000, 3, 500, 4
+    kafka_config(workspace, tansu.bootstrap)
+    ids = publish(workspace, "orders", count, partitions)
+    rng = random.Random(11)
+    async with HandlerServer(seed=5) as handler:
+        handler.delay(0.0, 0.004)
+        workspace.write_integration(
+            "loyalty", integration_yaml("loyalty", handler.url, workers=32, buffer=buffer)
+        )
+        init(workspace)
+        for _ in range(kills):
+            proxy = await workspace.start("run")
+            before = len(handler.ledger)
+
+            def delivering(ledger: Ledger, before: int = before) -> bool:
+                return len(ledger) > before + 500
+
+            await handler.ledger.wait_until(delivering, timeout_s=90)
+            await asyncio.sleep(rng.uniform(0.1, 1.0))
+            kill_hard(proxy)
+            await proxy.wait()
+        proxy = await workspace.start("run")
+        await handler.ledger.wait_for(count, timeout_s=240)
+        await wait_committed(workspace, "orders", "loyalty", timeout_s=60)
+        assert await stop_gracefully(proxy) == 0, workspace.logs()
+    delivered = Counter(order_id(e) for e in handler.ledger if e.done)
+    assert set(delivered) == ids, f"lost {len(ids - set(delivered))}"
+    duplicates = sum(n - 1 for n in delivered.values())
+    # A kill redelivers only what was read and not committed: at most `buffer` per partition.
+    assert duplicates <= kills * partitions * buffer, duplicates
+
+
+async def test_a_survivor_takes_over_a_killed_members_partitions(
+    tmp_path: Path, tansu: TansuBroker
+) -> None:
+    count = 4000
+    a, b = Workspace(tmp_path / "a"), Workspace(tmp_path / "b")
+    for space in (a, b):
+        space.root.mkdir()
+        kafka_config(space, tansu.bootstrap)
+    ids = publish(a, "orders", count)
+    try:
+        async with HandlerServer(seed=9) as handler:
+            handler.delay(0.01)
+            for name, space in (("a", a), ("b", b)):
+                space.write_integration(
+                    "shared",
+                    integration_yaml(
+                        "shared", handler.url, workers=2, buffer=20, headers={"x-proxy": name}
+                    ),
+                )
+            init(a)
+            proxy_a = await a.start("run")
+            proxy_b = await b.start("run")
+
+            def by(name: str) -> set[int]:
+                return {
+                    e.partition
+                    for e in handler.ledger
+                    if e.headers.get("x-proxy") == name and e.partition is not None
+                }
+
+            # One group, two members: the partitions are split between them.
+            await handler.ledger.wait_until(lambda _: bool(by("a")) and bool(by("b")), 60)
+            owned_by_a = by("a")
+            kill_hard(proxy_a)
+            await proxy_a.wait()
+            # The group expires the dead member after its session (6 s) and gives its
+            # partitions to the survivor, which reads on from the last commit.
+            await handler.ledger.wait_until(lambda _: by("b") >= owned_by_a, timeout_s=60)
+            await handler.ledger.wait_for(count, timeout_s=180)
+            await wait_committed(b, "orders", "shared", timeout_s=60)
+            assert await stop_gracefully(proxy_b) == 0, b.logs()
+        assert {order_id(e) for e in handler.ledger if e.done} == ids
+    finally:
+        for space in (a, b):
+            for process in space.processes:
+                if process.returncode is None:
+                    kill_hard(process)
+                    await process.wait()
+            for log_file in space.log_files:
+                log_file.close()
+
+
+async def test_retry_tiers_the_dlq_and_a_requeue_that_reaches_only_its_integration(
+    workspace: Workspace, tansu: TansuBroker
+) -> None:
+    count = 200
+    kafka_config(workspace, tansu.bootstrap)
+    publish(workspace, "orders", count, partitions=2)
+    rejected = {n for n in range(count) if n % 7 == 0}  # 422: straight to the DLQ
+    # Fail twice: two trips through the tiers.
+    retried = {n for n in range(count) if n % 5 == 1} - rejected
+    async with HandlerServer() as alpha, HandlerServer() as beta:
+        alpha.when(lambda e: n_of(e) in rejected, status=422)
+        alpha.when(lambda e: n_of(e) in retried and e.receipt <= 2, status=503)
+        for name, handler in (("alpha", alpha), ("beta", beta)):
+            workspace.write_integration(
+                name,
+                integration_yaml(
+                    name,
+                    handler.url,
+                    workers=8,
+                    buffer=100,
+                    tiers=("300ms", "600ms"),
+                    extra="breaker: {min_requests: 100000}\n",
+                ),
+            )
+        init(workspace)
+        proxy = await workspace.start("run")
+        try:
+            await alpha.ledger.wait_for(count - len(rejected), timeout_s=120)
+            await beta.ledger.wait_for(count, timeout_s=120)
+            store = await open_sqlite_dlq(workspace.root / "dlq.db")
+            try:
+                for _ in range(300):
+                    if await store.count(DeadLetterFilter()) >= len(rejected):
+                        break
+                    await asyncio.sleep(0.1)
+                rows = (await store.query(DeadLetterFilter(), None)).rows
+            finally:
+                await store.close()
+            assert sorted(json.loads(row.payload)["n"] for row in rows) == sorted(rejected)
+            assert {row.integration for row in rows} == {"alpha"}
+
+            # The retried ones went through both tiers, under one ce-id, at their source.
+            for n in retried:
+                arrivals = [e for e in alpha.ledger if n_of(e) == n]
+                assert [e.attempt for e in arrivals] == [1, 2, 3], n
+                assert len({(e.id, e.topic, e.partition, e.offset) for e in arrivals}) == 1
+
+            alpha.reset()  # the fix is deployed
+            requeued = workspace.cli("dlq", "requeue", "--all-matching", "--yes", "--by", "ops")
+            assert requeued.returncode == 0, requeued.stderr
+            await alpha.ledger.wait_for(count, timeout_s=120)
+        finally:
+            assert await stop_gracefully(proxy) == 0, workspace.logs()
+    # The replay reached alpha alone: beta saw every message exactly once.
+    assert sorted(Counter(n_of(e) for e in beta.ledger).values()) == [1] * count
+    assert {n_of(e) for e in alpha.ledger if e.done} == set(range(count))
+
+
+async def test_a_broker_that_stops_answering_is_waited_for_reported_and_resumed(
+    workspace: Workspace, tansu: TansuBroker
+) -> None:
+    """SIGSTOP the broker under load for longer than readiness tolerates, then SIGCONT."""
+    count = 6000
+    admin_port = kafka_config(workspace, tansu.bootstrap)
+    ids = publish(workspace, "orders", count)
+    admin = f"http://127.0.0.1:{admin_port}"
+    async with HandlerServer(seed=1) as handler, aiohttp.ClientSession() as http:
+        handler.delay(0.001, 0.003)
+        workspace.write_integration("loyalty", integration_yaml("loyalty", handler.url, workers=4))
+        init(workspace)
+        proxy = await workspace.start("run")
+        await handler.ledger.wait_for(500, timeout_s=60)
+        tansu.freeze()
+        try:
+            frozen_at = len(handler.ledger)
+
+            async def readiness() -> tuple[int, str]:
+                async with http.get(f"{admin}/readyz") as response:
+                    return response.status, await response.text()
+
+            # Readiness turns 503 once describes have failed for 30 s; the proxy stays up.
+            status, body = 200, ""
+            for _ in range(90):
+                await asyncio.sleep(1)
+                status, body = await readiness()
+                if status == 503:
+                    break
+            assert status == 503, body
+            assert "broker unreachable" in body
+            async with http.get(f"{admin}/metrics") as response:
+                metrics = await response.text()
+            failures = [
+                line for line in metrics.splitlines() if line.startswith("nemesis_lag_refresh_fail")
+            ]
+            assert failures
+            assert float(failures[0].rsplit(" ", 1)[1]) > 0, failures
+            assert proxy.returncode is None
+            # What was read before the freeze was delivered; nothing new came in.
+            assert len(handler.ledger) < count, frozen_at
+        finally:
+            tansu.thaw()
+        await handler.ledger.wait_for(count, timeout_s=180)
+        await wait_committed(workspace, "orders", "loyalty", timeout_s=90)
+        for _ in range(60):
+            status, body = await readiness()
+            if status == 200:
+                break
+            await asyncio.sleep(1)
+        assert status == 200, body
+        assert await stop_gracefully(proxy) == 0, workspace.logs()
+    assert {order_id(e) for e in handler.ledger if e.done} == ids
+
+
+def test_the_demo_runs_on_kafka(workspace: Workspace, tansu: TansuBroker) -> None:
+    result = workspace.cli(
+        "demo",
+        "--kafka",
+        tansu.bootstrap,
+        "--no-idempotence",
+        "--duration",
+        "8",
+        "--rate",
+        "200",
+        "--dir",
+        "demo",
+        "--viewer-port",
+        "0",
+        timeout=90,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "Nemesis demo (kafka backend)" in result.stdout
+    lines = [line for line in result.stdout.splitlines() if line.startswith("produced")]
+    assert lines, result.stdout
+    counts = {
+        name.strip(): int(value) for name, value in re.findall(r"([a-z -]+?) +(\d+)", lines[-1])
+    }
+    assert counts["produced"] > 500
+    # The group's first join takes seconds: the summary at the end tells what was done.
+    stopped = re.search(r"stopped: (\d+) orders delivered .*, (\d+) in the DLQ", result.stdout)
+    assert stopped is not None, result.stdout
+    delivered, dead = int(stopped[1]), int(stopped[2])
+    assert 0 < delivered < counts["produced"]
+    assert dead > 0
+    listed = workspace.cli("topics", "list", "-c", str(workspace.root / "demo" / "nemesis.yaml"))
+    assert listed.returncode == 0, listed.stderr
+    assert "orders" in listed.stdout.split()
+    assert "nemesis.retry.demo-orders.1" in listed.stdout.split()
+
+
+async def test_a_broker_restart_is_survived_without_restarting_the_proxy(
+    workspace: Workspace, tansu: TansuBroker
+) -> None:
+    """The broker process stops (connections refused) and comes back on the same port.
+
+    The test broker keeps nothing across a restart (memory storage), so the test
+    creates the topics again and publishes anew: what this proves is that the
+    proxy outlives the outage and reconnects, rejoins its groups and delivers
+    what is written after it, not that messages written before survive it
+    (that is the broker's durability).
+    """
+    admin_port = kafka_config(workspace, tansu.bootstrap)
+    before = publish(workspace, "orders", 1000)
+    async with HandlerServer() as handler, aiohttp.ClientSession() as http:
+        workspace.write_integration("loyalty", integration_yaml("loyalty", handler.url, workers=8))
+        init(workspace)
+        proxy = await workspace.start("run")
+        await handler.ledger.wait_for(1000, timeout_s=60)
+        tansu.stop()
+        await asyncio.sleep(8)  # a few lag refreshes and heartbeats fail meanwhile
+        async with http.get(f"http://127.0.0.1:{admin_port}/metrics") as response:
+            metrics = await response.text()
+        failures = [
+            line for line in metrics.splitlines() if line.startswith("nemesis_lag_refresh_fail")
+        ]
+        assert failures
+        assert float(failures[0].rsplit(" ", 1)[1]) > 0, failures
+        assert proxy.returncode is None
+        tansu.start()
+        created = workspace.cli("topics", "create", "orders", "--partitions", "4")
+        assert created.returncode == 0, created.stderr
+        init(workspace)
+        (workspace.root / "more.jsonl").write_bytes(
+            b"".join(orjson.dumps({"id": f"after-{n}", "n": n}) + b"\n" for n in range(1000))
+        )
+        published = workspace.cli(
+            "publish", "orders", "--file", "more.jsonl", "--lines", "--key-field", "id"
+        )
+        assert published.returncode == 0, published.stderr
+        after = {f"after-{n}" for n in range(1000)}
+
+        def all_after(ledger: Ledger) -> bool:
+            return after <= {order_id(e) for e in ledger if e.done}
+
+        await handler.ledger.wait_until(all_after, timeout_s=150)
+        assert await stop_gracefully(proxy) == 0, workspace.logs()
+    assert before | after == {order_id(e) for e in handler.ledger if e.done}
