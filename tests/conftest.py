@@ -91,6 +91,17 @@ class Workspace:
             EmbeddedBackendConfig(path=str(self.db_path), lease_s=self.lease_s)
         )
 
+    async def wait_for_log(
+        self, process: asyncio.subprocess.Process, text: str, timeout_s: float = 60
+    ) -> None:
+        """Waits until the process started by ``start`` has logged ``text``."""
+        log_file = self.log_files[self.processes.index(process)]
+        path = Path(log_file.name)
+        async with asyncio.timeout(timeout_s):
+            while text not in await asyncio.to_thread(path.read_text, errors="replace"):
+                assert process.returncode is None, f"exited {process.returncode}:\n{self.logs()}"
+                await asyncio.sleep(0.05)
+
     def logs(self) -> str:
         return "\n".join(
             p.read_text(errors="replace") for p in sorted(self.root.glob("stderr-*.log"))
