@@ -17,6 +17,12 @@ topics). The semantics are chosen so that YDB fits without contortions:
   message whether it was written or skipped as a duplicate (producer id +
   seqno, as YDB de-duplicates).
 * Every call that can block takes a timeout: the YDB SDK retries forever.
+* A reader may read several topics as one consumer (an integration's retry
+  tiers and replay topic are read by one): each message and session names its
+  topic, and commits, pauses and sessions stay per partition session.
+* An idle reader costs nothing: a ``receive`` with nothing to read waits for
+  data (or ``interrupt``) rather than polling, so callers may pass long
+  timeouts.
 """
 
 from __future__ import annotations
@@ -152,7 +158,7 @@ class TopicAdmin(Protocol):
 
 
 class TopicReader(Protocol):
-    """Reads one topic as one consumer; partitions are assigned by the broker."""
+    """Reads one or more topics as one consumer; partitions are assigned by the broker."""
 
     async def receive(self, max_messages: int, timeout_s: float) -> Sequence[Message]:
         """Up to ``max_messages``; an empty sequence when nothing arrived in ``timeout_s``."""
@@ -171,6 +177,15 @@ class TopicReader(Protocol):
         ...
 
     def resume(self, session: PartitionSession) -> None: ...
+
+    def interrupt(self) -> None:
+        """Makes a ``receive`` waiting now return at once (with what it has, maybe nothing).
+
+        For a caller that stops or pauses: it may wait in ``receive`` as long
+        as it likes and still react at once. Nothing read is lost by it. A
+        call while no ``receive`` waits has no effect on the next one.
+        """
+        ...
 
     def sessions(self) -> Sequence[PartitionSession]:
         """The partition sessions this reader holds now."""
@@ -198,7 +213,12 @@ class Broker(Protocol):
     @property
     def admin(self) -> TopicAdmin: ...
 
-    async def reader(self, topic: str, consumer: str) -> TopicReader: ...
+    async def reader(self, topic: str | Sequence[str], consumer: str) -> TopicReader:
+        """A reader of ``topic`` as ``consumer``; several topics: one reader over all of them.
+
+        Every topic must exist and have the consumer registered.
+        """
+        ...
 
     async def writer(self, topic: str, producer_id: str | None = None) -> TopicWriter: ...
 

@@ -8,7 +8,7 @@ import os
 import secrets
 import socket
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -16,8 +16,10 @@ from typing import Any
 
 from nemesis.aio import TaskScope
 from nemesis.broker.embedded import log
+from nemesis.broker.embedded.beats import SharedHeartbeat, Watch
 from nemesis.broker.embedded.bells import Bell, Ringer, RingerStatistics, RingRows, Rings
 from nemesis.broker.embedded.db import Checkpoint, Database, checkpoint
+from nemesis.broker.embedded.multi import EmbeddedMultiReader
 from nemesis.broker.embedded.reader import EmbeddedReader, Wakeups
 from nemesis.broker.embedded.tail import TailCache
 from nemesis.broker.port import (
@@ -204,6 +206,18 @@ class EmbeddedBroker:
         # loop started again (``_housekeeping_failed``); close() cancels and awaits it.
         self._background = TaskScope("embedded broker", self._housekeeping_failed)
         self._housekeeping_running = False
+        # One lease heartbeat and one watch for lost rings for all readers (``beats``),
+        # started with the first reader.
+        self.beats = SharedHeartbeat(db, clock=clock, lease_s=config.lease_s)
+        self.watch = Watch(
+            db,
+            clock=clock,
+            interval_s=self.wakeups.belled_poll_max_s,
+            topics=self._watched_topics,
+            ring=self._ring_topic,
+        )
+        self._sharing = TaskScope("embedded broker heartbeat", self._sharing_failed)
+        self._sharing_running = False
         self._closed = False
 
     @property
@@ -214,8 +228,32 @@ class EmbeddedBroker:
     def admin(self) -> EmbeddedAdmin:
         return self._admin
 
-    async def reader(self, topic: str, consumer: str) -> EmbeddedReader:
-        """Joins ``consumer``'s readers of ``topic`` and takes this reader's share of partitions."""
+    async def reader(
+        self, topic: str | Sequence[str], consumer: str
+    ) -> EmbeddedReader | EmbeddedMultiReader:
+        """Joins ``consumer``'s readers of ``topic`` and takes this reader's share of partitions.
+
+        Several topics: one reader over all of them (``multi``), a part per topic.
+        """
+        if isinstance(topic, str):
+            return await self._reader(topic, consumer)
+        names = list(dict.fromkeys(topic))
+        if not names:
+            raise ValueError("a reader needs at least one topic")
+        if len(names) == 1:
+            return await self._reader(names[0], consumer)
+        parts: list[EmbeddedReader] = []
+        try:
+            for name in names:
+                part = await self._reader(name, consumer)
+                parts.append(part)
+        except BaseException:
+            for part in parts:
+                await part.close()
+            raise
+        return EmbeddedMultiReader(parts)
+
+    async def _reader(self, topic: str, consumer: str) -> EmbeddedReader:
         self._check_open()
         found = await self.db.reader.run(
             partial(log.find_consumer, topic=topic, consumer=consumer), timeout_s=ADMIN_TIMEOUT_S
@@ -233,7 +271,9 @@ class EmbeddedBroker:
             on_close=self._forget_reader,
             wakeups=self.wakeups,
             bell=None if bell is None else bell.address,
+            beats=self.beats,
         )
+        self._start_sharing()
         try:
             await reader.start(timeout_s=max(self.config.lease_s, 5.0))
         except BrokerError:
@@ -281,6 +321,31 @@ class EmbeddedBroker:
             else:
                 self.ringer.own_address = self._bell.address
         return self._bell
+
+    def _watched_topics(self) -> list[int]:
+        """Topics with a belled reader here: their lost rings are the watch's to catch."""
+        if self._bell is None:
+            return []
+        return list(self._readers)
+
+    def _ring_topic(self, topic_id: int, ends: Mapping[int, int]) -> None:
+        for reader in self._readers.get(topic_id, ()):
+            reader.watched(ends)
+
+    def _start_sharing(self) -> None:
+        if self._sharing_running or self._closed:
+            return
+        self._sharing_running = True
+        self._sharing.start(self.beats.run(), name=f"nemesis-leases:{self.path.name}")
+        self._sharing.start(self.watch.run(), name=f"nemesis-watch:{self.path.name}")
+
+    def _sharing_failed(self, error: BaseException) -> None:
+        # A bug: leases would run out and rings go unnoticed. Loudly, and start again.
+        logger.error("lease heartbeat of %s failed; starting it again", self.path, exc_info=error)
+        self._sharing_running = False
+        if not self._closed:
+            self._sharing = TaskScope("embedded broker heartbeat", self._sharing_failed)
+            self._start_sharing()
 
     def _on_rings(self, rings: Rings, carried: RingRows) -> None:
         for topic_id, partitions in rings.items():
@@ -427,6 +492,7 @@ class EmbeddedBroker:
             return
         self._closed = True
         await self._background.aclose()
+        await self._sharing.aclose()
         readers = [r for group in self._readers.values() for r in group]
         for reader in readers:
             await reader.close(timeout_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from ydb import TopicClientAsyncIO
 from ydb.aio.driver import Driver
@@ -65,8 +66,17 @@ class YdbBroker:
         """The SDK topic client."""
         return self._topics
 
-    async def reader(self, topic: str, consumer: str) -> YdbReader:
-        """A reader of ``topic`` as ``consumer``; YDB assigns it its share of partitions."""
+    async def reader(self, topic: str | Sequence[str], consumer: str) -> YdbReader:
+        """A reader of ``topic`` as ``consumer``; YDB assigns it its share of partitions.
+
+        One topic only, for now: several raise NotImplementedError, and the
+        runtime gives each of those topics a reader of its own.
+        """
+        if not isinstance(topic, str):
+            names = list(dict.fromkeys(topic))
+            if len(names) != 1:
+                raise NotImplementedError("the ydb backend reads one topic per reader")
+            topic = names[0]
         self._check_open()
         if consumer not in await self._admin.consumers(topic):
             raise TopicNotFound(f"topic {topic} has no consumer {consumer}")

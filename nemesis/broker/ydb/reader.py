@@ -174,7 +174,8 @@ class YdbReader:
         self._sessions: dict[tuple[int, int], YdbSession] = {}
         self._serials = itertools.count(1)
         self._pending: asyncio.Task[TopicReaderBatch | None] | None = None
-        self._resumed = asyncio.Event()
+        self._resumed = asyncio.Event()  # a session resumed, or interrupt() was called
+        self._interrupted = False
         self._closing: asyncio.Task[None] | None = None
         self._dropped = 0
         self._closed = False
@@ -201,6 +202,7 @@ class YdbReader:
             raise RuntimeError("the reader is closed")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        self._interrupted = False
         while True:
             if self._reopen:
                 await self._reopen_sdk()
@@ -214,8 +216,17 @@ class YdbReader:
                 admitted = self._admit(batch, max_messages)
                 if admitted:
                     return admitted
-            elif loop.time() >= deadline:
+            elif loop.time() >= deadline or self.interrupted():
                 return ()
+
+    def interrupted(self) -> bool:
+        """``interrupt`` was called since the current ``receive`` began."""
+        return self._interrupted
+
+    def interrupt(self) -> None:
+        """Makes a waiting ``receive`` return now; the SDK's pending receive is kept."""
+        self._interrupted = True
+        self._resumed.set()
 
     async def _next_batch(self, max_messages: int, timeout_s: float) -> TopicReaderBatch | None:
         """The SDK's next batch; None after ``timeout_s``, or sooner if a session resumed."""

@@ -1,0 +1,269 @@
+"""One lease heartbeat for every reader of a process, and one watch for lost rings.
+
+Each reader must renew its leases every ``lease_s / 3`` (``leases``). Done by
+each reader on its own, a process with a thousand readers woke a thousand
+times per interval and sent as many jobs to the write thread. Here one task
+beats for all of them: at each round, every reader due within the next half
+interval is renewed in one job on the write thread (a transaction per reader,
+as the protocol has it, but one trip), so readers that started at different
+times fall into step after their first shared round. A reader that is poked
+(a sibling joined or left) or not yet settled (its share is still held by
+another member) is beaten sooner, alone or with the others then due.
+
+A failed round (the write thread timed out) is retried at half the interval;
+a topic that was dropped fails its readers alone.
+
+The watch (``Watch``) is the other periodic look: rings (``bells``) wake
+readers when other processes append, and a ring can be lost. Instead of every
+belled reader polling the file for that, one query per interval reads the sum
+of the end offsets of every topic read here and rings the readers of the
+topics that moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+from nemesis.aio import first_of
+from nemesis.broker.embedded import leases
+from nemesis.broker.embedded.db import Database
+from nemesis.clock import Clock
+from nemesis.errors import BrokerError, TopicNotFound
+
+if TYPE_CHECKING:
+    from nemesis.broker.embedded.reader import EmbeddedReader
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class BeatJob:
+    """One reader's part of a shared round, as the write thread needs it."""
+
+    topic_id: int
+    consumer: str
+    member_id: str
+    held: dict[int, int]
+    bell: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class BeatStatistics:
+    rounds: int  # jobs sent to the write thread
+    beats: int  # reader heartbeats they carried
+    failures: int  # rounds that failed (retried)
+
+
+class SharedHeartbeat:
+    """Renews the leases of every registered reader from one task (see the module docstring)."""
+
+    def __init__(self, db: Database, *, clock: Clock, lease_s: float) -> None:
+        self._db = db
+        self._clock = clock
+        self._lease_s = lease_s
+        self.interval_s = lease_s / 3
+        self._readers: set[EmbeddedReader] = set()
+        self._changed = asyncio.Event()
+        self._rounds = 0
+        self._beats = 0
+        self._failures = 0
+
+    def add(self, reader: EmbeddedReader) -> None:
+        """Beats for ``reader`` from now on (it has just beaten itself)."""
+        reader.beat_due = self._clock.monotonic() + reader.beat_interval(self.interval_s)
+        self._readers.add(reader)
+        self._changed.set()
+
+    def remove(self, reader: EmbeddedReader) -> None:
+        self._readers.discard(reader)
+
+    def poke(self) -> None:
+        """A reader asks for a beat now (it was poked)."""
+        self._changed.set()
+
+    @property
+    def readers(self) -> int:
+        return len(self._readers)
+
+    def statistics(self) -> BeatStatistics:
+        return BeatStatistics(self._rounds, self._beats, self._failures)
+
+    async def run(self) -> None:
+        """Beats until cancelled."""
+        while True:
+            now = self._clock.monotonic()
+            due_at = min((r.beat_due for r in self._readers if not r.poked), default=None)
+            if not any(r.poked for r in self._readers):
+                self._changed.clear()
+                if due_at is None:
+                    await self._changed.wait()
+                    continue
+                if due_at > now:
+                    await first_of(self._clock.sleep(due_at - now), self._changed.wait())
+                    continue
+            now = self._clock.monotonic()
+            horizon = now + self.interval_s / 2
+            due = [r for r in self._readers if r.poked or r.beat_due <= horizon]
+            if due:
+                await self.beat(due)
+
+    async def beat(self, readers: Sequence[EmbeddedReader]) -> None:
+        """One round for ``readers``: one job on the write thread."""
+        taken: list[tuple[EmbeddedReader, BeatJob]] = []
+        for reader in readers:
+            reader.poked = False
+            job = reader.beat_job()
+            if job is not None:
+                taken.append((reader, job))
+        if not taken:
+            return
+        for reader, _ in taken:
+            await reader.beat_lock.acquire()
+        try:
+            self._rounds += 1
+            self._beats += len(taken)
+            try:
+                answers = await self._db.writer.run(
+                    partial(_beat_all, clock=self._clock, lease_s=self._lease_s, jobs=taken),
+                    timeout_s=self._lease_s,
+                )
+            except BrokerError as exc:
+                # Retried soon; if no round succeeds before the leases run out, each
+                # reader's receive() ends its sessions on its own.
+                self._failures += 1
+                logger.warning("lease heartbeat of %d readers failed: %s", len(taken), exc)
+                retry_at = self._clock.monotonic() + self.interval_s / 2
+                for reader, _ in taken:
+                    reader.beat_due = retry_at
+                return
+            now = self._clock.monotonic()
+            for (reader, job), answer in zip(taken, answers, strict=True):
+                if isinstance(answer, TopicNotFound):
+                    self.remove(reader)
+                    reader.beat_failed(answer)
+                    continue
+                reader.beat_answer(job.held, answer)
+                reader.beat_due = now + reader.beat_interval(self.interval_s)
+        finally:
+            for reader, _ in taken:
+                reader.beat_lock.release()
+
+
+def _beat_all(
+    conn: sqlite3.Connection,
+    *,
+    clock: Clock,
+    lease_s: float,
+    jobs: Sequence[tuple[EmbeddedReader, BeatJob]],
+) -> list[leases.HeartbeatResult | TopicNotFound]:
+    answers: list[leases.HeartbeatResult | TopicNotFound] = []
+    for _, job in jobs:
+        try:
+            answers.append(
+                leases.heartbeat(
+                    conn,
+                    topic_id=job.topic_id,
+                    consumer=job.consumer,
+                    member_id=job.member_id,
+                    held=job.held,
+                    now=clock.time(),
+                    lease_s=lease_s,
+                    bell=job.bell,
+                )
+            )
+        except TopicNotFound as exc:
+            answers.append(exc)
+    return answers
+
+
+class Watch:
+    """Rings the readers of partitions whose end offsets moved (see the module docstring)."""
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        clock: Clock,
+        interval_s: float,
+        topics: Callable[[], Sequence[int]],
+        ring: Callable[[int, Mapping[int, int]], None],
+    ) -> None:
+        self._db = db
+        self._clock = clock
+        self.interval_s = interval_s
+        self._topics = topics
+        self._ring = ring
+        self._sums: dict[int, int] = {}
+        self._ends: dict[int, dict[int, int]] = {}
+        self.rounds = 0
+
+    async def run(self) -> None:
+        """Looks every ``interval_s`` until cancelled."""
+        while True:
+            await self._clock.sleep(self.interval_s)
+            try:
+                await self.look()
+            except BrokerError as exc:
+                logger.warning("watching end offsets failed, trying again: %s", exc)
+
+    async def look(self) -> None:
+        """One look: rings the readers of every partition whose end moved since the last.
+
+        One query sums each topic's end offsets; only the topics whose sum
+        changed are looked at partition by partition. The first look at a
+        topic rings its readers for every partition: what moved before it, no
+        one saw.
+        """
+        topics = self._topics()
+        if not topics:
+            return
+        self.rounds += 1
+        timeout_s = max(self.interval_s * 10, 10.0)
+        sums = await self._db.reader.run(
+            partial(_end_sums, topics=tuple(topics)), timeout_s=timeout_s
+        )
+        moved = [t for t, total in sums.items() if self._sums.get(t) != total]
+        self._sums = sums
+        for topic_id in list(self._ends):
+            if topic_id not in sums:
+                del self._ends[topic_id]
+        if not moved:
+            return
+        ends = await self._db.reader.run(
+            partial(_ends_of, topics=tuple(moved)), timeout_s=timeout_s
+        )
+        for topic_id, partitions in ends.items():
+            known = self._ends.get(topic_id, {})
+            changed = {p: end for p, end in partitions.items() if known.get(p) != end}
+            self._ends[topic_id] = partitions
+            if changed:
+                self._ring(topic_id, changed)
+
+
+def _end_sums(conn: sqlite3.Connection, *, topics: tuple[int, ...]) -> dict[int, int]:
+    wanted = set(topics)
+    return {
+        int(topic_id): int(total)
+        for topic_id, total in conn.execute(
+            "SELECT topic_id, SUM(end_offset) FROM partitions GROUP BY topic_id"
+        )
+        if topic_id in wanted
+    }
+
+
+def _ends_of(conn: sqlite3.Connection, *, topics: tuple[int, ...]) -> dict[int, dict[int, int]]:
+    ends: dict[int, dict[int, int]] = {}
+    for topic_id in topics:
+        ends[topic_id] = {
+            int(partition): int(end)
+            for partition, end in conn.execute(
+                "SELECT partition_id, end_offset FROM partitions WHERE topic_id = ?", (topic_id,)
+            )
+        }
+    return ends
