@@ -157,6 +157,20 @@ class TopicAdmin(Protocol):
     async def drop_topic(self, name: str) -> None: ...
 
 
+@runtime_checkable
+class DescribesMany(Protocol):
+    """An admin that describes many topics in one trip (optional, for cheap lag rounds).
+
+    The lag monitor describes every topic a process reads every few seconds;
+    with hundreds of integrations, one trip per topic is most of what an idle
+    process does. An admin with this method is asked once per round instead.
+    """
+
+    async def describe_topics(self, names: Sequence[str]) -> Mapping[str, TopicDescription]:
+        """The topics of ``names`` that exist, described as ``describe_topic`` does."""
+        ...
+
+
 class TopicReader(Protocol):
     """Reads one or more topics as one consumer; partitions are assigned by the broker."""
 

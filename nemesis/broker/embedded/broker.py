@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from nemesis.aio import TaskScope
 from nemesis.broker.embedded import log
@@ -95,6 +95,12 @@ class EmbeddedAdmin:
         """Offsets per partition and committed offsets per consumer (for lag)."""
         return await self._broker.db.reader.run(
             partial(log.describe_topic, name=name), timeout_s=ADMIN_TIMEOUT_S
+        )
+
+    async def describe_topics(self, names: Sequence[str]) -> Mapping[str, TopicDescription]:
+        """Every topic of ``names`` that exists, in one read (``DescribesMany``)."""
+        return await self._broker.db.reader.run(
+            partial(log.describe_topics, names=tuple(names)), timeout_s=ADMIN_TIMEOUT_S
         )
 
     async def drop_topic(self, name: str) -> None:
@@ -227,6 +233,14 @@ class EmbeddedBroker:
     @property
     def admin(self) -> EmbeddedAdmin:
         return self._admin
+
+    @overload
+    async def reader(self, topic: str, consumer: str) -> EmbeddedReader: ...
+
+    @overload
+    async def reader(
+        self, topic: Sequence[str], consumer: str
+    ) -> EmbeddedReader | EmbeddedMultiReader: ...
 
     async def reader(
         self, topic: str | Sequence[str], consumer: str

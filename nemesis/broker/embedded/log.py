@@ -172,6 +172,57 @@ def describe_topic(conn: sqlite3.Connection, name: str) -> TopicDescription:
     )
 
 
+def describe_topics(conn: sqlite3.Connection, names: Sequence[str]) -> dict[str, TopicDescription]:
+    """``describe_topic`` for each of ``names`` that exists, in one snapshot and four queries."""
+    wanted = set(names)
+    with read_transaction(conn):
+        topics = {
+            int(row[0]): (str(row[1]), row[2])
+            for row in conn.execute("SELECT id, name, retention_s FROM topics")
+            if row[1] in wanted
+        }
+        consumers: dict[int, list[str]] = {topic_id: [] for topic_id in topics}
+        for topic_id, consumer in conn.execute(
+            "SELECT topic_id, name FROM consumers ORDER BY topic_id, name"
+        ):
+            if topic_id in consumers:
+                consumers[topic_id].append(consumer)
+        committed: dict[tuple[int, str, int], int] = {
+            (row[0], row[1], row[2]): row[3]
+            for row in conn.execute(
+                "SELECT topic_id, consumer, partition_id, committed FROM offsets"
+            )
+            if row[0] in topics
+        }
+        infos: dict[int, list[PartitionInfo]] = {topic_id: [] for topic_id in topics}
+        for topic_id, p, start, end, last in conn.execute(
+            "SELECT topic_id, partition_id, start_offset, end_offset, last_written_at"
+            " FROM partitions ORDER BY topic_id, partition_id"
+        ):
+            if topic_id in infos:
+                infos[topic_id].append(
+                    PartitionInfo(
+                        partition=p,
+                        start_offset=start,
+                        end_offset=end,
+                        last_written_at=last,
+                        committed={
+                            c: max(committed.get((topic_id, c, p), start), start)
+                            for c in consumers[topic_id]
+                        },
+                    )
+                )
+    return {
+        name: TopicDescription(
+            name=name,
+            partitions=infos[topic_id],
+            consumers=consumers[topic_id],
+            retention_s=retention_s,
+        )
+        for topic_id, (name, retention_s) in topics.items()
+    }
+
+
 def drop_topic(conn: sqlite3.Connection, name: str) -> int:
     """Deletes a topic's metadata at once, returning its id; the messages go in batches later."""
     with write_transaction(conn):
