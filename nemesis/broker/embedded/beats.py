@@ -51,6 +51,9 @@ class BeatJob:
     member_id: str
     held: dict[int, int]
     bell: bytes | None
+    # The members its last heartbeat saw, when nothing since calls for the full protocol
+    # (it holds its whole share and was not poked); None: run the full protocol.
+    members: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +66,9 @@ class BeatStatistics:
 class SharedHeartbeat:
     """Renews the leases of every registered reader from one task (see the module docstring)."""
 
-    def __init__(self, db: Database, *, clock: Clock, lease_s: float) -> None:
+    def __init__(self, db: Database, *, clock: Clock, lease_s: float, member_prefix: str) -> None:
         self._db = db
+        self._prefix = member_prefix  # every member id of this process starts with it
         self._clock = clock
         self._lease_s = lease_s
         self.interval_s = lease_s / 3
@@ -117,8 +121,9 @@ class SharedHeartbeat:
         """One round for ``readers``: one job on the write thread."""
         taken: list[tuple[EmbeddedReader, BeatJob]] = []
         for reader in readers:
+            # A poked reader runs the full protocol: a sibling joined or let partitions go.
+            job = reader.beat_job(full=reader.poked)
             reader.poked = False
-            job = reader.beat_job()
             if job is not None:
                 taken.append((reader, job))
         if not taken:
@@ -130,7 +135,13 @@ class SharedHeartbeat:
             self._beats += len(taken)
             try:
                 answers = await self._db.writer.run(
-                    partial(_beat_all, clock=self._clock, lease_s=self._lease_s, jobs=taken),
+                    partial(
+                        _beat_all,
+                        clock=self._clock,
+                        lease_s=self._lease_s,
+                        prefix=self._prefix,
+                        jobs=[job for _, job in taken],
+                    ),
                     timeout_s=self._lease_s,
                 )
             except BrokerError as exc:
@@ -160,13 +171,45 @@ def _beat_all(
     *,
     clock: Clock,
     lease_s: float,
-    jobs: Sequence[tuple[EmbeddedReader, BeatJob]],
+    prefix: str,
+    jobs: Sequence[BeatJob],
 ) -> list[leases.HeartbeatResult | TopicNotFound]:
-    answers: list[leases.HeartbeatResult | TopicNotFound] = []
-    for _, job in jobs:
-        try:
-            answers.append(
-                leases.heartbeat(
+    """One round: a renewal of the whole process, then the full protocol where needed.
+
+    A settled reader whose consumer's members and leases are as it last saw
+    them is renewed by ``leases.renew_all`` (three statements for the whole
+    process); the others run ``leases.heartbeat``, a transaction each.
+    """
+    answers: list[leases.HeartbeatResult | TopicNotFound | None] = [None] * len(jobs)
+    quick = [index for index, job in enumerate(jobs) if job.members is not None]
+    if quick:
+        holdings = []
+        for index in quick:
+            job = jobs[index]
+            assert job.members is not None
+            holdings.append(
+                leases.Holding(job.topic_id, job.consumer, job.member_id, job.held, job.members)
+            )
+        expires_at, stale = leases.renew_all(
+            conn, owner_prefix=prefix, holdings=holdings, now=clock.time(), lease_s=lease_s
+        )
+        for index, holding, is_stale in zip(quick, holdings, stale, strict=True):
+            if not is_stale:
+                answers[index] = leases.HeartbeatResult(
+                    expires_at=expires_at,
+                    acquired=(),
+                    kept=tuple(holding.held),
+                    released=(),
+                    lost=(),
+                    settled=True,
+                    members=len(holding.members),
+                    member_ids=holding.members,
+                )
+    done: list[leases.HeartbeatResult | TopicNotFound] = []
+    for job, answer in zip(jobs, answers, strict=True):
+        if answer is None:
+            try:
+                answer = leases.heartbeat(
                     conn,
                     topic_id=job.topic_id,
                     consumer=job.consumer,
@@ -176,10 +219,10 @@ def _beat_all(
                     lease_s=lease_s,
                     bell=job.bell,
                 )
-            )
-        except TopicNotFound as exc:
-            answers.append(exc)
-    return answers
+            except TopicNotFound as exc:
+                answer = exc
+        done.append(answer)
+    return done
 
 
 class Watch:

@@ -214,7 +214,9 @@ class EmbeddedBroker:
         self._housekeeping_running = False
         # One lease heartbeat and one watch for lost rings for all readers (``beats``),
         # started with the first reader.
-        self.beats = SharedHeartbeat(db, clock=clock, lease_s=config.lease_s)
+        self.beats = SharedHeartbeat(
+            db, clock=clock, lease_s=config.lease_s, member_prefix=f"{member_id}/"
+        )
         self.watch = Watch(
             db,
             clock=clock,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,11 +41,11 @@ class Wakeups:
     With a bell, rings carry the fast path, and what is left to catch (a lost
     ring, a writer that has not seen the bell yet) is caught by the broker's
     watch: every ``belled_poll_max_s`` one query for the end offsets of every
-    topic this process reads, ringing the readers of a topic that moved. A
-    belled reader itself polls at most every ``watched_poll_max_s`` (a
-    backstop), so an idle one costs nothing. While rings keep a belled
-    reader's tail cache answering, the file is still read every
-    ``belled_tail_window_s`` (a ring lost while data flows).
+    topic this process reads, ringing the readers of partitions that moved. A
+    belled reader's own polls back off up to ``watched_poll_max_s``: never
+    again by default, once the watch covers it, so an idle one costs nothing.
+    While rings keep a belled reader's tail cache answering, the file is
+    still read every ``belled_tail_window_s`` (a ring lost while data flows).
     """
 
     bells: bool = True
@@ -52,7 +53,7 @@ class Wakeups:
     poll_max_s: float = 0.05
     belled_poll_max_s: float = 1.0
     belled_tail_window_s: float = 0.2
-    watched_poll_max_s: float = 60.0
+    watched_poll_max_s: float = math.inf
 
     def __post_init__(self) -> None:
         if not 0 < self.poll_min_s <= min(self.poll_max_s, self.belled_poll_max_s):
@@ -196,6 +197,7 @@ class EmbeddedReader:
         self._commit_timeout_s = commit_timeout_s
         self._sessions: dict[int, EmbeddedSession] = {}
         self._members = 0
+        self._member_ids: tuple[str, ...] = ()  # sorted, at the last heartbeat
         self._settled = False
         self._turn = 0  # rotates which partition is read first
         self._bell = bell  # the address writers in other processes ring, if any
@@ -516,15 +518,23 @@ class EmbeddedReader:
     def watched(self, ends: Mapping[int, int]) -> None:
         """The broker's watch saw the end offsets of partitions move (maybe a lost ring).
 
-        The file is read for them, unless this reader has read that far already.
+        The file is read for them, unless this reader has read that far already or
+        the tail cache holds what it has not (those rows woke it when they came).
         """
+        tail, topic_id = self._tail, self._topic.id
         for partition, end in ends.items():
             session = self._sessions.get(partition)
-            if session is not None and session.position < end:
-                self._rung = True
-                self._watch_rings += 1
-                self.wake()
-                return
+            if session is None or session.position >= end:
+                continue
+            # The cache holds a contiguous run: its first and last rows say it has them all.
+            if tail.get(topic_id, partition, session.position, 1) and tail.get(
+                topic_id, partition, end - 1, 1
+            ):
+                continue
+            self._rung = True
+            self._watch_rings += 1
+            self.wake()
+            return
 
     def _expire_sessions(self) -> None:
         # A lease that ran out without a renewal (a heartbeat that failed or
@@ -667,6 +677,7 @@ class EmbeddedReader:
         if self._closed:
             return  # close() released everything; this answer is stale
         self._members = result.members
+        self._member_ids = result.member_ids
         self._settled = result.settled
         for partition in result.kept:
             session = self._sessions.get(partition)
@@ -714,8 +725,12 @@ class EmbeddedReader:
 
     # --- the shared heartbeat's side (``beats``) -----------------------------------
 
-    def beat_job(self) -> BeatJob | None:
-        """What a shared round renews for this reader; None once it is closed."""
+    def beat_job(self, *, full: bool = False) -> BeatJob | None:
+        """What a shared round renews for this reader; None once it is closed.
+
+        Settled and not ``full``: the round may renew it without the full
+        protocol, if its consumer's members and its leases are as it last saw.
+        """
         if self._closed:
             return None
         return BeatJob(
@@ -724,6 +739,7 @@ class EmbeddedReader:
             member_id=self._member_id,
             held={p: s.id for p, s in self._sessions.items()},
             bell=self._bell,
+            members=None if full or not self._settled else (self._member_ids or None),
         )
 
     def beat_answer(self, held: dict[int, int], result: leases.HeartbeatResult) -> None:
