@@ -69,26 +69,28 @@ class YdbBroker:
     async def reader(self, topic: str | Sequence[str], consumer: str) -> YdbReader:
         """A reader of ``topic`` as ``consumer``; YDB assigns it its share of partitions.
 
-        One topic only, for now: several raise NotImplementedError, and the
-        runtime gives each of those topics a reader of its own.
+        Several topics: one SDK reader over all of them; each partition
+        session's topic is found from the path the server names.
         """
-        if not isinstance(topic, str):
-            names = list(dict.fromkeys(topic))
-            if len(names) != 1:
-                raise NotImplementedError("the ydb backend reads one topic per reader")
-            topic = names[0]
         self._check_open()
-        if consumer not in await self._admin.consumers(topic):
-            raise TopicNotFound(f"topic {topic} has no consumer {consumer}")
-        path = self._admin.path(topic)
+        names = [topic] if isinstance(topic, str) else list(dict.fromkeys(topic))
+        if not names:
+            raise ValueError("a reader needs at least one topic")
+        for name in names:
+            if consumer not in await self._admin.consumers(name):
+                raise TopicNotFound(f"topic {name} has no consumer {consumer}")
+        paths = [self._admin.path(name) for name in names]
         buffer_bytes = self.config.reader_buffer_bytes
         reader = YdbReader(
-            lambda: open_sdk_reader(self._topics, path, consumer, buffer_bytes),
-            topic=topic,
+            lambda: open_sdk_reader(
+                self._topics, paths[0] if len(paths) == 1 else paths, consumer, buffer_bytes
+            ),
+            topic=", ".join(names),
             consumer=consumer,
             stash_limit=self.config.pause_stash_messages,
             stash_bytes=self.config.pause_stash_bytes,
             commit_timeout_s=self.config.request_timeout_s,
+            topics=names,
         )
         self._readers = [r for r in self._readers if not r.closed]
         self._readers.append(reader)

@@ -121,12 +121,22 @@ def decoders() -> dict[int, Callable[[bytes], bytes]]:
 
 
 def open_sdk_reader(
-    topics: TopicClientAsyncIO, path: str, consumer: str, buffer_size_bytes: int
+    topics: TopicClientAsyncIO, path: str | Sequence[str], consumer: str, buffer_size_bytes: int
 ) -> TopicReaderAsyncIO:
-    """An SDK reader of ``path`` as ``consumer`` with this module's decoders."""
+    """An SDK reader of ``path`` (or of several) as ``consumer`` with this module's decoders."""
     return topics.reader(
-        path, consumer=consumer, buffer_size_bytes=buffer_size_bytes, decoders=decoders()
+        path if isinstance(path, str) else list(path),
+        consumer=consumer,
+        buffer_size_bytes=buffer_size_bytes,
+        decoders=decoders(),
     )
+
+
+def topic_of_path(path: str, names: Sequence[str]) -> str | None:
+    """Which of ``names`` the server's topic ``path`` is: the name itself or its last part(s)."""
+    path = path.rstrip("/")
+    matching = [name for name in names if path == name or path.endswith("/" + name)]
+    return max(matching, key=len, default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,12 +169,16 @@ class YdbReader:
         stash_limit: int = 1000,
         stash_bytes: int = 8 * 1024 * 1024,
         commit_timeout_s: float = 10.0,
+        topics: Sequence[str] = (),
     ) -> None:
+        """``topic`` names the reader (in logs and statistics); ``topics``, when it reads
+        several, are their names: each session's topic is found from its path."""
         if stash_limit < 1 or stash_bytes < 1:
             raise ValueError("stash_limit and stash_bytes must be at least 1")
         self._open_sdk = open_sdk
         self._sdk = open_sdk()
         self._topic = topic
+        self._topics = tuple(topics) or (topic,)
         self._consumer = consumer
         self._stash_limit = stash_limit
         self._stash_bytes = stash_bytes
@@ -294,7 +308,7 @@ class YdbReader:
             if isinstance(received.data, Undecodable):
                 self._park(session, received.offset, received.data.codec)
                 continue
-            message = to_message(self._topic, received, session)
+            message = to_message(session.topic, received, session)
             # Behind messages already stashed, so a partition stays in offset order.
             if session.paused or session.stash or len(out) >= max_messages:
                 self._hold(session, message, received)
@@ -331,7 +345,7 @@ class YdbReader:
     def _park(self, session: YdbSession, offset: int, codec: int) -> None:
         name = CODEC_NAMES.get(codec, str(codec))
         session.parked = (
-            f"{self._topic}[{session.partition}] offset {offset} is compressed with {name},"
+            f"{session.topic}[{session.partition}] offset {offset} is compressed with {name},"
             f" which Nemesis cannot decode (it reads {DECODED}): the partition is parked"
         )
         logger.error("reader of %s as %s: %s", self._topic, self._consumer, session.parked)
@@ -350,7 +364,10 @@ class YdbReader:
         return session if session.alive else None
 
     def _add_session(self, sdk: SdkSession) -> YdbSession:
-        session = YdbSession(self._topic, sdk, next(self._serials), owner=self)
+        topic = self._topic
+        if len(self._topics) > 1:
+            topic = topic_of_path(sdk.topic_path, self._topics) or topic
+        session = YdbSession(topic, sdk, next(self._serials), owner=self)
         self._sessions[session_key(sdk)] = session
         return session
 
@@ -428,7 +445,7 @@ class YdbReader:
             return
         except (issues.Error, TimeoutError) as exc:
             raise broker_error(
-                exc, f"commit {self._topic}[{session.partition}] up to {messages[-1].offset}"
+                exc, f"commit {session.topic}[{session.partition}] up to {messages[-1].offset}"
             ) from exc
         for received in covered:
             session.inflight.pop(received.offset, None)
