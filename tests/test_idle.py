@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sqlite3
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any
 import orjson
 import pytest
 
-from nemesis.broker.embedded import EmbeddedBroker, EmbeddedReader, Wakeups, open_embedded
+from nemesis.broker.embedded import EmbeddedBroker, EmbeddedReader, Wakeups, log, open_embedded
 from nemesis.broker.embedded.multi import EmbeddedMultiReader
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
@@ -217,5 +219,38 @@ async def test_one_heartbeat_round_renews_every_reader_of_the_process(tmp_path: 
         assert after.rounds - before.rounds <= 3
         assert all(len(reader.sessions()) == 1 for reader in readers)
         assert all(s.expires_at > clock.time() for r in readers for s in r._sessions.values())
+    finally:
+        await broker.close()
+
+
+async def test_retention_rounds_look_up_a_partitions_oldest_message_once(tmp_path: Path) -> None:
+    broker = await open_embedded(EmbeddedBackendConfig(path=str(tmp_path / "n.db")))
+    try:
+        for topic in ("a", "b", "c"):
+            await broker.admin.create_topic(topic, partitions=2, retention_s=3600)
+            writer = await broker.writer(topic)
+            await writer.write([OutgoingMessage(b"x", partition=p) for p in (0, 1)])
+        known: log.OldestKnown = {}
+        statements: list[str] = []
+
+        def rounds(conn: sqlite3.Connection) -> list[int]:
+            looked_up = []
+            conn.set_trace_callback(statements.append)
+            try:
+                for _ in range(3):
+                    statements.clear()
+                    log.expiry_candidates(conn, time.time(), known)
+                    looked_up.append(sum("FROM messages" in s for s in statements))
+            finally:
+                conn.set_trace_callback(None)
+            return looked_up
+
+        # The first round looks up each of the six partitions; the next ones, none.
+        assert await broker.db.maintenance.run(rounds, timeout_s=10) == [6, 0, 0]
+        # Expired (an hour later): found from what is known, without a look-up.
+        later = await broker.db.maintenance.run(
+            lambda conn: log.expiry_candidates(conn, time.time() + 7200, known), timeout_s=10
+        )
+        assert len(later) == 6
     finally:
         await broker.close()

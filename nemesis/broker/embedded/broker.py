@@ -212,6 +212,8 @@ class EmbeddedBroker:
         # loop started again (``_housekeeping_failed``); close() cancels and awaits it.
         self._background = TaskScope("embedded broker", self._housekeeping_failed)
         self._housekeeping_running = False
+        # Each partition's oldest message, for retention rounds (maintenance thread only).
+        self._oldest: log.OldestKnown = {}
         # One lease heartbeat and one watch for lost rings for all readers (``beats``),
         # started with the first reader.
         self.beats = SharedHeartbeat(
@@ -419,7 +421,8 @@ class EmbeddedBroker:
         """Deletes expired messages and the remains of dropped topics; returns how many."""
         deleted = await self.purge_dropped()
         candidates = await self.db.maintenance.run(
-            partial(log.expiry_candidates, now=self.clock.time()), timeout_s=ADMIN_TIMEOUT_S
+            partial(log.expiry_candidates, now=self.clock.time(), known=self._oldest),
+            timeout_s=ADMIN_TIMEOUT_S,
         )
         for candidate in candidates:
             while True:
