@@ -254,3 +254,37 @@ async def test_retention_rounds_look_up_a_partitions_oldest_message_once(tmp_pat
         assert len(later) == 6
     finally:
         await broker.close()
+
+
+async def test_a_member_joining_from_another_process_is_seen_by_the_shared_renewal(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    config = EmbeddedBackendConfig(path=str(tmp_path / "n.db"), lease_s=9)
+    first = await open_embedded(config, clock=clock, member_id="host:1:a")
+    second = await open_embedded(config, clock=clock, member_id="host:2:b")
+
+    async def rounds(count: int) -> None:
+        for _ in range(count):
+            clock.advance(3.0)  # the interval: lease_s / 3
+            for _ in range(50):
+                await asyncio.sleep(0.01)
+
+    try:
+        await first.admin.create_topic("t", partitions=4, consumers=[ConsumerSpec("c")])
+        mine = await first.reader("t", "c")
+        await rounds(2)
+        quiet = first.beats.statistics()
+        assert len(mine.sessions()) == 4
+        # Alone and settled: renewed with the whole process, no full protocol.
+        assert quiet.beats > 0
+        assert quiet.full == 0
+
+        theirs = await second.reader("t", "c")  # joins; waits for the first to let go
+        await rounds(3)
+        # The renewal saw the new member and ran the full protocol: the share moved.
+        assert first.beats.statistics().full > quiet.full
+        assert len(mine.sessions()) == len(theirs.sessions()) == 2
+    finally:
+        await second.close()
+        await first.close()

@@ -61,6 +61,7 @@ class BeatStatistics:
     rounds: int  # jobs sent to the write thread
     beats: int  # reader heartbeats they carried
     failures: int  # rounds that failed (retried)
+    full: int = 0  # heartbeats that ran the full protocol (the others: one renewal for all)
 
 
 class SharedHeartbeat:
@@ -77,6 +78,7 @@ class SharedHeartbeat:
         self._rounds = 0
         self._beats = 0
         self._failures = 0
+        self._full = 0
 
     def add(self, reader: EmbeddedReader) -> None:
         """Beats for ``reader`` from now on (it has just beaten itself)."""
@@ -96,7 +98,7 @@ class SharedHeartbeat:
         return len(self._readers)
 
     def statistics(self) -> BeatStatistics:
-        return BeatStatistics(self._rounds, self._beats, self._failures)
+        return BeatStatistics(self._rounds, self._beats, self._failures, self._full)
 
     async def run(self) -> None:
         """Beats until cancelled."""
@@ -134,7 +136,7 @@ class SharedHeartbeat:
             self._rounds += 1
             self._beats += len(taken)
             try:
-                answers = await self._db.writer.run(
+                answers, full = await self._db.writer.run(
                     partial(
                         _beat_all,
                         clock=self._clock,
@@ -153,6 +155,7 @@ class SharedHeartbeat:
                 for reader, _ in taken:
                     reader.beat_due = retry_at
                 return
+            self._full += full
             now = self._clock.monotonic()
             for (reader, job), answer in zip(taken, answers, strict=True):
                 if isinstance(answer, TopicNotFound):
@@ -173,12 +176,13 @@ def _beat_all(
     lease_s: float,
     prefix: str,
     jobs: Sequence[BeatJob],
-) -> list[leases.HeartbeatResult | TopicNotFound]:
+) -> tuple[list[leases.HeartbeatResult | TopicNotFound], int]:
     """One round: a renewal of the whole process, then the full protocol where needed.
 
     A settled reader whose consumer's members and leases are as it last saw
     them is renewed by ``leases.renew_all`` (three statements for the whole
-    process); the others run ``leases.heartbeat``, a transaction each.
+    process); the others run ``leases.heartbeat``, a transaction each. Returns
+    the answers and how many ran the full protocol.
     """
     answers: list[leases.HeartbeatResult | TopicNotFound | None] = [None] * len(jobs)
     quick = [index for index, job in enumerate(jobs) if job.members is not None]
@@ -206,8 +210,10 @@ def _beat_all(
                     member_ids=holding.members,
                 )
     done: list[leases.HeartbeatResult | TopicNotFound] = []
+    full = 0
     for job, answer in zip(jobs, answers, strict=True):
         if answer is None:
+            full += 1
             try:
                 answer = leases.heartbeat(
                     conn,
@@ -222,7 +228,7 @@ def _beat_all(
             except TopicNotFound as exc:
                 answer = exc
         done.append(answer)
-    return done
+    return done, full
 
 
 class Watch:

@@ -23,7 +23,7 @@ new owner's offset.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nemesis.broker.embedded import bells
@@ -210,6 +210,7 @@ def renew_all(
     holdings: Sequence[Holding],
     now: float,
     lease_s: float,
+    gone: Callable[[str], bool] | None = None,
 ) -> tuple[float, list[bool]]:
     """Renews every member, lease and bell of one process in one transaction.
 
@@ -221,6 +222,10 @@ def renew_all(
     needs the full protocol (``heartbeat``) to rebalance: that one is True in
     the returned list. The others keep exactly what they hold, renewed. Returns
     the new expiry and that list.
+
+    ``gone`` tells of a member that can be forgotten before it expires (its
+    process is known to be dead): its consumer's readers run the full
+    protocol too. It is asked once per process (member id up to the ``/``).
     """
     expires_at = now + lease_s
     # Member ids are "<process>/<n>": the prefix "<process>/" is the range up to "<process>0".
@@ -241,12 +246,20 @@ def renew_all(
         topics = {int(row[0]) for row in conn.execute("SELECT id FROM topics")}
         members: dict[tuple[int, str], list[str]] = {}
         expired: set[tuple[int, str]] = set()
+        processes: dict[str, bool] = {}  # member id up to "/" -> gone
         for topic_id, consumer, member_id, member_expires in conn.execute(
             "SELECT topic_id, consumer, member_id, expires_at FROM members"
         ):
             members.setdefault((topic_id, consumer), []).append(member_id)
             if member_expires < now:
                 expired.add((topic_id, consumer))
+            elif gone is not None and not member_id.startswith(owner_prefix):
+                process = member_id.split("/", 1)[0]
+                dead = processes.get(process)
+                if dead is None:
+                    dead = processes[process] = gone(member_id)
+                if dead:
+                    expired.add((topic_id, consumer))
         leased: dict[tuple[int, str, str], dict[int, int]] = {}
         for topic_id, consumer, partition, owner, generation in conn.execute(
             "SELECT topic_id, consumer, partition_id, owner, generation FROM leases"
