@@ -288,3 +288,44 @@ async def test_a_member_joining_from_another_process_is_seen_by_the_shared_renew
     finally:
         await second.close()
         await first.close()
+
+
+async def test_a_retried_message_waits_its_tier_and_comes_through_the_shared_reader(
+    tmp_path: Path,
+) -> None:
+    broker = await open_embedded(EmbeddedBackendConfig(path=str(tmp_path / "n.db")))
+    dlq = await open_sqlite_dlq(tmp_path / "dlq.db")
+    try:
+        await broker.admin.create_topic("orders", partitions=2, consumers=[ConsumerSpec("it")])
+        writer = await broker.writer("orders")
+        await writer.write([OutgoingMessage(orjson.dumps({"n": n})) for n in range(5)])
+        async with HandlerServer() as handler:
+            handler.fail_first(1, status=503)
+            config = IntegrationConfig.model_validate(
+                {
+                    "name": "it",
+                    "owners": ["team-it"],
+                    "source": {"topic": "orders", "consumer": "it"},
+                    "target": {"url": handler.url, "timeout_s": 2},
+                    "retry": {"tiers": ["300ms", "1s"]},
+                    "breaker": {"min_requests": 100_000},
+                }
+            )
+            proxy = Proxy(broker, {"it": config}, dlq=dlq)
+            task = asyncio.create_task(proxy.run())
+            try:
+                await handler.ledger.wait_for(5, timeout_s=60)
+                tier = proxy.groups["it"].runners["retry-1"]
+                shared = tier._reader
+                assert isinstance(shared, FlowReader)
+                assert tier.statistics().messages_read == 5
+            finally:
+                proxy.stop()
+                await task
+        for event_id in handler.ledger.ids():
+            first, second = handler.ledger.by_id(event_id)
+            assert (first.attempt, second.attempt) == (1, 2)
+            assert second.received_wall - first.received_wall >= 0.3 - 0.01
+    finally:
+        await dlq.close()
+        await broker.close()

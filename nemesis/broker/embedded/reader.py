@@ -42,8 +42,8 @@ class Wakeups:
     ring, a writer that has not seen the bell yet) is caught by the broker's
     watch: every ``belled_poll_max_s`` one query for the end offsets of every
     topic this process reads, ringing the readers of partitions that moved. A
-    belled reader's own polls back off up to ``watched_poll_max_s``: never
-    again by default, once the watch covers it, so an idle one costs nothing.
+    belled reader's own polls back off up to ``belled_poll_max_s`` and then
+    stop (the watch looks as often), so an idle one costs nothing.
     While rings keep a belled reader's tail cache answering, the file is
     still read every ``belled_tail_window_s`` (a ring lost while data flows).
     """
@@ -53,13 +53,10 @@ class Wakeups:
     poll_max_s: float = 0.05
     belled_poll_max_s: float = 1.0
     belled_tail_window_s: float = 0.2
-    watched_poll_max_s: float = math.inf
 
     def __post_init__(self) -> None:
         if not 0 < self.poll_min_s <= min(self.poll_max_s, self.belled_poll_max_s):
             raise ValueError("poll intervals must be positive, the minimum below the maximums")
-        if self.watched_poll_max_s < self.belled_poll_max_s:
-            raise ValueError("watched_poll_max_s must be at least belled_poll_max_s")
         if self.belled_tail_window_s <= 0:
             raise ValueError("the tail window must be positive")
 
@@ -203,7 +200,7 @@ class EmbeddedReader:
         self._bell = bell  # the address writers in other processes ring, if any
         self._poll_min_s = wakeups.poll_min_s
         # A belled reader's lost rings are caught by the broker's watch (see Wakeups).
-        self._poll_max_s = wakeups.watched_poll_max_s if bell else wakeups.poll_max_s
+        self._poll_max_s = wakeups.belled_poll_max_s if bell else wakeups.poll_max_s
         self._poll_s = self._poll_min_s
         # How long the tail cache may answer before the file is read anyway. Without
         # a bell, other processes' appends show up only there; with one, they ring
@@ -317,7 +314,7 @@ class EmbeddedReader:
                 if not self._dirty:
                     poll_s = self._poll_s
                     await self._wait(min(remaining, poll_s))
-                    self._poll_s = min(poll_s * 2, self._poll_max_s)
+                    self._poll_s = self._backoff(poll_s)
                     if self.interrupted():
                         break
                     if (
@@ -360,8 +357,19 @@ class EmbeddedReader:
                 return batch
             self._raise_if_failed()
             if not announced:
-                self._poll_s = min(self._poll_s * 2, self._poll_max_s)
+                self._poll_s = self._backoff(self._poll_s)
             return ()
+
+    def _backoff(self, poll_s: float) -> float:
+        """The poll interval after one that found nothing: twice as long, up to the cap.
+
+        A belled reader stops polling past its cap: the broker's watch looks
+        for what no ring announced that often, for every reader at once.
+        """
+        following = poll_s * 2
+        if following <= self._poll_max_s:
+            return following
+        return math.inf if self._bell else self._poll_max_s
 
     def poll_due_in(self) -> float:
         """Seconds until this reader should look at the file again though nothing rang."""
