@@ -28,7 +28,7 @@ import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from nemesis.aio import first_of
 from nemesis.broker.embedded import leases
@@ -42,8 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class BeatJob:
+class BeatJob(NamedTuple):
     """One reader's part of a shared round, as the write thread needs it."""
 
     topic_id: int
@@ -121,18 +120,20 @@ class SharedHeartbeat:
 
     async def beat(self, readers: Sequence[EmbeddedReader]) -> None:
         """One round for ``readers``: one job on the write thread."""
+        locked: list[EmbeddedReader] = []
         taken: list[tuple[EmbeddedReader, BeatJob]] = []
-        for reader in readers:
-            # A poked reader runs the full protocol: a sibling joined or let partitions go.
-            job = reader.beat_job(full=reader.poked)
-            reader.poked = False
-            if job is not None:
-                taken.append((reader, job))
-        if not taken:
-            return
-        for reader, _ in taken:
-            await reader.beat_lock.acquire()
         try:
+            for reader in readers:
+                # Held from the snapshot of what it holds until the answer is applied.
+                await reader.beat_lock.acquire()
+                locked.append(reader)
+                # A poked reader runs the full protocol: a sibling joined or let partitions go.
+                job = reader.beat_job(full=reader.poked)
+                reader.poked = False
+                if job is not None:
+                    taken.append((reader, job))
+            if not taken:
+                return
             self._rounds += 1
             self._beats += len(taken)
             try:
@@ -158,14 +159,17 @@ class SharedHeartbeat:
             self._full += full
             now = self._clock.monotonic()
             for (reader, job), answer in zip(taken, answers, strict=True):
-                if isinstance(answer, TopicNotFound):
+                if isinstance(answer, float):
+                    reader.beat_renewed(job.held, answer)
+                elif isinstance(answer, TopicNotFound):
                     self.remove(reader)
                     reader.beat_failed(answer)
                     continue
-                reader.beat_answer(job.held, answer)
+                else:
+                    reader.beat_answer(job.held, answer)
                 reader.beat_due = now + reader.beat_interval(self.interval_s)
         finally:
-            for reader, _ in taken:
+            for reader in locked:
                 reader.beat_lock.release()
 
 
@@ -176,15 +180,16 @@ def _beat_all(
     lease_s: float,
     prefix: str,
     jobs: Sequence[BeatJob],
-) -> tuple[list[leases.HeartbeatResult | TopicNotFound], int]:
+) -> tuple[list[leases.HeartbeatResult | TopicNotFound | float], int]:
     """One round: a renewal of the whole process, then the full protocol where needed.
 
     A settled reader whose consumer's members and leases are as it last saw
     them is renewed by ``leases.renew_all`` (three statements for the whole
     process); the others run ``leases.heartbeat``, a transaction each. Returns
-    the answers and how many ran the full protocol.
+    the answers (for a renewed reader, just its leases' new expiry) and how
+    many ran the full protocol.
     """
-    answers: list[leases.HeartbeatResult | TopicNotFound | None] = [None] * len(jobs)
+    answers: list[leases.HeartbeatResult | TopicNotFound | float | None] = [None] * len(jobs)
     quick = [index for index, job in enumerate(jobs) if job.members is not None]
     if quick:
         holdings = []
@@ -197,19 +202,10 @@ def _beat_all(
         expires_at, stale = leases.renew_all(
             conn, owner_prefix=prefix, holdings=holdings, now=clock.time(), lease_s=lease_s
         )
-        for index, holding, is_stale in zip(quick, holdings, stale, strict=True):
+        for index, is_stale in zip(quick, stale, strict=True):
             if not is_stale:
-                answers[index] = leases.HeartbeatResult(
-                    expires_at=expires_at,
-                    acquired=(),
-                    kept=tuple(holding.held),
-                    released=(),
-                    lost=(),
-                    settled=True,
-                    members=len(holding.members),
-                    member_ids=holding.members,
-                )
-    done: list[leases.HeartbeatResult | TopicNotFound] = []
+                answers[index] = expires_at
+    done: list[leases.HeartbeatResult | TopicNotFound | float] = []
     full = 0
     for job, answer in zip(jobs, answers, strict=True):
         if answer is None:
@@ -249,6 +245,7 @@ class Watch:
         self._topics = topics
         self._ring = ring
         self._sums: dict[int, int] = {}
+        self._total: tuple[int, int] | None = None  # (partitions, sum of their end offsets)
         self._ends: dict[int, dict[int, int]] = {}
         self.rounds = 0
 
@@ -274,6 +271,10 @@ class Watch:
             return
         self.rounds += 1
         timeout_s = max(self.interval_s * 10, 10.0)
+        total = await self._db.reader.run(_end_total, timeout_s=timeout_s)
+        if total == self._total and set(topics) <= self._sums.keys():
+            return  # no end offset moved anywhere: nothing to look at
+        self._total = total
         sums = await self._db.reader.run(
             partial(_end_sums, topics=tuple(topics)), timeout_s=timeout_s
         )
@@ -293,6 +294,12 @@ class Watch:
             self._ends[topic_id] = partitions
             if changed:
                 self._ring(topic_id, changed)
+
+
+def _end_total(conn: sqlite3.Connection) -> tuple[int, int]:
+    """How many partitions there are and the sum of their end offsets: one row, in C."""
+    row = conn.execute("SELECT COUNT(*), TOTAL(end_offset) FROM partitions").fetchone()
+    return int(row[0]), int(row[1])
 
 
 def _end_sums(conn: sqlite3.Connection, *, topics: tuple[int, ...]) -> dict[int, int]:

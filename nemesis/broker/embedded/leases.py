@@ -25,6 +25,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from nemesis.broker.embedded import bells
 from nemesis.errors import TopicNotFound
@@ -192,8 +193,7 @@ def heartbeat(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Holding:
+class Holding(NamedTuple):
     """What one reader of this process holds, as its last heartbeat left it."""
 
     topic_id: int

@@ -753,6 +753,15 @@ class EmbeddedReader:
     def beat_answer(self, held: dict[int, int], result: leases.HeartbeatResult) -> None:
         self._apply(held, result)
 
+    def beat_renewed(self, held: dict[int, int], expires_at: float) -> None:
+        """The process renewal kept every lease of ``held`` until ``expires_at``."""
+        if self._closed:
+            return
+        for partition, generation in held.items():
+            session = self._sessions.get(partition)
+            if session is not None and session.id == generation:
+                session.expires_at = expires_at
+
     def beat_failed(self, error: BrokerError) -> None:
         self._fail(error)
 
