@@ -26,6 +26,7 @@ from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
 from nemesis.dlq.sqlite import open_sqlite_dlq
 from nemesis.runtime.app import Proxy
 from nemesis.runtime.internal import FlowReader
+from nemesis.runtime.lag import LagMonitor, LagTarget
 from nemesis.runtime.retries import replay_topic, tier_topic
 from nemesis.runtime.runner import RunnerState
 from nemesis.testing import HandlerServer
@@ -328,4 +329,32 @@ async def test_a_retried_message_waits_its_tier_and_comes_through_the_shared_rea
             assert second.received_wall - first.received_wall >= 0.3 - 0.01
     finally:
         await dlq.close()
+        await broker.close()
+
+
+async def test_a_lag_round_describes_every_topic_in_one_trip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broker = await open_embedded(EmbeddedBackendConfig(path=str(tmp_path / "n.db")))
+    try:
+        for n in range(10):
+            await broker.admin.create_topic(f"t{n}", partitions=2, consumers=[ConsumerSpec("c")])
+        calls: Counter[str] = Counter()
+        admin = type(broker.admin)
+        for method in ("describe_topic", "describe_topics"):
+            original = getattr(admin, method)
+
+            async def counted(self: Any, *args: Any, _o: Any = original, _m: str = method) -> Any:
+                calls[_m] += 1
+                return await _o(self, *args)
+
+            monkeypatch.setattr(admin, method, counted)
+        targets = [LagTarget("it", "main", f"t{n}", "c") for n in range(10)] + [
+            LagTarget("it", "retry-1", "missing", "c")
+        ]
+        monitor = LagMonitor(broker, lambda: targets)
+        await monitor.refresh()
+        assert calls == {"describe_topics": 1}
+        assert len(monitor.lags(targets)) == 20  # ten topics of two partitions; none missing
+    finally:
         await broker.close()
