@@ -4,14 +4,17 @@ Each reader must renew its leases every ``lease_s / 3`` (``leases``). Done by
 each reader on its own, a process with a thousand readers woke a thousand
 times per interval and sent as many jobs to the write thread. Here one task
 beats for all of them: at each round, every reader due within the next half
-interval is renewed in one job on the write thread (a transaction per reader,
-as the protocol has it, but one trip), so readers that started at different
-times fall into step after their first shared round. A reader that is poked
-(a sibling joined or left) or not yet settled (its share is still held by
-another member) is beaten sooner, alone or with the others then due.
+interval is renewed in one job on the write thread, so readers that started
+at different times fall into step after their first shared round. In that
+job one transaction renews every lease of the process (``leases.renew_all``),
+and only the readers whose consumer changed run the full protocol, a
+transaction each. A reader not yet settled (its share is still held by
+another member) is beaten sooner; a reader that is poked (a sibling joined
+or left) beats at once on its own (``EmbeddedReader.poke``).
 
 A failed round (the write thread timed out) is retried at half the interval;
-a topic that was dropped fails its readers alone.
+a topic that was dropped fails its readers alone, and a bug fails the readers
+of its round at once (their leases would no longer be renewed).
 
 The watch (``Watch``) is the other periodic look: rings (``bells``) wake
 readers when other processes append, and a ring can be lost. Instead of every
@@ -88,10 +91,6 @@ class SharedHeartbeat:
     def remove(self, reader: EmbeddedReader) -> None:
         self._readers.discard(reader)
 
-    def poke(self) -> None:
-        """A reader asks for a beat now (it was poked)."""
-        self._changed.set()
-
     @property
     def readers(self) -> int:
         return len(self._readers)
@@ -103,18 +102,16 @@ class SharedHeartbeat:
         """Beats until cancelled."""
         while True:
             now = self._clock.monotonic()
-            due_at = min((r.beat_due for r in self._readers if not r.poked), default=None)
-            if not any(r.poked for r in self._readers):
-                self._changed.clear()
-                if due_at is None:
-                    await self._changed.wait()
-                    continue
-                if due_at > now:
-                    await first_of(self._clock.sleep(due_at - now), self._changed.wait())
-                    continue
-            now = self._clock.monotonic()
+            due_at = min((r.beat_due for r in self._readers), default=None)
+            self._changed.clear()
+            if due_at is None:
+                await self._changed.wait()
+                continue
+            if due_at > now:
+                await first_of(self._clock.sleep(due_at - now), self._changed.wait())
+                continue
             horizon = now + self.interval_s / 2
-            due = [r for r in self._readers if r.poked or r.beat_due <= horizon]
+            due = [r for r in self._readers if r.beat_due <= horizon]
             if due:
                 await self.beat(due)
 
@@ -127,9 +124,7 @@ class SharedHeartbeat:
                 # Held from the snapshot of what it holds until the answer is applied.
                 await reader.beat_lock.acquire()
                 locked.append(reader)
-                # A poked reader runs the full protocol: a sibling joined or let partitions go.
-                job = reader.beat_job(full=reader.poked)
-                reader.poked = False
+                job = reader.beat_job()
                 if job is not None:
                     taken.append((reader, job))
             if not taken:
@@ -155,6 +150,13 @@ class SharedHeartbeat:
                 retry_at = self._clock.monotonic() + self.interval_s / 2
                 for reader, _ in taken:
                     reader.beat_due = retry_at
+                return
+            except Exception as exc:
+                # A bug: these leases are no longer renewed, so their sessions end now.
+                logger.exception("lease heartbeat of %d readers failed", len(taken))
+                for reader, _ in taken:
+                    self.remove(reader)
+                    reader.beat_bug(exc)
                 return
             self._full += full
             now = self._clock.monotonic()

@@ -227,7 +227,8 @@ class EmbeddedReader:
         # other reader's of the process (None: this reader beats on its own).
         self._beats = beats
         self.beat_due = 0.0  # monotonic (clock) time of the next shared beat
-        self.poked = False
+        self.poked = False  # poke() asked for a beat (see _beat_when_poked)
+        self._poked_beat = False  # that beat runs
         self._receive_lock = asyncio.Lock()
         self.beat_lock = asyncio.Lock()  # one heartbeat of this reader at a time
         self._poke = asyncio.Event()
@@ -725,19 +726,39 @@ class EmbeddedReader:
 
     def poke(self) -> None:
         """Asks for a heartbeat now: a sibling reader joined or let partitions go."""
-        if self._beats is not None:
-            self.poked = True
-            self._beats.poke()
+        if self._beats is None:
+            self._poke.set()
             return
-        self._poke.set()
+        # With the shared heartbeat: the full protocol now, on its own (pokes are rare).
+        self.poked = True
+        if not self._poked_beat and not self._closed:
+            self._poked_beat = True
+            self._background.start(self._beat_when_poked(), name=f"nemesis-poke:{self._member_id}")
+
+    async def _beat_when_poked(self) -> None:
+        try:
+            # Again for a poke that came while a beat ran: it may not have seen that change.
+            while self.poked and not self._closed:
+                self.poked = False
+                try:
+                    await self.heartbeat()
+                except TopicNotFound as exc:
+                    self._fail(exc)
+                    return
+                except BrokerError as exc:
+                    # The shared heartbeat renews it at its next round.
+                    logger.warning("lease heartbeat for %s failed: %s", self._member_id, exc)
+                    return
+        finally:
+            self._poked_beat = False
 
     # --- the shared heartbeat's side (``beats``) -----------------------------------
 
-    def beat_job(self, *, full: bool = False) -> BeatJob | None:
+    def beat_job(self) -> BeatJob | None:
         """What a shared round renews for this reader; None once it is closed.
 
-        Settled and not ``full``: the round may renew it without the full
-        protocol, if its consumer's members and its leases are as it last saw.
+        Settled: the round may renew it without the full protocol, if its
+        consumer's members and its leases are as it last saw them.
         """
         if self._closed:
             return None
@@ -747,7 +768,7 @@ class EmbeddedReader:
             member_id=self._member_id,
             held={p: s.id for p, s in self._sessions.items()},
             bell=self._bell,
-            members=None if full or not self._settled else (self._member_ids or None),
+            members=(self._member_ids or None) if self._settled else None,
         )
 
     def beat_answer(self, held: dict[int, int], result: leases.HeartbeatResult) -> None:
@@ -764,6 +785,10 @@ class EmbeddedReader:
 
     def beat_failed(self, error: BrokerError) -> None:
         self._fail(error)
+
+    def beat_bug(self, error: BaseException) -> None:
+        """The shared round failed with a bug: as ``_heartbeat_failed``."""
+        self._heartbeat_failed(error)
 
     def beat_interval(self, interval_s: float) -> float:
         """Until the whole share is held, check back soon (see ``_heartbeat_loop``)."""
