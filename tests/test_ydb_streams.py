@@ -175,11 +175,13 @@ class ReadServer:
             StreamReadMessage.FromServer(server_status=status, server_message=message)
         )
 
-    def start(self, session_id: int, partition: int, committed: int = 0) -> None:
+    def start(
+        self, session_id: int, partition: int, committed: int = 0, path: str = "/local/orders"
+    ) -> None:
         self._put(
             StreamReadMessage.StartPartitionSessionRequest(
                 partition_session=StreamReadMessage.PartitionSession(
-                    partition_session_id=session_id, path="/local/orders", partition_id=partition
+                    partition_session_id=session_id, path=path, partition_id=partition
                 ),
                 committed_offset=committed,
                 partition_offsets=OffsetsRange(committed, committed),
@@ -446,6 +448,58 @@ async def test_a_receive_that_times_out_or_is_cancelled_loses_nothing(
     server.send(1, [0, 1, 2])
     # The SDK receive started by the cancelled call hands its batch to the next.
     assert offsets(await receive_all(reader, 3)) == [(0, 0), (0, 1), (0, 2)]
+
+
+async def test_interrupt_ends_a_waiting_receive_and_loses_nothing(
+    reader: YdbReader, grpc: Grpc
+) -> None:
+    server = await ReadServer.accept(grpc)
+    server.start(session_id=1, partition=0)
+    waiting = asyncio.create_task(reader.receive(10, 60.0))
+    await asyncio.sleep(0.02)
+    assert not waiting.done()
+    reader.interrupt()
+    assert await asyncio.wait_for(waiting, 5) == ()
+    server.send(1, [0, 1])
+    # The SDK receive the interrupted call started hands its batch to the next.
+    assert offsets(await receive_all(reader, 2)) == [(0, 0), (0, 1)]
+
+
+async def test_one_reader_reads_several_topics_and_each_session_names_its_own(
+    topics: TopicClientAsyncIO, grpc: Grpc
+) -> None:
+    reader = YdbReader(
+        lambda: open_sdk_reader(topics, ["/local/orders", "/local/refunds"], "billing", 1 << 20),
+        topic="orders, refunds",
+        consumer="billing",
+        commit_timeout_s=2.0,
+        topics=["orders", "refunds"],
+    )
+    try:
+        server = await ReadServer.accept(grpc)
+        paths = [selector.path for selector in server.init.topics_read_settings]
+        assert paths == ["/local/orders", "/local/refunds"]
+        server.start(session_id=1, partition=0, path="/local/orders")
+        server.start(session_id=2, partition=0, path="/local/refunds")
+        server.send(1, [0, 1])
+        server.send(2, [5])
+        received = await receive_all(reader, 3)
+        assert sorted((m.topic, m.offset) for m in received) == [
+            ("orders", 0),
+            ("orders", 1),
+            ("refunds", 5),
+        ]
+        assert sorted(s.topic for s in reader.sessions()) == ["orders", "refunds"]
+        refund = next(m for m in received if m.topic == "refunds")
+        assert session_of(refund).topic == "refunds"
+        # Commits stay per partition session, of either topic.
+        commit = asyncio.create_task(reader.commit([refund]))
+        request = await server.commit_request()
+        assert [p.partition_session_id for p in request.commit_offsets] == [2]
+        server.ack(2, 6)
+        await commit
+    finally:
+        await reader.close()
 
 
 async def test_a_batch_larger_than_asked_for_is_handed_out_in_order(

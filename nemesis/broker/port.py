@@ -21,6 +21,12 @@ topics). The semantics are chosen so that YDB fits without contortions:
   never committed: once it committed, a reader resumes from the commit.
   ``TopicAdmin.seek`` moves a committed offset either way; the reader that
   holds the partition loses it and its next owner reads from there.
+* A reader may read several topics as one consumer (an integration's retry
+  tiers and replay topic are read by one): each message and session names its
+  topic, and commits, pauses and sessions stay per partition session.
+* An idle reader costs nothing: a ``receive`` with nothing to read waits for
+  data (or ``interrupt``) rather than polling, so callers may pass long
+  timeouts.
 """
 
 from __future__ import annotations
@@ -218,8 +224,22 @@ class TopicAdmin(Protocol):
         ...
 
 
+@runtime_checkable
+class DescribesMany(Protocol):
+    """An admin that describes many topics in one trip (optional, for cheap lag rounds).
+
+    The lag monitor describes every topic a process reads every few seconds;
+    with hundreds of integrations, one trip per topic is most of what an idle
+    process does. An admin with this method is asked once per round instead.
+    """
+
+    async def describe_topics(self, names: Sequence[str]) -> Mapping[str, TopicDescription]:
+        """The topics of ``names`` that exist, described as ``describe_topic`` does."""
+        ...
+
+
 class TopicReader(Protocol):
-    """Reads one topic as one consumer; partitions are assigned by the broker."""
+    """Reads one or more topics as one consumer; partitions are assigned by the broker."""
 
     async def receive(self, max_messages: int, timeout_s: float) -> Sequence[Message]:
         """Up to ``max_messages``; an empty sequence when nothing arrived in ``timeout_s``."""
@@ -238,6 +258,15 @@ class TopicReader(Protocol):
         ...
 
     def resume(self, session: PartitionSession) -> None: ...
+
+    def interrupt(self) -> None:
+        """Makes a ``receive`` waiting now return at once (with what it has, maybe nothing).
+
+        For a caller that stops or pauses: it may wait in ``receive`` as long
+        as it likes and still react at once. Nothing read is lost by it. A
+        call while no ``receive`` waits has no effect on the next one.
+        """
+        ...
 
     def sessions(self) -> Sequence[PartitionSession]:
         """The partition sessions this reader holds now."""
@@ -266,9 +295,17 @@ class Broker(Protocol):
     def admin(self) -> TopicAdmin: ...
 
     async def reader(
-        self, topic: str, consumer: str, *, start_from: StartFrom = EARLIEST
+        self,
+        topic: str | Sequence[str],
+        consumer: str,
+        *,
+        start_from: StartFrom = EARLIEST,
     ) -> TopicReader:
-        """A reader of ``topic`` as ``consumer``; ``start_from`` for partitions never committed."""
+        """A reader of ``topic`` as ``consumer``; several topics: one reader over all of them.
+
+        Every topic must exist and have the consumer registered. ``start_from``
+        applies to partitions the consumer never committed.
+        """
         ...
 
     async def writer(self, topic: str, producer_id: str | None = None) -> TopicWriter: ...

@@ -4,7 +4,9 @@ An integration runs up to three kinds of flow (``nemesis.runtime.retries``):
 its main flow from the source topic, one flow per retry tier, and a replay
 flow for messages requeued from the DLQ. They share the integration's
 transport, pipeline, circuit breaker and rate limits; each flow has its own
-runner, restarted alone if it fails.
+runner. The main flow is restarted alone if it fails; the internal flows (retry
+tiers and replay) read through one shared reader (``nemesis.runtime.internal``)
+and are restarted together.
 
 Integrations come and go while the proxy runs (``nemesis.runtime.reload``):
 ``add_integration`` starts one, ``remove_integration`` drains and stops one,
@@ -37,7 +39,7 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from nemesis.aio import first_of
-from nemesis.broker.port import Broker, ConsumerSpec, TopicWriter
+from nemesis.broker.port import Broker, ConsumerSpec, TopicReader, TopicWriter
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig, TargetConfig
 from nemesis.delivery.http_clients import http_transport_for
@@ -50,6 +52,7 @@ from nemesis.pipeline import Pipeline, build_integration_pipeline
 from nemesis.resilience.breaker import BreakerListener, CircuitBreaker, bind_breaker_metrics
 from nemesis.resilience.limits import FlowLimits, wait_recorder
 from nemesis.runtime import overrides as live
+from nemesis.runtime.internal import SharedReader
 from nemesis.runtime.lag import LagMonitor, LagTarget, PartitionLag, oldest_unfinished_from
 from nemesis.runtime.retries import FlowSpec, flows_of, tier_topic
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
@@ -468,9 +471,11 @@ class Proxy:
         try:
             group.transport = factory(config.target, config.name, MAX_CONNECTIONS)
             async with asyncio.TaskGroup() as tasks:
-                for flow in self.flows(config):
+                main, *internal = self.flows(config)
+                tasks.create_task(self._supervise(group, main), name=f"{config.name}:main")
+                if internal:
                     tasks.create_task(
-                        self._supervise(group, flow), name=f"{config.name}:{flow.name}"
+                        self._supervise_internal(group, internal), name=f"{config.name}:internal"
                     )
         finally:
             await self._close_group(group)
@@ -541,6 +546,98 @@ class Proxy:
             await self._sleep_unless_halted(group, delay_s)
             delay_s = min(delay_s * 2, self._supervisor.max_restart_delay_s)
 
+    async def _supervise_internal(self, group: IntegrationGroup, flows: list[FlowSpec]) -> None:
+        """Keeps the internal flows running over one shared reader; restarts them together."""
+        name = group.name
+        delay_s = self._supervisor.restart_delay_s
+        while not self._halted(group):
+            try:
+                for flow in flows:
+                    await self._prepare_flow(group, flow)
+                shared = await self._open_shared(flows)
+            except NemesisError as exc:
+                for flow in flows:
+                    group.issues[flow.name] = f"cannot start: {exc}"
+                log.error(  # noqa: TRY400 - a broker problem, retried; not a bug
+                    "integration %s, flows %s: cannot start: %s; trying again in %.1fs",
+                    name,
+                    ", ".join(flow.name for flow in flows),
+                    exc,
+                    delay_s,
+                    extra={"integration": name},
+                )
+                await self._sleep_unless_halted(group, delay_s)
+                delay_s = min(delay_s * 2, self._supervisor.max_restart_delay_s)
+                continue
+            failures = await self._run_internal(group, flows, shared)
+            if not failures:
+                return
+            for flow, failure in failures:
+                log.error(
+                    "integration %s, flow %s failed; restarting the internal flows in %.1fs",
+                    name,
+                    flow.name,
+                    delay_s,
+                    exc_info=failure,
+                    extra={"integration": name, "flow": flow.name},
+                )
+                group.issues[flow.name] = "failed; restarting"
+            await self._sleep_unless_halted(group, delay_s)
+            delay_s = min(delay_s * 2, self._supervisor.max_restart_delay_s)
+
+    async def _open_shared(self, flows: list[FlowSpec]) -> SharedReader | None:
+        """One reader over the flows' topics; None when each flow reads its own.
+
+        One flow needs no sharing, and a backend that reads one topic per
+        reader says so with NotImplementedError.
+        """
+        if len(flows) < 2:
+            return None
+        topics = [flow.topic for flow in flows]
+        try:
+            reader = await self.broker.reader(topics, flows[0].consumer)
+        except NotImplementedError:
+            return None
+        return SharedReader(reader, topics)
+
+    async def _run_internal(
+        self, group: IntegrationGroup, flows: list[FlowSpec], shared: SharedReader | None
+    ) -> list[tuple[FlowSpec, BaseException]]:
+        """Runs the flows until they stop; when one fails, stops the others. Their failures."""
+        runners: list[IntegrationRunner] = []
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            for flow in flows:
+                group.issues.pop(flow.name, None)
+                runner = self._make_runner(group, flow, shared)
+                group.runners[flow.name] = runner
+                runners.append(runner)
+                if self._halted(group):
+                    runner.stop()
+            tasks = [
+                asyncio.create_task(runner.run(), name=f"{group.name}:{runner.flow.name}")
+                for runner in runners
+            ]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for runner in runners:
+                runner.stop()  # one failed, or all were asked to stop
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            if shared is not None:
+                with contextlib.suppress(NemesisError):
+                    await shared.close()
+        failures: list[tuple[FlowSpec, BaseException]] = []
+        for runner, task in zip(runners, tasks, strict=True):
+            error = task.exception()
+            if error is not None:
+                failures.append((runner.flow, error))
+        return failures
+
     async def _prepare_flow(self, group: IntegrationGroup, flow: FlowSpec) -> None:
         """Registers the consumer; creates the retry tier and replay topics Nemesis owns."""
         admin = self.broker.admin
@@ -567,8 +664,17 @@ class Proxy:
                 )
                 group.tier_writers.append(await self.broker.writer(topic))
 
-    def _make_runner(self, group: IntegrationGroup, flow: FlowSpec) -> IntegrationRunner:
+    def _make_runner(
+        self, group: IntegrationGroup, flow: FlowSpec, shared: SharedReader | None = None
+    ) -> IntegrationRunner:
         assert group.transport is not None
+        open_reader = None
+        if shared is not None:
+            view = shared.view(flow.topic)
+
+            async def open_reader() -> TopicReader:
+                return view
+
         return IntegrationRunner(
             group.config,
             self.broker,
@@ -583,6 +689,7 @@ class Proxy:
             clock=self._clock,
             options=self._runner_options,
             owns_transport=False,
+            open_reader=open_reader,
         )
 
     async def _telemetry(self) -> None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from nemesis import logs
@@ -94,7 +94,9 @@ class RunnerState(enum.Enum):
 class RunnerOptions:
     """Knobs of the runner that are not part of an integration's YAML."""
 
-    receive_timeout_s: float = 0.2
+    # How long one receive waits for messages. Long: stop() and pause() interrupt the wait,
+    # so an idle flow wakes only at this timeout (see docs/idle-cost.md).
+    receive_timeout_s: float = 30.0
     max_receive: int = 500
     commit_interval_s: float = 0.1
     commit_timeout_s: float = 10.0
@@ -149,6 +151,7 @@ class IntegrationRunner:
         clock: Clock = SYSTEM_CLOCK,
         options: RunnerOptions = RunnerOptions(),
         owns_transport: bool = True,
+        open_reader: Callable[[], Awaitable[TopicReader]] | None = None,
     ) -> None:
         self.config = config
         self.name = config.name
@@ -159,6 +162,9 @@ class IntegrationRunner:
         # Messages of retry tiers and replays are shown to handlers at their source coordinates.
         self._view: Callable[[Message], Message] = _same if self.flow.name == "main" else origin
         self._broker = broker
+        # Where the flow's reader comes from: the broker (its own reader of the flow's topic),
+        # or a reader shared with the integration's other internal flows.
+        self._open_reader = open_reader
         self._transport = transport
         self._owns_transport = owns_transport
         self._pipeline = pipeline or Pipeline.empty(config.name)
@@ -232,10 +238,18 @@ class IntegrationRunner:
         """Asks the runner to drain and stop; ``run()`` returns when it has."""
         self._stopping.set()
         self._progress.set()  # the intake may be waiting for room in the buffer
+        self._interrupt()
 
     def pause(self) -> None:
         """Stops reading new messages; what is in flight finishes."""
-        self._resumed.clear()
+        if self._resumed.is_set():
+            self._resumed.clear()
+            self._interrupt()
+
+    def _interrupt(self) -> None:
+        """Ends the intake's wait in receive (it waits for messages as long as it likes)."""
+        if self._reader is not None:
+            self._reader.interrupt()
 
     def resume(self) -> None:
         """Reads again after ``pause()``."""
@@ -302,15 +316,20 @@ class IntegrationRunner:
 
     async def run(self) -> None:
         """Reads, delivers and commits until ``stop()``, then drains and returns."""
-        # Only the source follows start_from: a retry tier or replay topic holds
-        # messages Nemesis owes the handler, all of them.
-        start_from = EARLIEST
-        if self.flow.name == "main":
-            start_from = self.config.source.start_position(self._clock.time())
-        reader = await self._broker.reader(
-            self.flow.topic, self.flow.consumer, start_from=start_from
-        )
+        if self._open_reader is not None:
+            reader = await self._open_reader()
+        else:
+            # Only the source follows start_from: a retry tier or replay topic holds
+            # messages Nemesis owes the handler, all of them.
+            start_from = EARLIEST
+            if self.flow.name == "main":
+                start_from = self.config.source.start_position(self._clock.time())
+            reader = await self._broker.reader(
+                self.flow.topic, self.flow.consumer, start_from=start_from
+            )
         self._reader = reader
+        if self._stopping.is_set():
+            reader.interrupt()
         label = f"{self.name}:{self.flow.name}"
         try:
             async with asyncio.TaskGroup() as tasks:

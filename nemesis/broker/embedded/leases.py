@@ -38,9 +38,10 @@ import os
 import secrets
 import socket
 import sqlite3
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from nemesis.broker.embedded import bells, log
 from nemesis.broker.port import EARLIEST, StartFrom
@@ -138,6 +139,7 @@ class HeartbeatResult:
     lost: tuple[int, ...]
     settled: bool  # holds its whole fair share (nothing waits on another member)
     members: int
+    member_ids: tuple[str, ...] = ()  # the consumer's live members, sorted
 
 
 def heartbeat(
@@ -271,6 +273,7 @@ def heartbeat(
         lost=tuple(lost),
         settled=not waiting,
         members=len(members),
+        member_ids=tuple(sorted(members)),
     )
 
 
@@ -297,6 +300,92 @@ def _forget_dead_neighbours(
             (topic_id, consumer, member),
         )
         bells.remove(conn, topic_id=topic_id, member_id=member)
+
+
+class Holding(NamedTuple):
+    """What one reader of this process holds, as its last heartbeat left it."""
+
+    topic_id: int
+    consumer: str
+    member_id: str
+    held: Mapping[int, int]  # partition -> generation
+    members: tuple[str, ...]  # the consumer's members then, sorted
+
+
+def renew_all(
+    conn: sqlite3.Connection,
+    *,
+    owner_prefix: str,
+    holdings: Sequence[Holding],
+    now: float,
+    lease_s: float,
+    gone: Callable[[str], bool] | None = None,
+) -> tuple[float, list[bool]]:
+    """Renews every member, lease and bell of one process in one transaction.
+
+    The members, leases and bells whose member id starts with ``owner_prefix``
+    (one process's readers) get ``now + lease_s``, in three statements. Then
+    each holding is checked against the tables: when its consumer's members
+    are no longer the ones it saw (one joined, left or expired), a lease it
+    holds names someone else or another generation, or its topic is gone, it
+    needs the full protocol (``heartbeat``) to rebalance: that one is True in
+    the returned list. The others keep exactly what they hold, renewed. Returns
+    the new expiry and that list.
+
+    ``gone`` tells of a member that can be forgotten before it expires (its
+    process is known to be dead): its consumer's readers run the full
+    protocol too. It is asked once per process (member id up to the ``/``).
+    """
+    expires_at = now + lease_s
+    # Member ids are "<process>/<n>": the prefix "<process>/" is the range up to "<process>0".
+    low, high = owner_prefix, owner_prefix[:-1] + chr(ord(owner_prefix[-1]) + 1)
+    with write_transaction(conn):
+        conn.execute(
+            "UPDATE members SET expires_at = ? WHERE member_id >= ? AND member_id < ?",
+            (expires_at, low, high),
+        )
+        conn.execute(
+            "UPDATE leases SET expires_at = ? WHERE owner >= ? AND owner < ?",
+            (expires_at, low, high),
+        )
+        conn.execute(
+            "UPDATE bells SET expires_at = ? WHERE member_id >= ? AND member_id < ?",
+            (expires_at, low, high),
+        )
+        topics = {int(row[0]) for row in conn.execute("SELECT id FROM topics")}
+        members: dict[tuple[int, str], list[str]] = {}
+        expired: set[tuple[int, str]] = set()
+        processes: dict[str, bool] = {}  # member id up to "/" -> gone
+        for topic_id, consumer, member_id, member_expires in conn.execute(
+            "SELECT topic_id, consumer, member_id, expires_at FROM members"
+        ):
+            members.setdefault((topic_id, consumer), []).append(member_id)
+            if member_expires < now:
+                expired.add((topic_id, consumer))
+            elif gone is not None and not member_id.startswith(owner_prefix):
+                process = member_id.split("/", 1)[0]
+                dead = processes.get(process)
+                if dead is None:
+                    dead = processes[process] = gone(member_id)
+                if dead:
+                    expired.add((topic_id, consumer))
+        leased: dict[tuple[int, str, str], dict[int, int]] = {}
+        for topic_id, consumer, partition, owner, generation in conn.execute(
+            "SELECT topic_id, consumer, partition_id, owner, generation FROM leases"
+            " WHERE owner >= ? AND owner < ?",
+            (low, high),
+        ):
+            leased.setdefault((topic_id, consumer, owner), {})[partition] = generation
+    stale = []
+    for holding in holdings:
+        group = (holding.topic_id, holding.consumer)
+        stale.append(
+            holding.topic_id not in topics
+            or group in expired
+            or tuple(sorted(members.get(group, ()))) != holding.members
+            or leased.get((*group, holding.member_id), {}) != dict(holding.held)
+        )
+    return expires_at, stale
 
 
 def _start_position(

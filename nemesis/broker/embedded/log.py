@@ -172,6 +172,57 @@ def describe_topic(conn: sqlite3.Connection, name: str) -> TopicDescription:
     )
 
 
+def describe_topics(conn: sqlite3.Connection, names: Sequence[str]) -> dict[str, TopicDescription]:
+    """``describe_topic`` for each of ``names`` that exists, in one snapshot and four queries."""
+    wanted = set(names)
+    with read_transaction(conn):
+        topics = {
+            int(row[0]): (str(row[1]), row[2])
+            for row in conn.execute("SELECT id, name, retention_s FROM topics")
+            if row[1] in wanted
+        }
+        consumers: dict[int, list[str]] = {topic_id: [] for topic_id in topics}
+        for topic_id, consumer in conn.execute(
+            "SELECT topic_id, name FROM consumers ORDER BY topic_id, name"
+        ):
+            if topic_id in consumers:
+                consumers[topic_id].append(consumer)
+        committed: dict[tuple[int, str, int], int] = {
+            (row[0], row[1], row[2]): row[3]
+            for row in conn.execute(
+                "SELECT topic_id, consumer, partition_id, committed FROM offsets"
+            )
+            if row[0] in topics
+        }
+        infos: dict[int, list[PartitionInfo]] = {topic_id: [] for topic_id in topics}
+        for topic_id, p, start, end, last in conn.execute(
+            "SELECT topic_id, partition_id, start_offset, end_offset, last_written_at"
+            " FROM partitions ORDER BY topic_id, partition_id"
+        ):
+            if topic_id in infos:
+                infos[topic_id].append(
+                    PartitionInfo(
+                        partition=p,
+                        start_offset=start,
+                        end_offset=end,
+                        last_written_at=last,
+                        committed={
+                            c: max(committed.get((topic_id, c, p), start), start)
+                            for c in consumers[topic_id]
+                        },
+                    )
+                )
+    return {
+        name: TopicDescription(
+            name=name,
+            partitions=infos[topic_id],
+            consumers=consumers[topic_id],
+            retention_s=retention_s,
+        )
+        for topic_id, (name, retention_s) in topics.items()
+    }
+
+
 def drop_topic(conn: sqlite3.Connection, name: str) -> int:
     """Deletes a topic's metadata at once, returning its id; the messages go in batches later."""
     with write_transaction(conn):
@@ -527,9 +578,23 @@ class ExpiryCandidate:
     cutoff: float  # messages written before this Unix time are expired
 
 
-def expiry_candidates(conn: sqlite3.Connection, now: float) -> list[ExpiryCandidate]:
-    """Partitions whose oldest retained message has expired (a cheap read-only check)."""
+# (topic id, partition) -> (start offset, retention, written_at of the message there).
+OldestKnown = dict[tuple[int, int], tuple[int, float, float | None]]
+
+
+def expiry_candidates(
+    conn: sqlite3.Connection, now: float, known: OldestKnown | None = None
+) -> list[ExpiryCandidate]:
+    """Partitions whose oldest retained message has expired (a cheap read-only check).
+
+    ``known`` remembers each partition's oldest message between calls: it is
+    looked up again only once the partition's start offset moved (retention
+    or a purge deleted it), so a round over partitions that keep their
+    messages is one query, not one per partition. Give the same dict to
+    every call, from one thread.
+    """
     candidates = []
+    seen: set[tuple[int, int]] = set()
     with read_transaction(conn):
         partitions = conn.execute(
             "SELECT t.id, t.retention_s, p.partition_id, p.start_offset"
@@ -538,13 +603,25 @@ def expiry_candidates(conn: sqlite3.Connection, now: float) -> list[ExpiryCandid
         ).fetchall()
         for topic_id, retention_s, partition, start in partitions:
             cutoff = now - retention_s
-            oldest = conn.execute(
-                "SELECT written_at FROM messages WHERE topic_id = ? AND partition_id = ?"
-                " AND msg_offset >= ? ORDER BY msg_offset LIMIT 1",
-                (topic_id, partition, start),
-            ).fetchone()
-            if oldest is not None and oldest[0] < cutoff:
+            key = (topic_id, partition)
+            seen.add(key)
+            cached = None if known is None else known.get(key)
+            if cached is not None and cached[0] == start and cached[1] == retention_s:
+                written_at = cached[2]
+            else:
+                oldest = conn.execute(
+                    "SELECT written_at FROM messages WHERE topic_id = ? AND partition_id = ?"
+                    " AND msg_offset >= ? ORDER BY msg_offset LIMIT 1",
+                    (topic_id, partition, start),
+                ).fetchone()
+                written_at = None if oldest is None else float(oldest[0])
+                if known is not None:
+                    known[key] = (start, retention_s, written_at)
+            if written_at is not None and written_at < cutoff:
                 candidates.append(ExpiryCandidate(topic_id, partition, cutoff))
+    if known is not None:
+        for key in [key for key in known if key not in seen]:
+            del known[key]
     return candidates
 
 

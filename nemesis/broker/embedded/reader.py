@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 from nemesis.aio import TaskScope, first_of
 from nemesis.broker.embedded import leases, log
+from nemesis.broker.embedded.beats import BeatJob, SharedHeartbeat
 from nemesis.broker.embedded.db import Database
 from nemesis.broker.embedded.tail import TailCache
 from nemesis.broker.port import EARLIEST, Message, PartitionSession, StartFrom
@@ -36,11 +38,14 @@ class Wakeups:
 
     A reader polls the file soon after data (the next message is likely
     close behind), doubling the interval while nothing comes, up to a cap.
-    With a bell, rings carry the fast path and a poll only catches a lost
-    ring or a writer that has not seen the bell yet, so the cap is higher:
-    a topic nobody writes to is looked at once a second. While rings keep
-    a belled reader's tail cache answering, the file is still read every
-    ``belled_tail_window_s`` (a ring lost while data flows).
+    With a bell, rings carry the fast path, and what is left to catch (a lost
+    ring, a writer that has not seen the bell yet) is caught by the broker's
+    watch: every ``belled_poll_max_s`` one query for the end offsets of every
+    topic this process reads, ringing the readers of partitions that moved. A
+    belled reader's own polls back off up to ``belled_poll_max_s`` and then
+    stop (the watch looks as often), so an idle one costs nothing.
+    While rings keep a belled reader's tail cache answering, the file is
+    still read every ``belled_tail_window_s`` (a ring lost while data flows).
     """
 
     bells: bool = True
@@ -146,6 +151,7 @@ class ReaderStatistics:
     rings: int  # rings from other processes' writers that woke this reader
     belled: bool  # other processes' writers can ring it (it polls less often)
     file_reads: int = 0  # reads that went to the file (on the read thread)
+    watch_rings: int = 0  # the broker's watch saw data this reader had not read (lost rings)
     cache_reads: int = 0  # reads answered from the tail cache (in the loop)
 
 
@@ -173,6 +179,7 @@ class EmbeddedReader:
         bell: bytes | None = None,
         commit_timeout_s: float = 10.0,
         start_from: StartFrom = EARLIEST,
+        beats: SharedHeartbeat | None = None,
     ) -> None:
         self._db = db
         self._start_from = start_from
@@ -189,10 +196,12 @@ class EmbeddedReader:
         self._commit_timeout_s = commit_timeout_s
         self._sessions: dict[int, EmbeddedSession] = {}
         self._members = 0
+        self._member_ids: tuple[str, ...] = ()  # sorted, at the last heartbeat
         self._settled = False
         self._turn = 0  # rotates which partition is read first
         self._bell = bell  # the address writers in other processes ring, if any
         self._poll_min_s = wakeups.poll_min_s
+        # A belled reader's lost rings are caught by the broker's watch (see Wakeups).
         self._poll_max_s = wakeups.belled_poll_max_s if bell else wakeups.poll_max_s
         self._poll_s = self._poll_min_s
         # How long the tail cache may answer before the file is read anyway. Without
@@ -206,14 +215,24 @@ class EmbeddedReader:
         # read goes to the file.
         self._rung = False
         self._rings = 0
+        self._watch_rings = 0  # the broker's watch, not a bell, sent this reader to the file
         self._file_reads = 0
         self._cache_reads = 0
         # The last read reached the end of every partition it read, at this loop time.
         self._drained = False
         self._read_at = 0.0
         self._waiter: asyncio.Future[None] | None = None
+        self._interrupted = False
+        # Called by wake(): the multi-topic reader this one is a part of waits for it.
+        self.on_wake: Callable[[], None] | None = None
+        # The broker's shared heartbeat, which renews this reader's leases with every
+        # other reader's of the process (None: this reader beats on its own).
+        self._beats = beats
+        self.beat_due = 0.0  # monotonic (clock) time of the next shared beat
+        self.poked = False  # poke() asked for a beat (see _beat_when_poked)
+        self._poked_beat = False  # that beat runs
         self._receive_lock = asyncio.Lock()
-        self._heartbeat_lock = asyncio.Lock()
+        self.beat_lock = asyncio.Lock()  # one heartbeat of this reader at a time
         self._poke = asyncio.Event()
         # Owns the heartbeat: its failure ends the sessions at once (``_heartbeat_failed``).
         self._background = TaskScope(f"reader {member_id}", self._heartbeat_failed)
@@ -239,6 +258,9 @@ class EmbeddedReader:
     async def start(self, timeout_s: float) -> None:
         """Joins the consumer's members, takes a first share, and starts heartbeating."""
         await self.heartbeat(timeout_s)
+        if self._beats is not None:
+            self._beats.add(self)
+            return
         self._background.start(
             self._heartbeat_loop(), name=f"nemesis-lease:{self._topic.name}:{self._member_id}"
         )
@@ -261,6 +283,7 @@ class EmbeddedReader:
         self._raise_if_failed()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        self._interrupted = False
         async with self._receive_lock:
             # With a bell, a reader that read every partition to its end has
             # nothing new until a wake or a ring says so, or until its next
@@ -288,13 +311,15 @@ class EmbeddedReader:
                         return batch
                     self._raise_if_failed()
                 remaining = deadline - loop.time()
-                if remaining <= 0:
+                if remaining <= 0 or self.interrupted():
                     break
                 read_now = True
                 if not self._dirty:
                     poll_s = self._poll_s
                     await self._wait(min(remaining, poll_s))
-                    self._poll_s = min(poll_s * 2, self._poll_max_s)
+                    self._poll_s = self._backoff(poll_s)
+                    if self.interrupted():
+                        break
                     if (
                         self._bell
                         and self._drained
@@ -306,6 +331,59 @@ class EmbeddedReader:
                         # receive end with a trip to the file.)
                         break
         return ()
+
+    async def try_receive(self, max_messages: int) -> Sequence[Message]:
+        """What ``receive`` would read now, without waiting (a multi-topic reader's part).
+
+        Reads when something was announced or a poll is due, else returns
+        nothing at once; ``poll_due_in`` says when the next poll is due.
+        """
+        if self._closed:
+            raise RuntimeError("the reader is closed")
+        self._raise_if_failed()
+        loop = asyncio.get_running_loop()
+        async with self._receive_lock:
+            if not (
+                self._dirty
+                or self._rung
+                or not (self._bell and self._drained)
+                or loop.time() - self._read_at >= self._poll_s
+            ):
+                return ()
+            announced = self._dirty and self._bell is not None
+            self._dirty = False
+            self._read_at = loop.time()
+            batch = await self._read(max_messages, READ_TIMEOUT_S)
+            if batch:
+                if not announced:
+                    self._poll_s = self._poll_min_s
+                return batch
+            self._raise_if_failed()
+            if not announced:
+                self._poll_s = self._backoff(self._poll_s)
+            return ()
+
+    def _backoff(self, poll_s: float) -> float:
+        """The poll interval after one that found nothing: twice as long, up to the cap.
+
+        A belled reader stops polling past its cap: the broker's watch looks
+        for what no ring announced that often, for every reader at once.
+        """
+        following = poll_s * 2
+        if following <= self._poll_max_s:
+            return following
+        return math.inf if self._bell else self._poll_max_s
+
+    def poll_due_in(self) -> float:
+        """Seconds until this reader should look at the file again though nothing rang."""
+        if self._dirty or self._rung:
+            return 0.0
+        if not self._bell:
+            # Without a bell every look reads the file: paced by the poll interval.
+            return max(0.0, self._read_at + self._poll_s - asyncio.get_running_loop().time())
+        if not self._drained:
+            return 0.0
+        return max(0.0, self._read_at + self._poll_s - asyncio.get_running_loop().time())
 
     async def _read(self, max_messages: int, timeout_s: float) -> list[Message]:
         self._expire_sessions()
@@ -414,6 +492,19 @@ class EmbeddedReader:
         waiter = self._waiter
         if waiter is not None:
             _resolve(waiter)
+        if self.on_wake is not None:
+            self.on_wake()
+
+    def interrupted(self) -> bool:
+        """``interrupt`` was called since the current ``receive`` began."""
+        return self._interrupted
+
+    def interrupt(self) -> None:
+        """Makes a waiting ``receive`` return now (see the broker port)."""
+        self._interrupted = True
+        waiter = self._waiter
+        if waiter is not None:
+            _resolve(waiter)
 
     @property
     def partition_count(self) -> int:
@@ -434,6 +525,27 @@ class EmbeddedReader:
         self._rung = True
         self._rings += 1
         self.wake()
+
+    def watched(self, ends: Mapping[int, int]) -> None:
+        """The broker's watch saw the end offsets of partitions move (maybe a lost ring).
+
+        The file is read for them, unless this reader has read that far already or
+        the tail cache holds what it has not (those rows woke it when they came).
+        """
+        tail, topic_id = self._tail, self._topic.id
+        for partition, end in ends.items():
+            session = self._sessions.get(partition)
+            if session is None or session.position >= end:
+                continue
+            # The cache holds a contiguous run: its first and last rows say it has them all.
+            if tail.get(topic_id, partition, session.position, 1) and tail.get(
+                topic_id, partition, end - 1, 1
+            ):
+                continue
+            self._rung = True
+            self._watch_rings += 1
+            self.wake()
+            return
 
     def _expire_sessions(self) -> None:
         # A lease that ran out without a renewal (a heartbeat that failed or
@@ -546,13 +658,14 @@ class EmbeddedReader:
             belled=self._bell is not None,
             file_reads=self._file_reads,
             cache_reads=self._cache_reads,
+            watch_rings=self._watch_rings,
         )
 
     # --- leases ---------------------------------------------------------------------------
 
     async def heartbeat(self, timeout_s: float | None = None) -> None:
         """Renews this member's leases and rebalances now, instead of at the next beat."""
-        async with self._heartbeat_lock:
+        async with self.beat_lock:
             if self._closed:
                 return
             held = {p: s.id for p, s in self._sessions.items()}
@@ -576,6 +689,7 @@ class EmbeddedReader:
         if self._closed:
             return  # close() released everything; this answer is stale
         self._members = result.members
+        self._member_ids = result.member_ids
         self._settled = result.settled
         for partition in result.kept:
             session = self._sessions.get(partition)
@@ -615,7 +729,73 @@ class EmbeddedReader:
 
     def poke(self) -> None:
         """Asks for a heartbeat now: a sibling reader joined or let partitions go."""
-        self._poke.set()
+        if self._beats is None:
+            self._poke.set()
+            return
+        # With the shared heartbeat: the full protocol now, on its own (pokes are rare).
+        self.poked = True
+        if not self._poked_beat and not self._closed:
+            self._poked_beat = True
+            self._background.start(self._beat_when_poked(), name=f"nemesis-poke:{self._member_id}")
+
+    async def _beat_when_poked(self) -> None:
+        try:
+            # Again for a poke that came while a beat ran: it may not have seen that change.
+            while self.poked and not self._closed:
+                self.poked = False
+                try:
+                    await self.heartbeat()
+                except TopicNotFound as exc:
+                    self._fail(exc)
+                    return
+                except BrokerError as exc:
+                    # The shared heartbeat renews it at its next round.
+                    logger.warning("lease heartbeat for %s failed: %s", self._member_id, exc)
+                    return
+        finally:
+            self._poked_beat = False
+
+    # --- the shared heartbeat's side (``beats``) -----------------------------------
+
+    def beat_job(self) -> BeatJob | None:
+        """What a shared round renews for this reader; None once it is closed.
+
+        Settled: the round may renew it without the full protocol, if its
+        consumer's members and its leases are as it last saw them.
+        """
+        if self._closed:
+            return None
+        return BeatJob(
+            topic_id=self._topic.id,
+            consumer=self._consumer,
+            member_id=self._member_id,
+            held={p: s.id for p, s in self._sessions.items()},
+            bell=self._bell,
+            members=(self._member_ids or None) if self._settled else None,
+        )
+
+    def beat_answer(self, held: dict[int, int], result: leases.HeartbeatResult) -> None:
+        self._apply(held, result)
+
+    def beat_renewed(self, held: dict[int, int], expires_at: float) -> None:
+        """The process renewal kept every lease of ``held`` until ``expires_at``."""
+        if self._closed:
+            return
+        for partition, generation in held.items():
+            session = self._sessions.get(partition)
+            if session is not None and session.id == generation:
+                session.expires_at = expires_at
+
+    def beat_failed(self, error: BrokerError) -> None:
+        self._fail(error)
+
+    def beat_bug(self, error: BaseException) -> None:
+        """The shared round failed with a bug: as ``_heartbeat_failed``."""
+        self._heartbeat_failed(error)
+
+    def beat_interval(self, interval_s: float) -> float:
+        """Until the whole share is held, check back soon (see ``_heartbeat_loop``)."""
+        return interval_s if self._settled else interval_s / 4
 
     def _heartbeat_failed(self, error: BaseException) -> None:
         # Not a broker error (those are retried in the loop): a bug. The leases are
@@ -664,6 +844,8 @@ class EmbeddedReader:
         if self._closed:
             return
         self._closed = True
+        if self._beats is not None:
+            self._beats.remove(self)
         await self._background.aclose()
         for session in self._sessions.values():
             session.end()

@@ -39,6 +39,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
+from nemesis.aio import first_of
 from nemesis.broker.kafka.connection import close_leftover_connections
 from nemesis.broker.kafka.errors import broker_error, describe
 from nemesis.broker.kafka.mapping import KafkaSession, to_message
@@ -90,6 +91,7 @@ class KafkaReader:
         self._closing: asyncio.Future[Any] | None = None
         self._dropped = 0
         self._closed = False
+        self._wake: asyncio.Event | None = None  # set by interrupt() while a receive waits
         self.listener = _Listener(self)
 
     @property
@@ -151,15 +153,24 @@ class KafkaReader:
             raise ValueError("max_messages must be at least 1")
         if self._closed:
             raise RuntimeError("the reader is closed")
+        wake = self._wake = asyncio.Event()
+        fetch = asyncio.ensure_future(
+            self._consumer.getmany(
+                timeout_ms=max(int(timeout_s * 1000), 0), max_records=max_messages
+            )
+        )
         try:
-            async with asyncio.timeout(max(timeout_s, 0.0) + _RECEIVE_SLACK_S):
-                batches = await self._consumer.getmany(
-                    timeout_ms=max(int(timeout_s * 1000), 0), max_records=max_messages
-                )
-        except TimeoutError:
-            return ()  # a rebalance is in progress: nothing assigned to read from
+            # getmany waits with no limit of its own while a rebalance is in progress;
+            # interrupt() ends the wait at once. A fetch cancelled here loses nothing:
+            # aiokafka keeps fetched records until a getmany hands them out.
+            await first_of(fetch, wake.wait(), timeout_s=max(timeout_s, 0.0) + _RECEIVE_SLACK_S)
         except KafkaError as exc:
             raise broker_error(exc, f"receive from {self._topic} as {self._group}") from exc
+        finally:
+            self._wake = None
+        if not fetch.done() or fetch.cancelled():
+            return ()  # interrupted, or a rebalance is in progress: nothing to hand out
+        batches = fetch.result()
         out: list[Message] = []
         for tp, records in batches.items():
             session = self._sessions.get(tp.partition)
@@ -220,6 +231,11 @@ class KafkaReader:
         if not session.alive or self._sessions.get(session.partition) is not session:
             return None
         return session
+
+    def interrupt(self) -> None:
+        """Makes a waiting ``receive`` return now, with nothing (see the broker port)."""
+        if self._wake is not None:
+            self._wake.set()
 
     def sessions(self) -> Sequence[PartitionSession]:
         """The partitions the group assigns to this member now, one session each."""

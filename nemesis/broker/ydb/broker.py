@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Sequence
 
 from ydb import TopicClientAsyncIO, TopicReaderAsyncIO
 from ydb.aio.driver import Driver
@@ -68,24 +69,34 @@ class YdbBroker:
         return self._topics
 
     async def reader(
-        self, topic: str, consumer: str, *, start_from: StartFrom = EARLIEST
+        self, topic: str | Sequence[str], consumer: str, *, start_from: StartFrom = EARLIEST
     ) -> YdbReader:
         """A reader of ``topic`` as ``consumer``; YDB assigns it its share of partitions.
 
-        ``start_from`` other than ``earliest`` becomes the read session's
-        ``read_from`` (``latest``: now), and only while the consumer has
-        committed nothing on any partition: YDB applies ``read_from`` as a
-        filter on every read, which must not skip what a seek put back. It
-        applies to the first SDK reader only, not to one reopened later.
+        Several topics: one SDK reader over all of them; each partition
+        session's topic is found from the path the server names.
+
+        ``start_from`` other than ``earliest`` (a reader of one topic only)
+        becomes the read session's ``read_from`` (``latest``: now), and only
+        while the consumer has committed nothing on any partition: YDB applies
+        ``read_from`` as a filter on every read, which must not skip what a
+        seek put back. It applies to the first SDK reader only, not to one
+        reopened later.
         """
         self._check_open()
-        if consumer not in await self._admin.consumers(topic):
-            raise TopicNotFound(f"topic {topic} has no consumer {consumer}")
-        path = self._admin.path(topic)
+        names = [topic] if isinstance(topic, str) else list(dict.fromkeys(topic))
+        if not names:
+            raise ValueError("a reader needs at least one topic")
+        for name in names:
+            if consumer not in await self._admin.consumers(name):
+                raise TopicNotFound(f"topic {name} has no consumer {consumer}")
+        paths = [self._admin.path(name) for name in names]
         buffer_bytes = self.config.reader_buffer_bytes
         first_read_from: datetime.datetime | None = None
+        if start_from.kind != "earliest" and len(names) != 1:
+            raise ValueError("start_from applies to a reader of one topic")
         if start_from.kind != "earliest" and not any(
-            (await self._admin.committed(topic, consumer)).values()
+            (await self._admin.committed(names[0], consumer)).values()
         ):
             at = self._clock.time() if start_from.at is None else start_from.at
             first_read_from = datetime.datetime.fromtimestamp(at, datetime.UTC)
@@ -93,15 +104,22 @@ class YdbBroker:
         def open_sdk() -> TopicReaderAsyncIO:
             nonlocal first_read_from
             read_from, first_read_from = first_read_from, None
-            return open_sdk_reader(self._topics, path, consumer, buffer_bytes, read_from)
+            return open_sdk_reader(
+                self._topics,
+                paths[0] if len(paths) == 1 else paths,
+                consumer,
+                buffer_bytes,
+                read_from,
+            )
 
         reader = YdbReader(
             open_sdk,
-            topic=topic,
+            topic=", ".join(names),
             consumer=consumer,
             stash_limit=self.config.pause_stash_messages,
             stash_bytes=self.config.pause_stash_bytes,
             commit_timeout_s=self.config.request_timeout_s,
+            topics=names,
         )
         self._readers = [r for r in self._readers if not r.closed]
         self._readers.append(reader)

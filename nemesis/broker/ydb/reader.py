@@ -124,22 +124,36 @@ def decoders() -> dict[int, Callable[[bytes], bytes]]:
 
 def open_sdk_reader(
     topics: TopicClientAsyncIO,
-    path: str,
+    path: str | Sequence[str],
     consumer: str,
     buffer_size_bytes: int,
     read_from: datetime.datetime | None = None,
 ) -> TopicReaderAsyncIO:
-    """An SDK reader of ``path`` as ``consumer`` with this module's decoders.
+    """An SDK reader of ``path`` (or of several) as ``consumer`` with this module's decoders.
 
-    ``read_from`` (a time) makes the server skip the messages written
-    before it, on every partition of this read session.
+    ``read_from`` (a time; one path only) makes the server skip the messages
+    written before it, on every partition of this read session.
     """
-    selector: str | TopicReaderSelector = path
-    if read_from is not None:
-        selector = TopicReaderSelector(path, read_from=read_from)
+    selector: str | TopicReaderSelector | list[str | TopicReaderSelector]
+    if isinstance(path, str):
+        selector = path if read_from is None else TopicReaderSelector(path, read_from=read_from)
+    elif read_from is None:
+        selector = list(path)
+    else:
+        raise ValueError("read_from applies to a reader of one topic")
     return topics.reader(
-        selector, consumer=consumer, buffer_size_bytes=buffer_size_bytes, decoders=decoders()
+        selector,
+        consumer=consumer,
+        buffer_size_bytes=buffer_size_bytes,
+        decoders=decoders(),
     )
+
+
+def topic_of_path(path: str, names: Sequence[str]) -> str | None:
+    """Which of ``names`` the server's topic ``path`` is: the name itself or its last part(s)."""
+    path = path.rstrip("/")
+    matching = [name for name in names if path == name or path.endswith("/" + name)]
+    return max(matching, key=len, default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,12 +186,16 @@ class YdbReader:
         stash_limit: int = 1000,
         stash_bytes: int = 8 * 1024 * 1024,
         commit_timeout_s: float = 10.0,
+        topics: Sequence[str] = (),
     ) -> None:
+        """``topic`` names the reader (in logs and statistics); ``topics``, when it reads
+        several, are their names: each session's topic is found from its path."""
         if stash_limit < 1 or stash_bytes < 1:
             raise ValueError("stash_limit and stash_bytes must be at least 1")
         self._open_sdk = open_sdk
         self._sdk = open_sdk()
         self._topic = topic
+        self._topics = tuple(topics) or (topic,)
         self._consumer = consumer
         self._stash_limit = stash_limit
         self._stash_bytes = stash_bytes
@@ -187,7 +205,8 @@ class YdbReader:
         self._sessions: dict[tuple[int, int], YdbSession] = {}
         self._serials = itertools.count(1)
         self._pending: asyncio.Task[TopicReaderBatch | None] | None = None
-        self._resumed = asyncio.Event()
+        self._resumed = asyncio.Event()  # a session resumed, or interrupt() was called
+        self._interrupted = False
         self._closing: asyncio.Task[None] | None = None
         self._dropped = 0
         self._closed = False
@@ -214,6 +233,7 @@ class YdbReader:
             raise RuntimeError("the reader is closed")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        self._interrupted = False
         while True:
             if self._reopen:
                 await self._reopen_sdk()
@@ -227,8 +247,17 @@ class YdbReader:
                 admitted = self._admit(batch, max_messages)
                 if admitted:
                     return admitted
-            elif loop.time() >= deadline:
+            elif loop.time() >= deadline or self.interrupted():
                 return ()
+
+    def interrupted(self) -> bool:
+        """``interrupt`` was called since the current ``receive`` began."""
+        return self._interrupted
+
+    def interrupt(self) -> None:
+        """Makes a waiting ``receive`` return now; the SDK's pending receive is kept."""
+        self._interrupted = True
+        self._resumed.set()
 
     async def _next_batch(self, max_messages: int, timeout_s: float) -> TopicReaderBatch | None:
         """The SDK's next batch; None after ``timeout_s``, or sooner if a session resumed."""
@@ -296,7 +325,7 @@ class YdbReader:
             if isinstance(received.data, Undecodable):
                 self._park(session, received.offset, received.data.codec)
                 continue
-            message = to_message(self._topic, received, session)
+            message = to_message(session.topic, received, session)
             # Behind messages already stashed, so a partition stays in offset order.
             if session.paused or session.stash or len(out) >= max_messages:
                 self._hold(session, message, received)
@@ -333,7 +362,7 @@ class YdbReader:
     def _park(self, session: YdbSession, offset: int, codec: int) -> None:
         name = CODEC_NAMES.get(codec, str(codec))
         session.parked = (
-            f"{self._topic}[{session.partition}] offset {offset} is compressed with {name},"
+            f"{session.topic}[{session.partition}] offset {offset} is compressed with {name},"
             f" which Nemesis cannot decode (it reads {DECODED}): the partition is parked"
         )
         logger.error("reader of %s as %s: %s", self._topic, self._consumer, session.parked)
@@ -352,7 +381,10 @@ class YdbReader:
         return session if session.alive else None
 
     def _add_session(self, sdk: SdkSession) -> YdbSession:
-        session = YdbSession(self._topic, sdk, next(self._serials), owner=self)
+        topic = self._topic
+        if len(self._topics) > 1:
+            topic = topic_of_path(sdk.topic_path, self._topics) or topic
+        session = YdbSession(topic, sdk, next(self._serials), owner=self)
         self._sessions[session_key(sdk)] = session
         return session
 
@@ -430,7 +462,7 @@ class YdbReader:
             return
         except (issues.Error, TimeoutError) as exc:
             raise broker_error(
-                exc, f"commit {self._topic}[{session.partition}] up to {messages[-1].offset}"
+                exc, f"commit {session.topic}[{session.partition}] up to {messages[-1].offset}"
             ) from exc
         for received in covered:
             session.inflight.pop(received.offset, None)

@@ -1,0 +1,184 @@
+"""One reader for an integration's internal flows: its retry tiers and its replay topic.
+
+An integration reads its source topic in its main flow, and each of its
+internal topics (``nemesis.retry.<name>.<n>``, ``nemesis.replay.<name>``) in a
+flow of its own: each flow keeps its own runner, so a tier still waits for
+its head's due time, the ``retry`` and ``replay`` rate limits still apply
+separately, and commits stay per partition session of each topic. What they
+share is the broker reader: one reader over all the internal topics (the
+broker port's ``reader([...], consumer)``), seen by each flow's runner as a
+reader of its own topic (``FlowReader``). Most of the time these topics are
+empty; one waiting reader for four of them is what keeps an idle
+integration cheap.
+
+Reading: a flow that wants messages takes them from its queue; when the
+queue is empty, one waiting flow at a time (the *pump*) reads the shared
+reader and hands what it got to each flow's queue by topic, waking the
+flows it fed. A flow that does not read (its buffer is full) keeps at most
+``QUEUE_CAP`` messages queued: past that the sessions of its topic's queued
+messages are paused at the shared reader until its queue is empty again.
+
+The flows are supervised together (``nemesis.runtime.app``): when one fails,
+the others stop (draining and committing as at any stop), the shared reader
+closes, and all of them start again over a new one; read positions live in
+the reader, so no flow may go on over a reader another flow's restart would
+have to rewind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Sequence
+
+from nemesis.broker.port import Message, PartitionSession, TopicReader
+
+# Messages a flow may have queued and not taken before its topic's sessions are paused.
+QUEUE_CAP = 1000
+
+_SessionKey = tuple[str, int, int]
+
+
+def _key(session: PartitionSession) -> _SessionKey:
+    return (session.topic, session.partition, session.id)
+
+
+class SharedReader:
+    """A broker reader over several topics, handed out as one ``FlowReader`` per topic."""
+
+    def __init__(self, reader: TopicReader, topics: Sequence[str]) -> None:
+        self.reader = reader
+        self._views = {topic: FlowReader(self, topic) for topic in topics}
+        self.pump: FlowReader | None = None
+        self.reads = 0  # reads of the shared reader (for tests and statistics)
+
+    def view(self, topic: str) -> FlowReader:
+        """The reader of ``topic`` for its flow."""
+        return self._views[topic]
+
+    async def read(self, view: FlowReader, max_messages: int, timeout_s: float) -> None:
+        """``view`` pumps: one read of the shared reader, handed out by topic."""
+        self.pump = view
+        try:
+            self.reads += 1
+            batch = await self.reader.receive(max_messages, timeout_s)
+        finally:
+            self.pump = None
+            for other in self._views.values():
+                if other is not view:
+                    other.wake()  # one of the waiting flows pumps next
+        self._route(batch)
+
+    def _route(self, batch: Sequence[Message]) -> None:
+        fed: set[FlowReader] = set()
+        for message in batch:
+            view = self._views.get(message.topic)
+            if view is not None:
+                view.queue.append(message)
+                fed.add(view)
+        for view in fed:
+            view.wake()
+            if len(view.queue) > QUEUE_CAP:
+                view.hold()
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        for view in self._views.values():
+            view.close_view()
+        await self.reader.close(timeout_s)
+
+
+class FlowReader:
+    """One flow's view of a ``SharedReader``: the broker port's reader, for one topic."""
+
+    def __init__(self, share: SharedReader, topic: str) -> None:
+        self._share = share
+        self.topic = topic
+        self.queue: deque[Message] = deque()
+        self._event = asyncio.Event()
+        self._interrupted = False
+        self._closed = False
+        self._held: dict[_SessionKey, PartitionSession] = {}  # paused here: queue too long
+        self._paused: set[_SessionKey] = set()  # paused by the runner (flow control)
+
+    async def receive(self, max_messages: int, timeout_s: float) -> Sequence[Message]:
+        """Up to ``max_messages`` of this topic; empty after ``timeout_s`` or an ``interrupt``."""
+        if max_messages < 1:
+            raise ValueError("max_messages must be at least 1")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        self._interrupted = False
+        while True:
+            if self.queue:
+                return self._take(max_messages)
+            if self._closed:
+                raise RuntimeError("the reader is closed")
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self.interrupted():
+                return ()
+            if self._share.pump is None:
+                await self._share.read(self, max_messages, remaining)
+                continue
+            self._event.clear()
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._event.wait()
+            except TimeoutError:
+                return ()
+
+    def _take(self, max_messages: int) -> list[Message]:
+        queue = self.queue
+        count = min(max_messages, len(queue))
+        taken = [queue.popleft() for _ in range(count)]
+        if not queue and self._held:
+            held, self._held = self._held, {}
+            for key, session in held.items():
+                if key not in self._paused:
+                    self._share.reader.resume(session)
+        return taken
+
+    def hold(self) -> None:
+        """Pauses the sessions of the queued messages: the flow does not keep up."""
+        for message in self.queue:
+            session = message.session
+            if session is not None and session.alive and _key(session) not in self._held:
+                self._held[_key(session)] = session
+                self._share.reader.pause(session)
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def interrupted(self) -> bool:
+        return self._interrupted
+
+    def interrupt(self) -> None:
+        """Makes a waiting ``receive`` return now (its read of the shared reader too)."""
+        self._interrupted = True
+        self._event.set()
+        if self._share.pump is self:
+            self._share.reader.interrupt()
+
+    async def commit(self, messages: Sequence[Message]) -> None:
+        if messages and messages[0].alive:
+            await self._share.reader.commit(messages)
+
+    def pause(self, session: PartitionSession) -> None:
+        self._paused.add(_key(session))
+        self._share.reader.pause(session)
+
+    def resume(self, session: PartitionSession) -> None:
+        key = _key(session)
+        self._paused.discard(key)
+        if key not in self._held:
+            self._share.reader.resume(session)
+
+    def sessions(self) -> Sequence[PartitionSession]:
+        return [s for s in self._share.reader.sessions() if s.topic == self.topic]
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """The flow is done with it; the shared reader is closed by whoever opened it."""
+        self.close_view()
+
+    def close_view(self) -> None:
+        self._closed = True
+        self.queue.clear()
+        self._event.set()
