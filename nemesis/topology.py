@@ -40,6 +40,11 @@ def replay_topic(integration: str) -> str:
     return f"nemesis.replay.{integration}"
 
 
+def is_internal(topic: str) -> bool:
+    """Whether ``topic`` is one of Nemesis' own: a retry tier or a replay topic."""
+    return topic.startswith(("nemesis.retry.", "nemesis.replay."))
+
+
 def replay_message(
     payload: bytes,
     *,

@@ -21,6 +21,7 @@ from nemesis.broker.kafka.writer import KafkaWriter, default_producer_id
 from nemesis.broker.port import EARLIEST, StartFrom
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.errors import TopicNotFound
+from nemesis.topology import is_internal
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,10 @@ class KafkaBroker:
                 raise NotImplementedError("a Kafka reader reads one topic")
             topic = names[0]
         self._check_open()
-        if not await self._admin.is_registered(topic, consumer):
+        # Nemesis' own topics need no registration: the group reads them from their
+        # start, which is all of them. (Registering is a commit from outside the group,
+        # which a broker refuses once the integration's source reader has joined it.)
+        if not is_internal(topic) and not await self._admin.is_registered(topic, consumer):
             raise TopicNotFound(
                 f"topic {topic} has no consumer {consumer}: `nemesis init` registers it"
             )
