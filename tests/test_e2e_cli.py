@@ -105,9 +105,11 @@ async def test_kill_9_loses_nothing_and_bounds_duplicates(workspace: Workspace) 
     ids = publish(workspace, "orders", count, partitions)
     rng = random.Random(11)
     async with HandlerServer(seed=5) as handler:
-        handler.delay(0.0, 0.004)
+        # Slow enough (about 2,000 msg/s) that every kill lands mid-run, however fast the
+        # proxy: each proxy is killed within a second of its first delivery.
+        handler.delay(0.002, 0.006)
         workspace.write_integration(
-            "loyalty", integration_yaml("loyalty", handler.url, workers=32, buffer=buffer)
+            "loyalty", integration_yaml("loyalty", handler.url, workers=8, buffer=buffer)
         )
         for _ in range(kills):
             proxy = await workspace.start("run")
