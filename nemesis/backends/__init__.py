@@ -39,6 +39,7 @@ from nemesis.backends.base import (
     DlqModel,
 )
 from nemesis.backends.embedded import EMBEDDED
+from nemesis.backends.postgres import POSTGRES_DLQ
 from nemesis.backends.sqlite import SQLITE
 from nemesis.backends.ydb import YDB, YDB_DLQ
 from nemesis.clock import SYSTEM_CLOCK, Clock
@@ -69,6 +70,7 @@ def default_backends() -> Backends:
     registry.register_broker(YDB)
     registry.register_dlq(SQLITE)
     registry.register_dlq(YDB_DLQ)
+    registry.register_dlq(POSTGRES_DLQ)
     return registry
 
 

@@ -1,0 +1,132 @@
+"""A pool of PostgreSQL connections for the state store's postgres kinds, and its errors.
+
+``open_pool`` connects as a ``PostgresConnectionConfig`` says (DSN or
+fields, TLS, timeouts); ``Translated`` turns what the driver (asyncpg) and
+the network raise into the caller's error tree, naming the database by
+host, port and name, never by its password. A store module (the DLQ's,
+``nemesis.dlq.postgres``) holds only its statements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import asyncpg
+
+from nemesis.backends.postgres import PostgresConnectionConfig
+from nemesis.errors import NemesisError
+
+T = TypeVar("T")
+
+# What asyncpg raises for a connection it could not make or lost, besides its own tree.
+_NETWORK_ERRORS = (OSError, ConnectionError, asyncpg.InterfaceError, asyncpg.PostgresError)
+
+
+@dataclass(frozen=True)
+class Translated:
+    """Runs a call, raising ``error`` (or ``timeout``) named after the database instead."""
+
+    where: str  # e.g. "the PostgreSQL DLQ at db.example.net:5432/nemesis"
+    error: type[NemesisError]
+    timeout: type[NemesisError]
+    secrets: tuple[str, ...] = ()  # never repeated in a message (the password)
+
+    async def __call__(self, what: str, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except (TimeoutError, asyncpg.QueryCanceledError) as exc:
+            raise self.timeout(f"{self.where}: {what}: timed out ({self.text(exc)})") from None
+        except _NETWORK_ERRORS as exc:
+            raise self.error(f"{self.where}: {what}: {self.text(exc)}") from None
+
+    def text(self, exc: BaseException) -> str:
+        text = str(exc).strip() or type(exc).__name__
+        for secret in self.secrets:
+            if secret:
+                text = text.replace(secret, "***")
+        return text
+
+
+def describe(
+    config: PostgresConnectionConfig,
+    what: str,
+    error: type[NemesisError],
+    timeout: type[NemesisError],
+) -> Translated:
+    """The error translation of a store on ``config``; ``what`` names it ("the PostgreSQL DLQ")."""
+    secrets = tuple(s.get_secret_value() for s in (config.dsn, config.password) if s is not None)
+    return Translated(f"{what} at {config.address()}", error, timeout, secrets)
+
+
+def ssl_option(config: PostgresConnectionConfig) -> ssl.SSLContext | str | None:
+    """asyncpg's ``ssl`` argument for ``config.sslmode`` (None: the DSN's or asyncpg's default).
+
+    The verifying modes get a context of their own, so that ``ssl_root_cert``
+    (and only it) holds the CAs trusted; the others are passed by name.
+    """
+    mode = config.sslmode
+    if mode not in ("verify-ca", "verify-full"):
+        return mode
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=config.ssl_root_cert)
+    context.check_hostname = mode == "verify-full"
+    return context
+
+
+async def open_pool(
+    config: PostgresConnectionConfig, translated: Translated, *, min_size: int = 1
+) -> asyncpg.Pool:
+    """A connected pool (``min_size`` connections made now, so a bad address fails at once)."""
+    options: dict[str, Any] = {}
+    if config.dsn is not None:
+        options["dsn"] = config.dsn.get_secret_value()
+    else:
+        options.update(host=config.host, port=config.port, user=config.user)
+        if config.database is not None:
+            options["database"] = config.database
+        if config.password is not None:
+            options["password"] = config.password.get_secret_value()
+    try:
+        tls = ssl_option(config)
+    except OSError as exc:  # the CA file is missing or unreadable
+        raise translated.error(
+            f"{translated.where}: ssl_root_cert {config.ssl_root_cert}: {exc.strerror}"
+        ) from None
+    if tls is not None:
+        options["ssl"] = tls
+    timeout_ms = round(config.statement_timeout_s * 1000)
+    pool = asyncpg.create_pool(
+        min_size=min(min_size, config.pool_size),
+        max_size=config.pool_size,
+        timeout=config.connect_timeout_s,
+        # The client's bound sits a little past the server's, so that the server's
+        # cancellation (a clean error, the connection kept) normally comes first.
+        command_timeout=config.statement_timeout_s + 1.0,
+        server_settings={
+            "application_name": "nemesis",
+            "statement_timeout": str(timeout_ms),
+            "idle_in_transaction_session_timeout": str(timeout_ms * 2),
+        },
+        **options,
+    )
+    try:
+        # asyncpg's connect timeout covers one attempt; this bounds the whole opening.
+        async with asyncio.timeout(config.connect_timeout_s * 2):
+            await translated("connect", pool)
+    except ValueError as exc:  # settings the driver refuses (asyncpg parses the DSN late)
+        pool.terminate()
+        raise translated.error(
+            f"{translated.where}: invalid connection settings: {translated.text(exc)}"
+        ) from None
+    except TimeoutError:
+        pool.terminate()
+        raise translated.timeout(
+            f"{translated.where}: connect: no answer within {config.connect_timeout_s * 2:g}s"
+        ) from None
+    except BaseException:
+        pool.terminate()
+        raise
+    return pool
