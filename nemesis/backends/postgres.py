@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Literal
 from urllib.parse import unquote, urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from nemesis.backends.base import DlqKind, DlqModel
 from nemesis.config_base import DurationS, Model
@@ -35,6 +35,9 @@ IDENTIFIER_PATTERN = r"^[a-z_][a-z0-9_]{0,39}$"
 
 class PostgresConnectionConfig(Model):
     """Where a PostgreSQL database is and how to reach it: ``dsn``, or host and the rest."""
+
+    # A refused value is not repeated in the error: a DSN holds a password.
+    model_config = ConfigDict(**Model.model_config, hide_input_in_errors=True)
 
     # postgresql://user:password@host:port/database?sslmode=verify-full; or the fields below.
     dsn: SecretStr | None = None
