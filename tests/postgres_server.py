@@ -3,9 +3,11 @@
 ``postgres_server`` (session scope) runs ``initdb`` into a temporary folder
 and starts ``postgres`` on 127.0.0.1 with a free port and its unix socket in
 that folder, without fsync (a test's data need not survive a power cut),
-and stops it when the session ends. Under pytest-xdist each worker is a
-session of its own, so each starts its own server. ``postgres_dsn`` creates
-a database for one test and drops it afterwards.
+and stops it when the session ends. It speaks TLS too, with a certificate
+for 127.0.0.1 made for it (``ca_file``: that certificate, the CA to trust).
+Under pytest-xdist each worker is a session of its own, so each starts its
+own server. ``postgres_dsn`` creates a database for one test and drops it
+afterwards.
 
 PostgreSQL refuses to run as root, and CI runs the tests as root: then the
 server runs as the ``postgres`` user (Debian's postgresql package creates
@@ -61,6 +63,7 @@ class PostgresServer:
     password: str
     socket_dir: Path
     log: Path
+    ca_file: Path  # the server's self-signed certificate, for clients that verify it
 
     def dsn(self, database: str = "postgres") -> str:
         """A libpq URL that signs in over TCP with the password."""
@@ -114,6 +117,23 @@ def _runner() -> tuple[list[str], pwd.struct_passwd | None]:
     return prefix, user
 
 
+def make_certificate(directory: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key: ``name``.crt, ``name``.key."""
+    certificate, key = directory / f"{name}.crt", directory / f"{name}.key"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-days", "2", "-subj", f"/CN={name}",
+            "-addext", "subjectAltName=IP:127.0.0.1",
+            "-keyout", str(key), "-out", str(certificate),
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    key.chmod(0o600)
+    return certificate, key
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -143,8 +163,9 @@ def running_postgres() -> Iterator[PostgresServer]:
         password = secrets.token_urlsafe(16)
         (root / "password").write_text(password)
         log.touch()
+        certificate, key = make_certificate(root, "server")
         if user is not None:
-            for path in (root, sockets, root / "password", log):
+            for path in (root, sockets, root / "password", log, certificate, key):
                 os.chown(path, user.pw_uid, user.pw_gid)
         subprocess.run(
             [
@@ -167,7 +188,14 @@ def running_postgres() -> Iterator[PostgresServer]:
         )
         for _attempt in range(3):  # another process may take the free port first
             port = _free_port()
-            settings = {**SETTINGS, "port": str(port), "unix_socket_directories": str(sockets)}
+            settings = {
+                **SETTINGS,
+                "port": str(port),
+                "unix_socket_directories": str(sockets),
+                "ssl": "on",
+                "ssl_cert_file": str(certificate),
+                "ssl_key_file": str(key),
+            }
             options = [f"--{name}={value}" for name, value in settings.items()]
             with log.open("ab") as log_file:
                 process = subprocess.Popen(
@@ -189,7 +217,9 @@ def running_postgres() -> Iterator[PostgresServer]:
                             + log.read_text(errors="replace")
                         )
                     continue  # it exited: try another port
-                yield PostgresServer("127.0.0.1", port, SUPERUSER, password, sockets, log)
+                yield PostgresServer(
+                    "127.0.0.1", port, SUPERUSER, password, sockets, log, certificate
+                )
                 return
             finally:
                 _stop(process)

@@ -16,15 +16,20 @@ from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
+import yaml
 from pydantic import ValidationError
 
-from nemesis.backends.postgres import PostgresDlqConfig
+from nemesis.backends.postgres import PostgresConnectionConfig, PostgresDlqConfig
 from nemesis.config import load_process_config
+from nemesis.config.interpolation import expand
+from nemesis.config.models import NemesisConfig
 from nemesis.dlq import Action, DeadLetterFilter, PageRequest, Status
 from nemesis.dlq.postgres import open_postgres_dlq
-from nemesis.errors import ConfigError, DlqError
+from nemesis.errors import ConfigError, DlqError, DlqTimeout
+from nemesis.postgres import describe, open_pool
 from nemesis.testing import HandlerServer, LedgerEntry
-from tests.conftest import Workspace, integration_yaml, stop_gracefully
+from tests.conftest import REPO, Workspace, integration_yaml, stop_gracefully
+from tests.postgres_server import PostgresServer, make_certificate
 from tests.test_dlq_store import FakeClock, letter
 
 DAY = 86400.0
@@ -278,3 +283,72 @@ async def test_run_dead_letters_and_the_cli_requeues_to_that_integration_only(
         assert (action.who, action.action.value, action.count) == ("alice", "requeue", 1)
     finally:
         await store.close()
+
+
+# --- TLS ----------------------------------------------------------------------------------
+
+
+async def _uses_tls(config: PostgresConnectionConfig) -> bool:
+    translated = describe(config, "the PostgreSQL DLQ", DlqError, DlqTimeout)
+    pool = await open_pool(config, translated)
+    try:
+        return bool(await pool.fetchval("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()"))
+    finally:
+        await pool.close()
+
+
+async def test_tls_verifies_the_server_against_the_ca_file(
+    postgres_server: PostgresServer, postgres_dsn: str, tmp_path: Path
+) -> None:
+    def config(**fields: object) -> PostgresConnectionConfig:
+        return PostgresConnectionConfig.model_validate({"dsn": postgres_dsn, **fields})
+
+    trusted = str(postgres_server.ca_file)
+    assert await _uses_tls(config(sslmode="verify-full", ssl_root_cert=trusted))
+    assert await _uses_tls(config(sslmode="require"))
+    assert not await _uses_tls(config(sslmode="disable"))
+    store = await open_postgres_dlq(
+        _config(postgres_dsn, sslmode="verify-full", ssl_root_cert=trusted)
+    )
+    await store.close()
+
+    stranger, _ = make_certificate(tmp_path, "stranger")
+    with pytest.raises(DlqError, match=r"the PostgreSQL DLQ at 127\.0\.0\.1:.*certificate verify"):
+        await _uses_tls(config(sslmode="verify-ca", ssl_root_cert=str(stranger)))
+    with pytest.raises(DlqError, match=r"ssl_root_cert .*missing\.pem: No such file"):
+        await _uses_tls(config(sslmode="verify-full", ssl_root_cert=str(tmp_path / "missing.pem")))
+
+
+async def test_a_statement_past_its_timeout_is_a_dlq_timeout_and_the_store_goes_on(
+    postgres_dsn: str,
+) -> None:
+    store = await open_postgres_dlq(_config(postgres_dsn, statement_timeout_s=0.5))
+    blocker = await asyncpg.connect(postgres_dsn)
+    try:
+        await store.put([letter(1)])
+        [row_id] = await store.select_ids(DeadLetterFilter(), 10)
+        locked = blocker.transaction()
+        await locked.start()
+        await blocker.execute("SELECT 1 FROM nemesis_dlq_letters FOR UPDATE")
+        with pytest.raises(DlqTimeout, match=r"DLQ at 127\.0\.0\.1:\d+/\w+: mark 1 rows"):
+            await store.mark_requeued([row_id], by="alice")
+        await locked.rollback()
+        assert await store.mark_requeued([row_id], by="alice") == 1
+    finally:
+        await blocker.close()
+        await store.close()
+
+
+def test_the_example_postgres_block_validates_when_uncommented() -> None:
+    lines = (REPO / "nemesis.example.yaml").read_text().splitlines()
+    start = lines.index("#   kind: postgres") - 1
+    block = ["dlq:"]
+    for line in lines[start + 1 :]:
+        if not line.startswith("#  "):
+            break
+        block.append(line[2:])
+    dsn = "postgresql://app:pw@db.example.net:5432/events"
+    expanded = expand("\n".join(block), env={"NEMESIS_DLQ_DSN": dsn})
+    config = NemesisConfig.model_validate(yaml.safe_load(expanded.text))
+    assert isinstance(config.dlq, PostgresDlqConfig)
+    assert config.dlq.address() == "db.example.net:5432/events"
