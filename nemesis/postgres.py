@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import asyncpg
 
@@ -33,7 +34,7 @@ class Translated:
     where: str  # e.g. "the PostgreSQL DLQ at db.example.net:5432/nemesis"
     error: type[NemesisError]
     timeout: type[NemesisError]
-    secrets: tuple[str, ...] = ()  # never repeated in a message (the password)
+    secrets: tuple[str, ...] = field(default=(), repr=False)  # never in a message: the password
 
     async def __call__(self, what: str, call: Awaitable[T]) -> T:
         try:
@@ -45,7 +46,7 @@ class Translated:
 
     def text(self, exc: BaseException) -> str:
         text = str(exc).strip() or type(exc).__name__
-        for secret in self.secrets:
+        for secret in sorted(self.secrets, key=len, reverse=True):  # the whole DSN first
             if secret:
                 text = text.replace(secret, "***")
         return text
@@ -58,8 +59,11 @@ def describe(
     timeout: type[NemesisError],
 ) -> Translated:
     """The error translation of a store on ``config``; ``what`` names it ("the PostgreSQL DLQ")."""
-    secrets = tuple(s.get_secret_value() for s in (config.dsn, config.password) if s is not None)
-    return Translated(f"{what} at {config.address()}", error, timeout, secrets)
+    secrets = [s.get_secret_value() for s in (config.dsn, config.password) if s is not None]
+    if config.dsn is not None:
+        password = urlsplit(config.dsn.get_secret_value()).password
+        secrets += [password, unquote(password)] if password else []
+    return Translated(f"{what} at {config.address()}", error, timeout, tuple(secrets))
 
 
 def ssl_option(config: PostgresConnectionConfig) -> ssl.SSLContext | str | None:
