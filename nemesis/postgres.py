@@ -23,8 +23,14 @@ from nemesis.errors import NemesisError
 
 T = TypeVar("T")
 
-# What asyncpg raises for a connection it could not make or lost, besides its own tree.
-_NETWORK_ERRORS = (OSError, ConnectionError, asyncpg.InterfaceError, asyncpg.PostgresError)
+# What asyncpg and the network raise: the server's errors, the client's (a connection
+# the server cut can end in an InternalClientError too), refused and broken connections.
+_NETWORK_ERRORS = (
+    OSError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    asyncpg.PostgresError,
+)
 
 
 @dataclass(frozen=True)

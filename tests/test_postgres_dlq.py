@@ -339,6 +339,35 @@ async def test_a_statement_past_its_timeout_is_a_dlq_timeout_and_the_store_goes_
         await store.close()
 
 
+async def test_connections_the_server_dropped_are_replaced(
+    postgres_server: PostgresServer, postgres_dsn: str
+) -> None:
+    # As after a failover: every connection of the store is cut from the server's side.
+    store = await open_postgres_dlq(_config(postgres_dsn, pool_size=2))
+    admin = await postgres_server.admin()
+    try:
+        await store.put([letter(1)])
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = $1 AND pid <> pg_backend_pid()",
+            urlsplit(postgres_dsn).path.lstrip("/"),
+        )
+        failures: list[DlqError] = []
+        counted = None
+        for _ in range(3):  # a caller's retries: each dropped connection fails one call
+            try:
+                counted = await store.count(DeadLetterFilter())
+                break
+            except DlqError as exc:
+                failures.append(exc)
+        assert counted == 1
+        assert all(f.retriable for f in failures)
+        assert all(str(f).startswith("the PostgreSQL DLQ at 127.0.0.1:") for f in failures)
+    finally:
+        await admin.close()
+        await store.close()
+
+
 def test_the_example_postgres_block_validates_when_uncommented() -> None:
     lines = (REPO / "nemesis.example.yaml").read_text().splitlines()
     start = lines.index("#   kind: postgres") - 1
