@@ -74,8 +74,6 @@ Conn: TypeAlias = "PoolConnectionProxy[asyncpg.Record]"  # a connection lent by 
 
 # A put that lost a race for a new row's id runs again this many times at most.
 PUT_ATTEMPTS = 5
-_UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-_LOWER = "abcdefghijklmnopqrstuvwxyz"
 
 
 def _quoted(name: str) -> str:
@@ -202,11 +200,12 @@ def _conditions(where: DeadLetterFilter, p: _Params, *, text: bool = True) -> li
     if where.until is not None:
         conditions.append(f"dead_lettered_us < {p(core.to_us(where.until))}::bigint")
     if text and where.text:
+        # lower() under the C collation folds ASCII letters only, as every store does
+        # (and, unlike translate(), costs about what reading the value does).
         needle = ascii_lower(where.text)
         conditions.append(
-            f"(strpos(translate(error, '{_UPPER}', '{_LOWER}'), {p(needle)}) > 0"
-            f" OR translate(encode(payload, 'escape'), '{_UPPER}', '{_LOWER}')"
-            f" ~ {p(_escaped_pattern(needle))})"
+            f'(strpos(lower(error COLLATE "C"), {p(needle)}) > 0'
+            f""" OR lower(encode(payload, 'escape') COLLATE "C") ~ {p(_escaped_pattern(needle))})"""
         )
     return conditions
 
