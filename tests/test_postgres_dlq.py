@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -122,6 +123,39 @@ async def test_a_newer_schema_is_refused_and_an_open_store_is_only_read(postgres
         await conn.close()
     with pytest.raises(DlqError, match="schema version 99 is newer"):
         await open_postgres_dlq(_config(postgres_dsn))
+
+
+async def test_a_role_without_the_right_to_create_tables_runs_on_tables_init_made(
+    postgres_dsn: str,
+) -> None:
+    # As a deployment may do it: `nemesis init` as the owner, the replicas as a role with DML only.
+    owner = await asyncpg.connect(postgres_dsn)
+    role = f"replica_{uuid.uuid4().hex[:8]}"
+    try:
+        store = await open_postgres_dlq(_config(postgres_dsn))  # creates the tables
+        await store.close()
+        await owner.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'replica-pw'")
+        await owner.execute(
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}"
+        )
+        url = urlsplit(postgres_dsn)
+        dsn = url._replace(netloc=f"{role}:replica-pw@{url.hostname}:{url.port}").geturl()
+        replica = await open_postgres_dlq(_config(dsn))
+        try:
+            await replica.put([letter(1)])
+            assert (
+                await replica.mark_requeued(await replica.select_ids(DeadLetterFilter(), 5), by="r")
+                == 1
+            )
+            await replica.record_action(
+                who="r", action=Action.REQUEUE, integrations=["a"], count=1, description="d"
+            )
+            assert await replica.enforce_retention(now=1e12) == 1
+        finally:
+            await replica.close()
+        assert not await owner.fetchval("SELECT has_schema_privilege($1, 'public', 'CREATE')", role)
+    finally:
+        await owner.close()
 
 
 async def test_text_search_reads_the_payload_bytes_by_token(postgres_dsn: str) -> None:
