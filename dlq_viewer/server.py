@@ -36,7 +36,13 @@ class ViewerServer(uvicorn.Server):
         self.should_exit = True
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        """Serves until ``stop()``; raises ``ViewerStartError`` if it cannot start."""
+        """Serves until ``stop()``; raises ``ViewerStartError`` (naming the cause) if it cannot."""
+        own: socket.socket | None = None
+        if sockets is None:
+            # Bound here, not by uvicorn: its bind error is a log line and an exit,
+            # while the caller needs the address and the cause in the exception.
+            own = _listen(self.config.host, self.config.port, self.config.backlog)
+            sockets = [own]
         try:
             await super().serve(sockets)
         except SystemExit:
@@ -44,6 +50,25 @@ class ViewerServer(uvicorn.Server):
             raise ViewerStartError(
                 f"the DLQ viewer could not start on {self.config.host}:{self.config.port}"
             ) from None
+        finally:
+            if own is not None:
+                own.close()
+
+
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise ViewerStartError(
+            f"the DLQ viewer cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from exc
+    return sock
 
 
 def viewer_server(

@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
 
-from nemesis import backends
-from nemesis.admin.server import Service, plugin_services, serve_beside
+from nemesis import __version__, backends
+from nemesis.admin.server import Service, ServiceFailures, plugin_services, serve_beside
 from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage, WriteStatus
 from nemesis.cli_dlq import DlqContext, add_dlq_commands
 from nemesis.config.loader import (
+    check_paths,
     format_problems,
     load_integrations,
     load_process_config,
-    validate_paths,
 )
 from nemesis.config.models import NemesisConfig, parse_duration
 from nemesis.dlq import DeadLetterStore
@@ -33,8 +33,10 @@ from nemesis.onboarding import IntegrationRulesChecker
 from nemesis.onboarding.commands import add_onboarding_commands
 from nemesis.pipeline import PipelineChecker, dry_run_file, run_pipeline_tests
 from nemesis.runtime.housekeeping import enforce_dlq_retention
+from nemesis.terminal import inert
 
 if TYPE_CHECKING:
+    from nemesis.fleet.member import FleetMember
     from nemesis.runtime.app import Proxy
     from nemesis.runtime.reload import ConfigReloader
 
@@ -59,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_problems(exc.problems), file=sys.stderr)
         return EXIT_INVALID
     except NemesisError as exc:
-        print(f"nemesis: {exc}", file=sys.stderr)
+        print(f"nemesis: {inert(str(exc), multiline=True)}", file=sys.stderr)
         return EXIT_INVALID
     except KeyboardInterrupt:
         return 130
@@ -71,17 +73,29 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reads topics and pushes every message to the handler of the team that "
         "registered an integration.",
     )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
+    parser.add_argument("--version", action="version", version=f"nemesis {__version__}")
+    _log_level_option(parser, default="info")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
-    run = commands.add_parser("run", help="run the proxy for every integration")
+    run = commands.add_parser(
+        "run",
+        help="run the proxy for every integration",
+        description="Runs the proxy for every integration, with the admin API and the DLQ"
+        " viewer beside it. If the admin API cannot listen on its address, nothing could"
+        " report health or readiness: run exits 1 naming the address and the cause. If the"
+        " viewer cannot, deliveries go on, the error is logged and /readyz answers 503 with"
+        " the reason.",
+    )
     _config_option(run)
     run.set_defaults(handler=cmd_run)
 
     validate = commands.add_parser(
-        "validate", help="validate integration and process YAML (exit 1 on any error)"
+        "validate",
+        help="validate integration and process YAML (exit 1 on any error)",
+        description="Validates integration, pipeline and process YAML as `nemesis run` loads"
+        " it, reporting every problem of every file (file:line: field: message). Exit 1 on"
+        " any problem, and when no integration or pipeline file is found (a wrong folder"
+        " is not 'all valid').",
     )
     validate.add_argument(
         "paths",
@@ -89,12 +103,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="files or directories (default: integrations/ and pipelines/)",
     )
-    validate.add_argument("--format", choices=["text", "github"], default="text")
+    validate.add_argument(
+        "--format",
+        choices=["text", "github"],
+        default="text",
+        help="text lines (file:line: field: message) or GitHub annotations (default: text)",
+    )
+    validate.add_argument(
+        "--require-env",
+        action="store_true",
+        help="an unset ${VAR} without a default is an error, as `nemesis run` treats it."
+        " Without it (a pull request's CI has no production secrets) it is a warning that"
+        " does not change the exit code",
+    )
     validate.set_defaults(handler=cmd_validate)
 
     publish = commands.add_parser("publish", help="write messages to a topic")
     _config_option(publish)
-    publish.add_argument("topic")
+    publish.add_argument("topic", help="the topic to write to")
     publish.add_argument("data", nargs="?", help="the payload (default: --file, else stdin)")
     publish.add_argument("--file", type=Path, help="read the payload from a file ('-' for stdin)")
     publish.add_argument(
@@ -115,19 +141,25 @@ def build_parser() -> argparse.ArgumentParser:
     topic_commands = topics.add_subparsers(title="topic commands", metavar="ACTION", required=True)
     create = topic_commands.add_parser("create", help="create a topic")
     _config_option(create)
-    create.add_argument("name")
-    create.add_argument("--partitions", type=int, default=None)
+    create.add_argument("name", help="the topic's name")
+    create.add_argument(
+        "--partitions", type=int, default=None, help="partitions (default: the backend's)"
+    )
     create.add_argument("--retention", help="e.g. 7d, 12h (default: the backend's)")
-    create.add_argument("--consumer", action="append", default=[], help="register a consumer")
-    create.add_argument("--exist-ok", action="store_true")
+    create.add_argument(
+        "--consumer", action="append", default=[], help="register a consumer (repeatable)"
+    )
+    create.add_argument(
+        "--exist-ok", action="store_true", help="succeed when the topic already exists"
+    )
     create.set_defaults(handler=cmd_topics_create)
     listing = topic_commands.add_parser("list", help="list topics")
     _config_option(listing)
     listing.set_defaults(handler=cmd_topics_list)
     describe = topic_commands.add_parser("describe", help="partitions, offsets and consumer lag")
     _config_option(describe)
-    describe.add_argument("name")
-    describe.add_argument("--json", action="store_true")
+    describe.add_argument("name", help="the topic's name")
+    describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
     describe.set_defaults(handler=cmd_topics_describe)
 
     tests = commands.add_parser(
@@ -153,15 +185,43 @@ def build_parser() -> argparse.ArgumentParser:
     # --- onboarding: new, check-handler, schema (nemesis.onboarding.commands) ----------
     add_onboarding_commands(commands, run_async)
 
+    fleet = commands.add_parser("fleet", help="the replicas sharing this configuration")
+    fleet_commands = fleet.add_subparsers(title="fleet commands", metavar="ACTION", required=True)
+    fleet_status = fleet_commands.add_parser(
+        "status", help="members, who runs which integration, and the live overrides"
+    )
+    _config_option(fleet_status)
+    fleet_status.add_argument("--json", action="store_true", help="print JSON")
+    fleet_status.set_defaults(handler=cmd_fleet_status)
+
     size = commands.add_parser(
         "size", help="workers N = R x T with headroom, and the buffer it implies"
     )
-    size.add_argument("--rps", type=float, required=True, help="messages per second to deliver")
+    size.add_argument(
+        "--rps",
+        type=float,
+        required=True,
+        help="messages per second written to the source topic",
+    )
     size.add_argument(
         "--latency-ms", type=float, required=True, help="the handler's time per delivery"
     )
     size.add_argument("--batch-size", type=int, default=1, help="messages per request")
     size.add_argument("--headroom", type=float, default=None, help="factor (default 1.5)")
+    passing = size.add_mutually_exclusive_group()
+    passing.add_argument(
+        "--pass-rate",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="the share of messages the pipeline passes to the handler, 0-1 (default 1)",
+    )
+    passing.add_argument(
+        "--handler-rps",
+        type=float,
+        default=None,
+        help="messages per second that reach the handler, after the pipeline's filtering",
+    )
     size.set_defaults(handler=cmd_size)
 
     init = commands.add_parser(
@@ -186,7 +246,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--viewer-port", type=int, default=8080, help="the DLQ viewer's port (0: any free one)"
     )
     demo.set_defaults(handler=cmd_demo)
+    _log_level_everywhere(parser)
     return parser
+
+
+_LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+def _log_level_option(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        choices=_LOG_LEVELS,
+        help="what goes to stderr (default: info); before or after the command",
+    )
+
+
+def _log_level_everywhere(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` after any command too (``nemesis run --log-level debug``).
+
+    A subcommand's copy defaults to SUPPRESS, so a level given before the
+    command is not reset by the subcommand's parser.
+    """
+    for action in parser._actions:  # argparse offers no public walk
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if "--log-level" not in sub._option_string_actions:
+                    _log_level_option(sub, default=argparse.SUPPRESS)
+                _log_level_everywhere(sub)
 
 
 def _config_option(parser: argparse.ArgumentParser) -> None:
@@ -241,6 +328,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 async def _run(config: NemesisConfig) -> int:
+    from nemesis.fleet.member import FleetMember, FleetOptions
     from nemesis.metrics import Metrics
     from nemesis.runtime.app import Proxy, SupervisorOptions
     from nemesis.runtime.reload import ConfigReloader
@@ -254,43 +342,85 @@ async def _run(config: NemesisConfig) -> int:
         return EXIT_INVALID
     directory = Path(config.integrations_dir)
     files = {name: _integration_file(directory, name) for name in integrations}
-    broker = await open_broker(config)
-    dlq = await open_dlq(config, broker)
-    proxy = Proxy(
-        broker,
-        integrations,
-        dlq=dlq,
-        pipelines_dir=config.pipelines_dir,
-        integration_files={name: path for name, path in files.items() if path is not None},
-        metrics=Metrics(process=True),
-        runner_options=RunnerOptions(shutdown_grace_s=config.shutdown_grace_s),
-        supervisor_options=SupervisorOptions(lag_refresh_s=config.metrics.lag_refresh_s),
-    )
-    reloader = ConfigReloader(
-        proxy,
-        directory,
-        watch=config.reload.watch,
-        debounce_ms=config.reload.debounce_ms,
-        force_polling=config.reload.force_polling,
-        initial_problems=problems,
-    )
-    with _stop_on_signals(proxy.stop), _on_signal(signal.SIGHUP, reloader.request):
-        log.info("running %d integrations: %s", len(integrations), ", ".join(sorted(integrations)))
-        try:
+    async with contextlib.AsyncExitStack() as opened:
+        # Each part is closed however the ones after it fail (a DLQ that does not open,
+        # a proxy that does not build), the last opened first.
+        broker = await open_broker(config)
+        opened.push_async_callback(broker.close)
+        dlq = await open_dlq(config, broker)
+        opened.push_async_callback(dlq.close)
+        state = await backends.open_state(config)
+        opened.push_async_callback(state.close)
+        proxy = Proxy(
+            broker,
+            integrations,
+            dlq=dlq,
+            pipelines_dir=config.pipelines_dir,
+            integration_files={name: path for name, path in files.items() if path is not None},
+            metrics=Metrics(process=True),
+            runner_options=RunnerOptions(shutdown_grace_s=config.shutdown_grace_s),
+            supervisor_options=SupervisorOptions(lag_refresh_s=config.metrics.lag_refresh_s),
+        )
+        fleet = FleetMember(
+            state,
+            proxy,
+            options=FleetOptions(
+                lease_s=config.state.lease_s,
+                poll_s=config.state.poll_s,
+                handover_wait_s=config.shutdown_grace_s + config.state.lease_s,
+            ),
+        )
+        reloader = ConfigReloader(
+            proxy,
+            directory,
+            watch=config.reload.watch,
+            debounce_ms=config.reload.debounce_ms,
+            force_polling=config.reload.force_polling,
+            initial_problems=problems,
+        )
+        with _stop_on_signals(proxy.stop), _on_signal(signal.SIGHUP, reloader.request):
+            await fleet.join()
+            here = fleet.statistics().running
+            log.info(
+                "member %s of the fleet at %s; runs %d of %d integrations here: %s",
+                fleet.member_id,
+                state.location,
+                len(here),
+                len(integrations),
+                ", ".join(here) or "none yet",
+            )
+            failures = ServiceFailures()
             services = [
-                *_side_services(config, proxy, reloader),
+                *_side_services(config, proxy, reloader, failures, fleet),
                 *plugin_services(config, proxy, dlq, broker),
             ]
             settle_heap()
-            await serve_beside(proxy.run(), services, [reloader.run(), enforce_dlq_retention(dlq)])
-        finally:
-            await dlq.close()
-            await broker.close()
+            await serve_beside(
+                proxy.run(),
+                services,
+                [reloader.run(), enforce_dlq_retention(dlq), fleet.run()],
+                required=[ADMIN_API],
+                failures=failures,
+            )
     return EXIT_OK
 
 
-def _side_services(config: NemesisConfig, proxy: Proxy, reloader: ConfigReloader) -> list[Service]:
-    """What serves beside the proxy, in its event loop: the admin API (the viewer joins here)."""
+ADMIN_API = "admin API"
+
+
+def _side_services(
+    config: NemesisConfig,
+    proxy: Proxy,
+    reloader: ConfigReloader,
+    failures: ServiceFailures,
+    fleet: FleetMember,
+) -> list[Service]:
+    """What serves beside the proxy, in its event loop: the admin API (the viewer joins here).
+
+    The admin API is required: if it cannot listen, ``nemesis run`` exits 1 (nothing
+    could report readiness). Another service that cannot listen is logged as an error
+    and makes ``/readyz`` answer 503 (``failures``), while deliveries go on.
+    """
     from nemesis.admin import UvicornService, create_admin_app
 
     services: list[Service] = []
@@ -300,9 +430,11 @@ def _side_services(config: NemesisConfig, proxy: Proxy, reloader: ConfigReloader
             proxy,
             token=None if token is None else token.get_secret_value(),
             reloader=reloader,
+            services=failures,
+            fleet=fleet,
         )
         services.append(
-            UvicornService(app, host=config.admin.host, port=config.admin.port, name="admin API")
+            UvicornService(app, host=config.admin.host, port=config.admin.port, name=ADMIN_API)
         )
     return services
 
@@ -338,20 +470,56 @@ def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
             loop.remove_signal_handler(sig)
 
 
+# --- fleet ------------------------------------------------------------------------
+
+
+def cmd_fleet_status(args: argparse.Namespace) -> int:
+    import time
+
+    from nemesis.fleet.status import as_json, describe, fleet_status
+
+    config = _process_config(args)
+    integrations, problems = load_integrations(Path(config.integrations_dir))
+    for problem in problems:
+        log.warning("%s (left out of the placement)", problem)
+
+    async def status() -> int:
+        store = await backends.open_state(config)
+        try:
+            view = await store.view()
+        finally:
+            await store.close()
+        replicas = {name: integration.replicas for name, integration in integrations.items()}
+        figure = fleet_status(view, replicas, now=time.time(), location=store.location)
+        if args.json:
+            sys.stdout.write(orjson.dumps(as_json(figure), option=orjson.OPT_INDENT_2).decode())
+            sys.stdout.write("\n")
+        else:
+            print(describe(figure))
+        return EXIT_OK
+
+    return run_async(status())
+
+
 # --- size -------------------------------------------------------------------------
 
 
 def cmd_size(args: argparse.Namespace) -> int:
-    from nemesis.runtime.sizing import DEFAULT_HEADROOM, describe, size_for
+    from nemesis.runtime.sizing import DEFAULT_HEADROOM, describe, handler_rate, size_for
 
     headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
     try:
-        figure = size_for(
-            args.rps, args.latency_ms / 1000, batch_size=args.batch_size, headroom=headroom
-        )
+        rps = handler_rate(args.rps, pass_rate=args.pass_rate, handler_rps=args.handler_rps)
+        latency_s = args.latency_ms / 1000
+        figure = size_for(rps, latency_s, batch_size=args.batch_size, headroom=headroom)
     except ValueError as exc:
         print(f"nemesis size: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if rps != args.rps:
+        print(
+            f"written:   {args.rps:g} messages/s; the pipeline passes {rps:g}/s to the handler"
+            " (filtered messages need no worker)"
+        )
     print(describe(figure))
     return EXIT_OK
 
@@ -386,21 +554,31 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """Exit 1 on any problem, and when there is nothing to validate (a wrong folder)."""
     paths: list[Path] = args.paths or [
         p for p in (Path("integrations"), Path("pipelines")) if p.exists()
     ]
     pipelines_dirs = [p for p in paths if p.is_dir() and p.name == "pipelines"] or [
         Path("pipelines")
     ]
-    problems = validate_paths(
+    report = check_paths(
         paths,
+        require_env=args.require_env,
         checkers=[PipelineChecker(pipelines_dirs=pipelines_dirs), IntegrationRulesChecker(paths)],
     )
-    if problems:
-        print(format_problems(problems, style=args.format))
-        print(f"{len(problems)} problem(s) found", file=sys.stderr)
+    if report.warnings:
+        print(format_problems(report.warnings, style=args.format, severity="warning"))
+    if report.problems:
+        print(format_problems(report.problems, style=args.format))
+        print(f"{len(report.problems)} problem(s) found", file=sys.stderr)
         return EXIT_INVALID
-    print("all valid")
+    if report.files == 0:
+        where = ", ".join(map(str, paths)) or "integrations/ or pipelines/ (neither exists)"
+        print(f"no integration or pipeline files found in {where}", file=sys.stderr)
+        return EXIT_INVALID
+    warned = f" ({len(report.warnings)} warning(s))" if report.warnings else ""
+    print(f"all valid{warned}")
+    print(f"{report.files} file(s) checked", file=sys.stderr)
     return EXIT_OK
 
 
@@ -440,24 +618,41 @@ async def _publish(
     metadata: dict[str, str],
     payloads: Iterator[bytes],
 ) -> int:
+    """Writes in batches; a failure says how many messages were written before it.
+
+    A batch is written whole or not at all, so after a failure the input from
+    message ``written + duplicates + 1`` on is what to publish again.
+    """
     broker = await open_broker(config)
     written = duplicates = 0
     try:
         writer = await broker.writer(args.topic)
         batch: list[OutgoingMessage] = []
-        for payload in payloads:
-            key = args.key
-            if args.key_field:
-                key = _json_field(payload, args.key_field)
-            batch.append(
-                OutgoingMessage(value=payload, key=key, metadata=metadata, partition=args.partition)
-            )
-            if len(batch) >= args.batch:
+        try:
+            for payload in payloads:
+                key = args.key
+                if args.key_field:
+                    key = _json_field(payload, args.key_field)
+                batch.append(
+                    OutgoingMessage(
+                        value=payload, key=key, metadata=metadata, partition=args.partition
+                    )
+                )
+                if len(batch) >= args.batch:
+                    w, d = await _write(writer, batch)
+                    written, duplicates, batch = written + w, duplicates + d, []
+            if batch:
                 w, d = await _write(writer, batch)
-                written, duplicates, batch = written + w, duplicates + d, []
-        if batch:
-            w, d = await _write(writer, batch)
-            written, duplicates = written + w, duplicates + d
+                written, duplicates = written + w, duplicates + d
+        except (NemesisError, OSError):
+            done = written + duplicates
+            print(
+                f"nemesis publish: failed after writing {written} message(s) to {args.topic}"
+                + (f" ({duplicates} duplicate(s) skipped)" if duplicates else "")
+                + f"; the input from message {done + 1} on was not written",
+                file=sys.stderr,
+            )
+            raise
         await writer.close()
     finally:
         await broker.close()
@@ -584,11 +779,11 @@ def cmd_test_pipelines(args: argparse.Namespace) -> int:
             report = dry_run_file(pipeline, args.sample)
         except OSError as exc:
             raise NemesisError(f"{args.sample}: {exc.strerror or exc}") from exc
-        print(report.format())
+        print(inert(report.format(), multiline=True))  # sample values: anyone's text
         return EXIT_OK
     paths = args.paths or [Path(_process_config(args).pipelines_dir)]
     results = run_pipeline_tests(paths)
-    print(results.format())
+    print(inert(results.format(), multiline=True))
     return EXIT_INVALID if results.failed else EXIT_OK
 
 

@@ -25,6 +25,7 @@ from nemesis.dlq import (
 )
 from nemesis.errors import NemesisError
 from nemesis.runtime.replay import ActionResult, discard, matching_ids, requeue
+from nemesis.terminal import inert, inert_json
 
 ConfigLoader = Callable[[argparse.Namespace], NemesisConfig]
 Runner = Callable[[Coroutine[Any, Any, int]], int]
@@ -47,8 +48,8 @@ def add_dlq_commands(
 
     show = actions.add_parser("show", help="one dead letter with its whole payload")
     config_option(show)
-    show.add_argument("id")
-    show.add_argument("--json", action="store_true")
+    show.add_argument("id", help="the dead letter's id (see `dlq list`)")
+    show.add_argument("--json", action="store_true", help="print the row as JSON")
     show.set_defaults(handler=cmd_show)
 
     for name, handler, verb in (
@@ -69,9 +70,13 @@ def add_dlq_commands(
 
 def _filter_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--integration", action="append", default=[], help="repeatable")
-    parser.add_argument("--reason", choices=[r.value for r in Reason])
-    parser.add_argument("--status", choices=[s.value for s in Status])
-    parser.add_argument("--http-status", type=int)
+    parser.add_argument(
+        "--reason", choices=[r.value for r in Reason], help="why the message was dead-lettered"
+    )
+    parser.add_argument(
+        "--status", choices=[s.value for s in Status], help="where the row stands now"
+    )
+    parser.add_argument("--http-status", type=int, help="the handler's last HTTP status")
     parser.add_argument("--text", help="inside the payload or the error text")
     parser.add_argument("--since", help="newer than this long ago: 15m, 2h, 7d")
     parser.add_argument("--group", help="a failure signature (one group)")
@@ -132,9 +137,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         total = await store.count(where)
         for row in page.rows:
             if args.json:
-                sys.stdout.write(orjson.dumps(_row_json(row, preview=True)).decode() + "\n")
+                sys.stdout.write(_json_line(_row_json(row, preview=True)))
             else:
-                print(_row_line(row))
+                print(inert(_row_line(row)))
         if not args.json:
             print(f"{len(page.rows)} of {total} shown", file=sys.stderr)
         return 0
@@ -148,16 +153,15 @@ def cmd_show(args: argparse.Namespace) -> int:
         if row is None:
             raise NemesisError(f"no dead letter {args.id}")
         if args.json:
-            sys.stdout.write(
-                orjson.dumps(_row_json(row, preview=False), option=orjson.OPT_INDENT_2).decode()
-                + "\n"
-            )
+            sys.stdout.write(_json_line(_row_json(row, preview=False), indent=True))
             return 0
+        # Payloads, errors and metadata come from other systems: nothing in them may
+        # act on the terminal (ESC sequences, bidi overrides), see nemesis.terminal.
         for name, value in _row_json(row, preview=False).items():
             if name != "payload":
-                print(f"{name:>18}: {value}")
+                print(f"{name:>18}: {inert(str(value))}")
         print("           payload:")
-        print(_payload_text(row.payload))
+        print(inert(_payload_text(row.payload), multiline=True))
         return 0
 
     return _with_store(args, work)
@@ -280,6 +284,11 @@ def _row_json(row: DeadLetterRow, *, preview: bool) -> dict[str, Any]:
     if preview and row.payload_truncated:
         document["payload_truncated"] = True
     return document
+
+
+def _json_line(document: dict[str, Any], *, indent: bool = False) -> str:
+    text = orjson.dumps(document, option=orjson.OPT_INDENT_2 if indent else None).decode()
+    return inert_json(text) + "\n"
 
 
 def _payload_text(payload: bytes) -> str:

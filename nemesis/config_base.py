@@ -8,9 +8,18 @@ configuration, which itself lists the registered backends.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from collections.abc import Callable, Hashable, Iterator
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -35,5 +44,68 @@ def parse_duration(value: Any) -> float:
 DurationS = Annotated[float, BeforeValidator(parse_duration)]
 
 
+CROSS_FIELD_ERROR = "cross_field"
+# A rule across fields: given a model's input (raw data, or the validated model),
+# the problems it finds, each at a location relative to the model.
+CrossRule = Callable[[Any], Iterator[tuple[tuple[Hashable, ...], str]]]
+
+
+def get_path(data: Any, *path: str, default: Any = None) -> Any:
+    """``data[a][b]`` whether ``data`` is raw input or a model; ``default`` where it is absent."""
+    for key in path:
+        if isinstance(data, dict):
+            data = data.get(key, default)
+        elif isinstance(data, BaseModel):
+            data = getattr(data, key, default)
+        else:
+            return default
+    return data
+
+
 class Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    # Rules across fields run on the input even when some other field is invalid,
+    # so that one run of ``nemesis validate`` reports every problem in a file.
+    # A rule judges only values it can read and says nothing about the rest.
+    cross_rules: ClassVar[tuple[CrossRule, ...]] = ()
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check_across_fields(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if not cls.cross_rules:
+            return handler(data)
+        try:
+            value = handler(data)
+        except ValidationError as exc:
+            found = _cross_errors(cls.cross_rules, data)
+            if not found:
+                raise
+            known = [_init_details(details) for details in exc.errors()]
+            raise ValidationError.from_exception_data(exc.title, [*known, *found]) from None
+        found = _cross_errors(cls.cross_rules, value)
+        if found:
+            raise ValidationError.from_exception_data(cls.__name__, found)
+        return value
+
+
+def _cross_errors(rules: tuple[CrossRule, ...], data: Any) -> list[InitErrorDetails]:
+    return [
+        InitErrorDetails(
+            type=PydanticCustomError(CROSS_FIELD_ERROR, "{message}", {"message": message}),
+            loc=tuple(str(part) if not isinstance(part, int) else part for part in loc),
+            input=get_path(data, *(str(part) for part in loc)),
+        )
+        for rule in rules
+        for loc, message in rule(data)
+    ]
+
+
+def _init_details(details: Any) -> InitErrorDetails:
+    kind = details["type"]
+    if kind == CROSS_FIELD_ERROR:  # a nested model's rule: pydantic does not know the type
+        kind = PydanticCustomError(kind, "{message}", details["ctx"])
+    init = InitErrorDetails(type=kind, loc=details["loc"], input=details["input"])
+    if "ctx" in details and not isinstance(kind, PydanticCustomError):
+        init["ctx"] = details["ctx"]
+    return init

@@ -11,10 +11,11 @@
     │   ├── SessionLost        the partition session ended     (stale work, not retriable)
     │   └── BrokerAccessDenied credentials refused by the backend (retrying cannot help)
     ├── DeliveryError          a transport could not deliver   retriable
-    └── DlqError               the dead-letter store failed    retriable
-        ├── DlqTimeout         a store call ran out of time    retriable
-        └── InvalidQuery       a filter or page the store refuses (the caller's 4xx)
-            └── InvalidCursor  a page cursor the store did not issue
+    ├── DlqError               the dead-letter store failed    retriable
+    │   ├── DlqTimeout         a store call ran out of time    retriable
+    │   └── InvalidQuery       a filter or page the store refuses (the caller's 4xx)
+    │       └── InvalidCursor  a page cursor the store did not issue
+    └── StateError             the fleet's state store failed  retriable
 
 Whether an error may be retried is data on its class (``retriable``). Library
 exceptions (sqlite3, aiohttp, ydb) are translated at the backend boundary.
@@ -106,3 +107,9 @@ class InvalidQuery(DlqError):
 
 class InvalidCursor(InvalidQuery):
     """A page cursor that is malformed or was issued for another kind of list."""
+
+
+class StateError(NemesisError):
+    """The fleet's state store (members, assignments, live overrides) could not answer."""
+
+    retriable = True

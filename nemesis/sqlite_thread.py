@@ -34,12 +34,58 @@ from nemesis.errors import BrokerError, BrokerTimeout
 T = TypeVar("T")
 
 
-def translate(exc: sqlite3.Error) -> BrokerError:
-    """Maps a sqlite3 error to the Nemesis tree: a busy or locked file is a timeout."""
+# An I/O error with less free space than this left is taken for a full disk.
+DISK_FULL_BYTES = 1 << 20
+
+
+def translate(exc: sqlite3.Error, path: Path | None = None) -> BrokerError:
+    """Maps a sqlite3 error to the Nemesis tree: a busy or locked file is a timeout.
+
+    The message names the file and, where SQLite's own words hide it, the
+    cause an operator acts on: a full disk (SQLite says "disk I/O error" when
+    the WAL cannot grow), a read-only file system or folder, a missing folder.
+    """
     code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-        return BrokerTimeout(f"sqlite: {exc}")
-    return BrokerError(f"sqlite: {exc}")
+    primary = None if code is None else code & 0xFF
+    where = "sqlite" if path is None else str(path)
+    if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return BrokerTimeout(f"{where}: {exc}")
+    if path is not None:
+        cause = _cause(primary, path)
+        if cause is not None:
+            return BrokerError(f"{where}: {cause} (sqlite: {exc})")
+    return BrokerError(f"{where}: sqlite: {exc}")
+
+
+def _cause(primary: int | None, path: Path) -> str | None:
+    """Why SQLite could not write or open ``path``, in an operator's words; None if unknown."""
+    if primary not in (
+        sqlite3.SQLITE_FULL,
+        sqlite3.SQLITE_IOERR,
+        sqlite3.SQLITE_READONLY,
+        sqlite3.SQLITE_CANTOPEN,
+        sqlite3.SQLITE_PERM,
+    ):
+        return None
+    folder = path.absolute().parent
+    try:
+        stats = os.statvfs(folder)
+    except OSError as exc:
+        return f"cannot use the folder {folder}: {exc.strerror or exc}"
+    free = stats.f_bavail * stats.f_frsize
+    if primary in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR) and free < DISK_FULL_BYTES:
+        return f"the disk is full ({free} bytes free in {folder}): free space or move the file"
+    if primary == sqlite3.SQLITE_FULL:  # with room on the disk: the file's own page limit
+        return "the database file reached its size limit (PRAGMA max_page_count)"
+    if stats.f_flag & os.ST_RDONLY:
+        return f"the file system holding {folder} is mounted read-only"
+    if primary == sqlite3.SQLITE_IOERR:
+        return None
+    # SQLite writes the -wal and -shm files beside the database: the folder must be writable.
+    for target, needs in ((folder, os.W_OK | os.X_OK), (path, os.R_OK | os.W_OK)):
+        if target.exists() and not os.access(target, needs):
+            return f"permission denied: {target} is read-only for this user (uid {os.getuid()})"
+    return None
 
 
 # Waiting for a lock another connection holds. SQLite's own busy handler sleeps
@@ -260,12 +306,11 @@ class SqliteThread:
             else:
                 work.answer(True, result)
 
-    @staticmethod
-    def _translated(job: Callable[[], T]) -> T:
+    def _translated(self, job: Callable[[], T]) -> T:
         try:
             return job()
         except sqlite3.Error as exc:
-            raise translate(exc) from exc
+            raise translate(exc, self._path) from exc
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:

@@ -37,6 +37,11 @@ class Workspace:
         return self.root / "nemesis.db"
 
     def write_config(self, extra: str = "") -> Path:
+        # Any free port for the admin API and the viewer unless ``extra`` sets them: a
+        # taken admin port stops `nemesis run`, and tests share the machine.
+        listeners = "".join(
+            f"{name}: {{port: 0}}\n" for name in ("admin", "viewer") if f"{name}:" not in extra
+        )
         path = self.root / "nemesis.yaml"
         path.write_text(
             "backend:\n"
@@ -44,7 +49,7 @@ class Workspace:
             f"  path: {self.db_path}\n"
             f"  lease_s: {self.lease_s}\n"
             "data_dir: .\n"
-            "integrations_dir: integrations\n" + extra
+            "integrations_dir: integrations\n" + listeners + extra
         )
         (self.root / "integrations").mkdir(exist_ok=True)
         return path

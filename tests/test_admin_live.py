@@ -65,6 +65,7 @@ def n_of(entry: LedgerEntry) -> int:
     return int(json.loads(entry.body)["n"])
 
 
+@pytest.mark.slow
 async def test_workers_batch_rate_and_types_change_live_without_loss_or_duplicates(
     broker: EmbeddedBroker,
 ) -> None:

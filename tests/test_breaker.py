@@ -543,3 +543,36 @@ def test_answers_recorded_without_a_permit_while_closed_count_like_permitted_one
     # An answer that comes back after the breaker opened is not evidence for a probe round.
     breaker.record(False)
     assert breaker.statistics().ignored_answers == 1
+
+
+def recent_rate(breaker: CircuitBreaker) -> float | None:
+    """Read afresh each time (an assert on the property would narrow its type for mypy)."""
+    return breaker.recent_failure_rate
+
+
+def test_the_recent_failure_rate_sees_an_outage_the_window_still_outweighs() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(config(window_s=30.0, min_requests=20), clock=clock)
+    rig = Rig(clock, breaker)
+    assert recent_rate(breaker) is None
+    rig.send_many("." * 200, every_s=0.01)
+    rig.send_many("x" * 15, every_s=0.01)
+    # The window weighs 200 successes against 15 failures: still closed ...
+    assert breaker.state is CLOSED
+    # ... while 15 of the last 20 answers failed: the policy's sign that the handler is down.
+    assert recent_rate(breaker) == 15 / 20
+    rig.send_many("." * 20)
+    assert recent_rate(breaker) == 0.0
+
+
+def test_the_recent_answers_count_in_every_state_and_survive_a_transition() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(config(min_requests=10), clock=clock)
+    rig = Rig(clock, breaker)
+    rig.trip()
+    assert breaker.state is OPEN
+    assert recent_rate(breaker) == 1.0  # the window was cleared; the recent answers not
+    clock.advance(breaker.config.cooldown_s)
+    rig.send_many("." * 10)  # a probe round that closes it
+    assert breaker.state is CLOSED
+    assert recent_rate(breaker) == 0.0

@@ -40,7 +40,8 @@ target:
   url: http://127.0.0.1:9001/events/order
 """
 KNOWN_FIELDS = (
-    "name, owners, source, pipeline, target, delivery, retry, breaker, rate_limits, flags, paused"
+    "name, owners, source, pipeline, target, delivery, retry, breaker, rate_limits, flags, paused,"
+    " replicas"
 )
 
 
@@ -796,3 +797,53 @@ def test_the_readme_integration_outline_names_every_key_and_validates() -> None:
     expanded = expand(block, env={"LOYALTY_TOKEN": "t"})
     config = IntegrationConfig.model_validate(yaml.safe_load(expanded.text))
     assert config.retry.on_exhausted == "dead_letter"
+
+
+def test_rules_across_fields_hold_for_models_built_in_code() -> None:
+    from pydantic import ValidationError
+
+    from nemesis.config.models import DeliveryConfig, IntegrationConfig, RetryConfig
+
+    base: dict[str, Any] = {
+        "name": "orders",
+        "owners": ["team"],
+        "source": {"topic": "orders", "consumer": "orders"},
+        "target": {"url": "http://127.0.0.1:8000/"},
+    }
+    with pytest.raises(
+        ValidationError, match=re.escape("halt needs delivery.ordering key or partition")
+    ):
+        IntegrationConfig(**base, retry=RetryConfig(on_exhausted="halt"))
+    ordered = IntegrationConfig(
+        **base, retry=RetryConfig(on_exhausted="halt"), delivery=DeliveryConfig(ordering="key")
+    )
+    assert ordered.retry.on_exhausted == "halt"
+    with pytest.raises(ValidationError, match="must hold at least one batch"):
+        DeliveryConfig(buffer=1, batch={"size": 2})
+
+
+@pytest.mark.parametrize(
+    ("tiers", "message"),
+    [
+        ("[5m, 1m]", "tier 2 (60s) is shorter than tier 1 (300s)"),
+        ("[1s, 2s, 2s, 1500ms]", "tier 4 (1.5s) is shorter than tier 3 (2s)"),
+    ],
+)
+def test_retry_tiers_must_not_shrink(tmp_path: Path, tiers: str, message: str) -> None:
+    path = write(tmp_path, "orders.yaml", VALID + f"retry: {{tiers: {tiers}}}\n")
+    problem = one_problem(path)
+    assert (problem.line, problem.field) == (6, "retry.tiers")
+    assert problem.message.startswith(message)
+
+
+@pytest.mark.parametrize("url", ["http://h:0/", "http://h:65536/", "grpc://h:99999", "http://h:x/"])
+def test_a_target_port_out_of_range_is_refused(tmp_path: Path, url: str) -> None:
+    path = write(tmp_path, "orders.yaml", VALID.replace("http://127.0.0.1:9001/events/order", url))
+    problem = one_problem(path)
+    assert problem.field == "target.url"
+    assert problem.message == "the port must be a number from 1 to 65535"
+
+
+def test_a_disabled_viewer_needs_no_port(tmp_path: Path) -> None:
+    path = write(tmp_path, "nemesis.yaml", "viewer: {enabled: false}\n")
+    assert load_process_config(path).viewer.enabled is False

@@ -327,3 +327,41 @@ def test_init_creates_what_the_configuration_needs_idempotently(workspace: Works
     assert "added" not in again.stdout
     topics = workspace.cli("topics", "list").stdout.split()
     assert {"orders", "nemesis.replay.loyalty", "nemesis.retry.loyalty.3"} <= set(topics)
+
+
+async def test_a_restart_after_kill_9_takes_its_own_leases_back_at_once(tmp_path: Path) -> None:
+    """With 60 s leases, the restarted proxy delivers long before its dead one's would expire.
+
+    It recognises its predecessor (this host, a pid that is gone) and takes the
+    partitions over at its first heartbeat instead of waiting out the lease.
+    """
+    workspace = Workspace(tmp_path, lease_s=60)
+    workspace.write_config()
+    publish(workspace, "orders", 8)
+    try:
+        async with HandlerServer() as handler:
+            workspace.write_integration("loyalty", integration_yaml("loyalty", handler.url))
+            first = await workspace.start("run")
+            await handler.ledger.wait_for(8, timeout_s=60)
+            kill_hard(first)
+            await first.wait()
+            more = workspace.root / "more.jsonl"
+            write_orders(more, 8, start=100)
+            published = workspace.cli("publish", "orders", "--file", str(more), "--lines")
+            assert published.returncode == 0, published.stderr
+            await workspace.start("run")
+            # Well inside the 60 s the dead process's leases would still run.
+            await handler.ledger.wait_until(
+                lambda ledger: (
+                    {f"order-{n}" for n in range(100, 108)}
+                    <= {order_id(e) for e in ledger if e.done}
+                ),
+                timeout_s=30,
+            )
+    finally:
+        for process in workspace.processes:
+            if process.returncode is None:
+                kill_hard(process)
+                await process.wait()
+        for log_file in workspace.log_files:
+            log_file.close()

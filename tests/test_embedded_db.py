@@ -290,3 +290,32 @@ def test_a_job_that_outlives_its_event_loop_leaves_the_thread_serving(tmp_path: 
 
     assert asyncio.run(second_loop()) == 3
     assert slow.finished
+
+
+async def test_a_full_database_names_the_file_and_the_limit(tmp_path: Path) -> None:
+    """SQLITE_FULL with room left on the disk: the file's page limit, named with the file."""
+    path = tmp_path / "n.db"
+    thread = db.SqliteThread(path, "test", busy_timeout_s=1.0, pragmas=("max_page_count = 40",))
+    await thread.open(timeout_s=5)
+
+    def fill(conn: sqlite3.Connection) -> None:
+        conn.execute("CREATE TABLE t (b BLOB)")
+        for _ in range(200):
+            conn.execute("INSERT INTO t VALUES (zeroblob(4000))")
+
+    try:
+        with pytest.raises(BrokerError) as info:
+            await thread.run(fill, timeout_s=10)
+    finally:
+        await thread.close()
+    assert str(info.value).startswith(
+        f"{path}: the database file reached its size limit (PRAGMA max_page_count)"
+    )
+
+
+def test_translate_names_the_file_even_without_a_known_cause(tmp_path: Path) -> None:
+    error = sqlite3.OperationalError("no such table: t")
+    error.sqlite_errorcode = sqlite3.SQLITE_ERROR
+    assert str(db.translate(error, tmp_path / "n.db")) == (
+        f"{tmp_path / 'n.db'}: sqlite: no such table: t"
+    )

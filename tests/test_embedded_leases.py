@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sqlite3
 import sys
@@ -172,6 +173,7 @@ async def all_committed(broker: EmbeddedBroker) -> bool:
     return all(p.committed["c"] == p.end_offset for p in described.partitions)
 
 
+@pytest.mark.slow
 async def test_a_killed_reader_process_is_replaced_within_the_lease(
     broker: EmbeddedBroker,
     processes: StartReader,
@@ -212,6 +214,7 @@ async def test_a_killed_reader_process_is_replaced_within_the_lease(
     assert await survivor.process.wait() == 0
 
 
+@pytest.mark.slow
 async def test_a_reader_process_that_stops_hands_over_before_its_lease_expires(
     broker: EmbeddedBroker,
     processes: StartReader,
@@ -326,3 +329,94 @@ async def test_a_commit_is_fenced_by_the_lease_and_never_moves_back(tmp_path: Pa
         await reader.close()
     finally:
         await broker.close()
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    import subprocess
+
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(child.stdout)
+
+
+def _neighbour_id(pid: int, node: str | None = None) -> str:
+    """A member id as another broker process of this host, boot and pid namespace writes it."""
+    host, _pid, _random, own_node = leases.local_member_id().split(":")
+    return f"{host}:{pid}:abcdef:{node or own_node}/1"
+
+
+@pytest.mark.parametrize(
+    ("predecessor", "taken_at_once"),
+    [
+        (lambda: _neighbour_id(_dead_pid()), True),  # killed: its pid is gone
+        (lambda: _neighbour_id(os.getppid()), False),  # alive
+        (lambda: _neighbour_id(_dead_pid(), node="0badc0de"), False),  # another container
+        (lambda: f"elsewhere:{_dead_pid()}:abcdef:0badc0de/1", False),  # another host
+        (lambda: "a-named-member", False),  # an id that says nothing of where it runs
+    ],
+)
+async def test_a_dead_predecessor_on_this_host_is_taken_over_at_once(
+    tmp_path: Path, predecessor: Callable[[], str], taken_at_once: bool
+) -> None:
+    """A restart after kill -9 takes its partitions back without waiting out the lease."""
+    path = tmp_path / "n.db"
+    broker = await open_embedded(EmbeddedBackendConfig(path=str(path), lease_s=60))
+    try:
+        await broker.admin.create_topic("t", partitions=2, consumers=[ConsumerSpec("c")])
+        reader = await broker.reader("t", "c")
+        topic_id = reader.topic_id
+        await reader.close()
+    finally:
+        await broker.close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        now = time.time()
+
+        def beat(member: str) -> leases.HeartbeatResult:
+            return leases.heartbeat(
+                conn,
+                topic_id=topic_id,
+                consumer="c",
+                member_id=member,
+                held={},
+                now=now,
+                lease_s=60,
+            )
+
+        old = predecessor()
+        assert {a.partition for a in beat(old).acquired} == {0, 1}
+        restarted = beat(leases.local_member_id() + "/1")
+        if taken_at_once:
+            assert {a.partition for a in restarted.acquired} == {0, 1}
+            assert restarted.members == 1
+            owners = {r[0] for r in conn.execute("SELECT owner FROM leases")}
+            assert old not in owners
+        else:
+            # Two members now; the old one keeps its live lease until it expires.
+            assert restarted.members == 2
+            assert restarted.settled is False
+            owned = {a.partition for a in restarted.acquired}
+            assert owned.isdisjoint(
+                {
+                    r[0]
+                    for r in conn.execute("SELECT partition_id FROM leases WHERE owner = ?", (old,))
+                }
+            )
+    finally:
+        conn.close()
+
+
+def test_a_member_id_says_where_it_runs() -> None:
+    import socket
+
+    host, pid, random, node = leases.local_member_id().split(":")
+    assert host == socket.gethostname()
+    assert int(pid) == os.getpid()
+    assert len(random) == 6
+    assert len(node) == 8
+    assert not leases.is_dead_neighbour(leases.local_member_id())  # itself: alive

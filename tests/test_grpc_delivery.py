@@ -20,6 +20,7 @@ from typing import TypeVar
 import grpc
 import pytest
 from grpc import aio
+from pydantic import ValidationError
 
 from nemesis import __version__
 from nemesis.broker.port import Message
@@ -465,7 +466,6 @@ def test_target_address(url: str, address: str) -> None:
         ("grpc://loyalty.svc:50051/nemesis.v1.HandlerService", {}, "service and methods"),
         ("grpc://loyalty.svc:50051?x=1", {}, "service and methods"),
         ("grpc://user:secret@loyalty.svc:50051", {}, "credentials go in target.headers"),
-        ("grpc://loyalty.svc:99999", {}, "port"),
         ("grpc://loyalty.svc:50051", {"X Token": "a"}, "metadata key"),
         ("grpc://loyalty.svc:50051", {"grpc-timeout": "1S"}, "set by gRPC"),
         ("grpc://loyalty.svc:50051", {"x-token-bin": "a"}, "metadata key"),
@@ -477,6 +477,14 @@ def test_bad_targets_are_config_errors(url: str, headers: dict[str, str], messag
         grpc_transport(target(url, headers=headers), INTEGRATION, 1)
     assert raised.value.problems[0].field is not None
     assert raised.value.problems[0].field.startswith("target.")
+
+
+def test_a_port_out_of_range_is_refused_by_the_configuration_and_the_transport() -> None:
+    with pytest.raises(ValidationError, match="the port must be a number from 1 to 65535"):
+        target("grpc://loyalty.svc:99999")
+    unchecked = TargetConfig.model_construct(url="grpc://loyalty.svc:99999")
+    with pytest.raises(ConfigError, match="port"):
+        grpc_transport(unchecked, INTEGRATION, 1)
 
 
 def test_max_connections_must_be_positive() -> None:

@@ -139,6 +139,21 @@ async def test_proxy_delivers_batches_over_grpc(
     assert len(handler.delivered_ids()) == 200
 
 
+async def test_a_lone_message_of_a_batch_integration_goes_through_deliver_batch(
+    broker: EmbeddedBroker, dlq: SqliteDeadLetterStore
+) -> None:
+    # A handler that implements only DeliverBatch gets the quiet hours' messages too.
+    await publish(broker, 1)
+    async with GrpcHandler() as handler:
+        config = integration(
+            handler.url,
+            delivery={"workers": 4, "buffer": 200, "batch": {"size": 25, "max_wait_ms": 0}},
+        )
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, transports=TRANSPORTS, runner_options=FAST)
+        await run_until(proxy, handler, 1)
+    assert [(call.method, len(call.events)) for call in handler.calls] == [("DeliverBatch", 1)]
+
+
 async def test_statuses_retry_dead_letter_and_time_out_through_the_proxy(
     broker: EmbeddedBroker, dlq: SqliteDeadLetterStore
 ) -> None:

@@ -184,6 +184,7 @@ def exported(scrapes: tuple[str, str]) -> set[str]:
     return names
 
 
+@pytest.mark.slow
 def test_every_family_is_exported_while_traffic_flows(exported: set[str]) -> None:
     missing = {
         concern: [name for name in names if name not in exported]
@@ -398,6 +399,7 @@ def test_every_dashboard_expression_is_valid_promql(tmp_path: Path) -> None:
 ALERTS = DEPLOY / "prometheus" / "alerts.yaml"
 
 
+@pytest.mark.slow
 def test_the_alert_rules_pass_promtool_and_their_unit_tests() -> None:
     checked = run_promtool("check", "rules", str(ALERTS))
     assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -26,6 +26,7 @@ from nemesis.delivery.port import DeliveryResult, Event, Outcome
 from nemesis.metrics import Metrics
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions
 from nemesis.testing import HandlerServer, LedgerEntry
+from nemesis.testing.clock import FakeClock
 from tests.operability import wait_until_true
 
 FAST = RunnerOptions(receive_timeout_s=0.05, commit_interval_s=0.02, shutdown_grace_s=5)
@@ -154,6 +155,27 @@ async def test_batches_by_size_or_wait(broker: EmbeddedBroker, handler: HandlerS
     assert await committed(broker) == {p: 250 for p in range(4)}
 
 
+async def test_a_batch_integration_sends_a_lone_message_as_a_batch_of_one(
+    broker: EmbeddedBroker, handler: HandlerServer
+) -> None:
+    # A handler that implements only batches must get a quiet hour's messages too,
+    # and their retries: every request of a batch integration is a batch.
+    await publish(broker, 1)
+    handler.fail_first(1, status=503)
+    runner = runner_for(
+        broker,
+        config(handler.url, delivery={"workers": 4, "batch": {"size": 50, "max_wait_ms": 0}}),
+    )
+    task = asyncio.create_task(runner.run())
+    await handler.ledger.wait_for(1, timeout_s=30)
+    runner.stop()
+    await task
+    assert [(e.mode, e.batch_size, e.attempt) for e in handler.ledger] == [
+        ("batch", 1, 1),
+        ("batch", 1, 2),
+    ]
+
+
 async def test_poison_message_stalls_neither_other_partitions_nor_memory(
     broker: EmbeddedBroker, handler: HandlerServer
 ) -> None:
@@ -207,10 +229,11 @@ async def test_graceful_stop_commits_what_finished_and_nothing_more(
     assert await committed(broker) == {p: 500 for p in range(4)}
 
 
-class _CountingClock(SystemClock):
-    """The system clock, counting the sleeps of each length."""
+class _CountingClock(FakeClock):
+    """A fake clock counting the sleeps of each length."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.sleeps: Counter[float] = Counter()
 
     async def sleep(self, seconds: float) -> None:
@@ -226,20 +249,21 @@ async def test_an_idle_flow_commits_nothing_until_it_reads_again(
     cfg = config(handler.url)
     transport = http_transport(cfg.target, integration=cfg.name, max_connections=4)
     runner = IntegrationRunner(cfg, broker, transport, options=FAST, clock=clock)
-    task = asyncio.create_task(runner.run())
-    try:
-        await handler.ledger.wait_for(100, timeout_s=30)
-        await wait_until_true(lambda: runner.statistics().outstanding == 0)
-        ticks = clock.sleeps[FAST.commit_interval_s]
-        await asyncio.sleep(0.5)  # 25 commit intervals with nothing to commit
-        assert clock.sleeps[FAST.commit_interval_s] <= ticks + 1
-        # The next read wakes the commits up again.
-        await publish(broker, 40)
-        await handler.ledger.wait_for(140, timeout_s=30)
-        await wait_until_true(lambda: runner.statistics().outstanding == 0)
-    finally:
-        runner.stop()
-        await task
+    async with clock.autojump(0.002):
+        task = asyncio.create_task(runner.run())
+        try:
+            await handler.ledger.wait_for(100, timeout_s=30)
+            await wait_until_true(lambda: runner.statistics().outstanding == 0)
+            ticks = clock.sleeps[FAST.commit_interval_s]
+            await clock.sleep(25 * FAST.commit_interval_s)  # nothing to commit all along
+            assert clock.sleeps[FAST.commit_interval_s] <= ticks + 1
+            # The next read wakes the commits up again.
+            await publish(broker, 40)
+            await handler.ledger.wait_for(140, timeout_s=30)
+            await wait_until_true(lambda: runner.statistics().outstanding == 0)
+        finally:
+            runner.stop()
+            await task
     assert sum((await committed(broker)).values()) == 140
 
 
@@ -286,12 +310,12 @@ async def test_delivery_age_counts_each_accepted_message_once_from_its_write(
     broker: EmbeddedBroker, handler: HandlerServer
 ) -> None:
     await publish(broker, 200)
-    await asyncio.sleep(0.3)  # every message is at least this old when its handler gets it
     # A tenth fail at first: retried in place, their age counts once, when accepted.
     handler.when(lambda e: n_of(e) % 10 == 0 and e.receipt == 1, status=503)
     # Eight are dropped by the handler: finished, but not accepted.
     handler.when(lambda e: n_of(e) % 25 == 7, status=200, headers={"nemesis-verdict": "drop"})
-    metrics = await _deliver_with_metrics(broker, handler, 200, SystemClock())
+    # The runner's clock 0.3 s ahead of the broker's: every message is at least that old.
+    metrics = await _deliver_with_metrics(broker, handler, 200, _ShiftedClock(0.3))
     assert handler.requests >= 220
     assert _age(metrics, "count") == 192
     assert _age(metrics, "bucket", le="0.25") == 0
@@ -302,8 +326,7 @@ async def test_delivery_age_counts_each_message_of_a_batch(
     broker: EmbeddedBroker, handler: HandlerServer
 ) -> None:
     await publish(broker, 200)
-    await asyncio.sleep(0.3)
-    metrics = await _deliver_with_metrics(broker, handler, 200, SystemClock(), batch=20)
+    metrics = await _deliver_with_metrics(broker, handler, 200, _ShiftedClock(0.3), batch=20)
     assert handler.requests < 200
     assert _age(metrics, "count") == 200
     assert _age(metrics, "bucket", le="0.25") == 0

@@ -131,7 +131,7 @@ def test_broken_integrations_are_rejected_by_the_schema_and_the_loader(
 
 # Legal spellings an editor must not flag.
 VALID_INTEGRATIONS: list[tuple[str, str]] = [
-    ("durations", "retry: {tiers: [30, 1.5m, 250ms, 2h, '7d']}\n"),
+    ("durations", "retry: {tiers: [250ms, 30, 1.5m, 2h, '7d']}\n"),
     ("variables", "delivery: {workers: '${WORKERS:-8}', ordering: '${ORDERING:-key}'}\n"),
     ("grpc", "target: {url: 'grpcs://x.svc:443', headers: {authorization: 'Bearer ${T}'}}\n"),
     ("unlimited", "rate_limits: {main: null, retry: 10, replay: null}\n"),

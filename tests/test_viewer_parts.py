@@ -206,6 +206,7 @@ def test_the_auth_section_refuses_plaintext_and_weak_secrets() -> None:
     assert NemesisConfig().auth == AuthConfig()
 
 
+@pytest.mark.slow
 def test_hash_password_command_prints_a_usable_hash() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "dlq_viewer.hash_password"],
@@ -284,6 +285,7 @@ async def test_bulk_jobs_are_bounded_and_refuse_when_full(tmp_path: Path) -> Non
         await store.close()
 
 
+@pytest.mark.slow
 async def test_too_many_bulk_actions_answer_429(tmp_path: Path) -> None:
     async with viewer_env(
         tmp_path,

@@ -35,8 +35,12 @@ from pydantic import ValidationError
 
 from nemesis import __version__
 from nemesis.admin import schemas
+from nemesis.admin.server import ServiceFailures
 from nemesis.admin.status import integration_status, reload_result
 from nemesis.config.models import NAME_PATTERN
+from nemesis.errors import StateError
+from nemesis.fleet.member import FleetMember
+from nemesis.fleet.status import fleet_status
 from nemesis.runtime.app import Proxy
 from nemesis.runtime.overrides import LiveField
 from nemesis.runtime.reload import ConfigReloader
@@ -52,6 +56,9 @@ _REFUSED: Final[dict[int | str, dict[str, Any]]] = {
 _UNKNOWN: Final[dict[int | str, dict[str, Any]]] = {
     404: {"model": schemas.ErrorMessage, "description": "No such integration."}
 }
+_STORE_DOWN: Final[dict[int | str, dict[str, Any]]] = {
+    503: {"model": schemas.ErrorMessage, "description": "The fleet's state store is unreachable."}
+}
 _UNREADABLE: Final[dict[int | str, dict[str, Any]]] = {
     400: {"model": schemas.ErrorMessage, "description": "The body is not JSON text."}
 }
@@ -66,8 +73,16 @@ def create_admin_app(
     *,
     token: str | None = None,
     reloader: ConfigReloader | None = None,
+    services: ServiceFailures | None = None,
+    fleet: FleetMember | None = None,
 ) -> FastAPI:
-    """The admin API over a proxy; ``token`` guards changes (None: read-only)."""
+    """The admin API over a proxy; ``token`` guards changes (None: read-only).
+
+    ``services``: the side services (the DLQ viewer) that are not serving, a
+    reason for ``/readyz`` to answer 503. With ``fleet``, live changes are
+    stored for the whole fleet before they apply here
+    (``nemesis.fleet.member``), and ``GET /fleet`` shows it.
+    """
     app = FastAPI(
         title="Nemesis admin API",
         version=__version__,
@@ -92,6 +107,25 @@ def create_admin_app(
             raise HTTPException(404, f"no integration {name!r}")
         return statuses([name])[0]
 
+    async def set_live(name: str, changes: Mapping[str, Any]) -> None:
+        """Lays live values over the YAML: for the whole fleet when there is one."""
+        if fleet is None:
+            proxy.set_overrides(name, changes)
+            return
+        try:
+            await fleet.set_overrides(name, changes, set_by=f"admin API of {fleet.member_id}")
+        except StateError as exc:
+            raise HTTPException(503, f"the change was not made: {exc}") from None
+
+    async def clear_live(name: str, fields: list[str] | None) -> None:
+        if fleet is None:
+            proxy.clear_overrides(name, fields)
+            return
+        try:
+            await fleet.clear_overrides(name, fields)
+        except StateError as exc:
+            raise HTTPException(503, f"the change was not made: {exc}") from None
+
     @app.get("/healthz", tags=["health"])
     async def health() -> schemas.Health:
         """Liveness: the event loop answers."""
@@ -115,6 +149,8 @@ def create_admin_app(
             down_s = proxy.clock.monotonic() - unreachable
             if down_s >= BROKER_UNREACHABLE_S:
                 reasons.append(f"broker unreachable for {down_s:.0f}s: {lag.last_error}")
+        if services is not None:
+            reasons.extend(services.reasons())
         if reasons:
             response.status_code = 503
         return schemas.Readiness(
@@ -151,16 +187,21 @@ def create_admin_app(
         "/integrations/{name}",
         tags=["integrations"],
         dependencies=authorized,
-        responses={**_UNREADABLE, **_REFUSED, **_UNKNOWN},
+        responses={**_UNREADABLE, **_REFUSED, **_UNKNOWN, **_STORE_DOWN},
     )
     async def patch_integration(
         name: IntegrationName, patch: schemas.IntegrationPatch
     ) -> schemas.IntegrationStatus:
-        """Sets live values over the YAML; they apply within a second, nothing restarts."""
+        """Sets live values over the YAML for the whole fleet; nothing restarts.
+
+        They apply here at once, on the other replicas within a poll of the
+        state store, and on a replica that starts later; they stay until
+        cleared or until the YAML says the same.
+        """
         status_of(name)
         changes = patch.changes()
         try:
-            proxy.set_overrides(name, changes)
+            await set_live(name, changes)
         except ValidationError as exc:
             raise _unfit(exc, ("body",), changes) from None
         return status_of(name)
@@ -169,53 +210,106 @@ def create_admin_app(
         "/integrations/{name}/pause",
         tags=["integrations"],
         dependencies=authorized,
-        responses={**_REFUSED, **_UNKNOWN},
+        responses={**_REFUSED, **_UNKNOWN, **_STORE_DOWN},
     )
     async def pause(name: IntegrationName) -> schemas.IntegrationStatus:
         """Stops reading (in-flight deliveries finish); an override of ``paused``."""
         status_of(name)
-        proxy.set_overrides(name, {"paused": True})
+        await set_live(name, {"paused": True})
         return status_of(name)
 
     @app.post(
         "/integrations/{name}/resume",
         tags=["integrations"],
         dependencies=authorized,
-        responses={**_REFUSED, **_UNKNOWN},
+        responses={**_REFUSED, **_UNKNOWN, **_STORE_DOWN},
     )
     async def resume(name: IntegrationName) -> schemas.IntegrationStatus:
         """Reads again; an override of ``paused`` (none when the YAML says not paused)."""
         status_of(name)
-        proxy.set_overrides(name, {"paused": False})
+        await set_live(name, {"paused": False})
         return status_of(name)
 
     @app.delete(
         "/integrations/{name}/overrides",
         tags=["integrations"],
         dependencies=authorized,
-        responses={**_REFUSED, **_UNKNOWN},
+        responses={**_REFUSED, **_UNKNOWN, **_STORE_DOWN},
     )
     async def clear_overrides(name: IntegrationName) -> schemas.IntegrationStatus:
-        """Back to the YAML for every live field."""
+        """Back to the YAML for every live field, on the whole fleet."""
         status_of(name)
-        proxy.clear_overrides(name)
+        await clear_live(name, None)
         return status_of(name)
 
     @app.delete(
         "/integrations/{name}/overrides/{field}",
         tags=["integrations"],
         dependencies=authorized,
-        responses={**_REFUSED, **_UNKNOWN},
+        responses={**_REFUSED, **_UNKNOWN, **_STORE_DOWN},
     )
     async def clear_override(name: IntegrationName, field: LiveField) -> schemas.IntegrationStatus:
-        """Back to the YAML for one live field."""
+        """Back to the YAML for one live field, on the whole fleet."""
         status_of(name)
         try:
-            proxy.clear_overrides(name, [field])
+            await clear_live(name, [field])
         except ValidationError as exc:
             # What is left over the YAML does not fit without this one.
             raise _unfit(exc, ("path", "field"), {}) from None
         return status_of(name)
+
+    @app.get(
+        "/fleet",
+        tags=["fleet"],
+        responses={404: {"model": schemas.ErrorMessage, "description": "Not in a fleet."}},
+    )
+    async def fleet_members() -> schemas.FleetStatus:
+        """The replicas sharing the state store, who runs which integration, the overrides."""
+        if fleet is None:
+            raise HTTPException(404, "this proxy runs without a fleet state store")
+        view = fleet.view
+        replicas = {name: group.yaml.replicas for name, group in proxy.groups.items()}
+        status = fleet_status(view, replicas, now=proxy.clock.time(), location=fleet.store.location)
+        return schemas.FleetStatus(
+            location=status.location,
+            generation=status.generation,
+            member_id=fleet.member_id,
+            members=[
+                schemas.FleetMemberStatus(
+                    member_id=m.member_id,
+                    host=m.host,
+                    pid=m.pid,
+                    started_at=m.started_at,
+                    heartbeat_age_s=m.heartbeat_age_s,
+                    lease_left_s=m.lease_left_s,
+                    draining=m.draining,
+                    running=m.running,
+                    this=m.member_id == fleet.member_id,
+                )
+                for m in status.members
+            ],
+            integrations=[
+                schemas.FleetPlacement(
+                    name=i.name,
+                    replicas=i.replicas,
+                    assigned=list(i.assigned),
+                    running=list(i.running),
+                )
+                for i in status.integrations
+            ],
+            overrides=[
+                schemas.FleetOverride(
+                    integration=o.integration,
+                    field=o.field,
+                    value=o.value,
+                    version=o.version,
+                    set_by=o.set_by,
+                    set_at=o.set_at,
+                )
+                for o in status.overrides
+            ],
+            last_error=fleet.statistics().last_error,
+        )
 
     @app.get("/config", tags=["config"])
     async def config_status() -> schemas.ConfigStatus:

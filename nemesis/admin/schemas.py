@@ -264,3 +264,49 @@ class ErrorMessage(BaseModel):
     """Why a request was refused."""
 
     detail: str
+
+
+class FleetMemberStatus(BaseModel):
+    """One replica of the fleet, from its row in the state store."""
+
+    member_id: str
+    host: str
+    pid: int
+    started_at: float
+    heartbeat_age_s: float
+    lease_left_s: float  # negative: expired, forgotten at the next look
+    draining: bool  # shutting down: takes nothing new, hands its integrations over
+    running: int  # integrations it runs now
+    this: bool  # the member answering
+
+
+class FleetPlacement(BaseModel):
+    """Who should run an integration (``assigned``) and who runs it now (``running``)."""
+
+    name: str
+    replicas: int | Literal["all"]
+    assigned: list[str]
+    running: list[str]
+
+
+class FleetOverride(BaseModel):
+    """A live value stored for the whole fleet."""
+
+    integration: str
+    field: str
+    value: Any
+    version: int
+    set_by: str
+    set_at: float
+
+
+class FleetStatus(BaseModel):
+    """The replicas sharing this configuration's state store, and their integrations."""
+
+    location: str
+    generation: int
+    member_id: str
+    members: list[FleetMemberStatus]
+    integrations: list[FleetPlacement]
+    overrides: list[FleetOverride]
+    last_error: str | None  # the state store's last failure, while it lasts

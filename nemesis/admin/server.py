@@ -2,10 +2,21 @@
 
 ``serve_beside`` starts each ``Service``, runs the proxy, and stops the
 services once the proxy has drained, so health, readiness and ``/metrics``
-stay answerable through a graceful shutdown. A service that cannot listen
-(its port is taken, say by a second ``nemesis run`` on the same machine,
-which the embedded backend allows) is logged and skipped: deliveries matter
-more than the admin port.
+stay answerable through a graceful shutdown.
+
+A service that cannot listen (its port is taken, say by a second
+``nemesis run`` on the same machine, which the embedded backend allows):
+
+- a *required* one (the admin API: without it nothing reports health or
+  readiness, and an orchestrator would wait on a process it cannot see)
+  stops the start with ``ServiceStartError``, naming the address and the
+  cause: ``nemesis run`` exits 1 before it reads a message (a second
+  ``nemesis run`` on one machine needs its own ``admin.port``, or 0 for any
+  free one);
+- any other (the DLQ viewer) is logged as an error naming the address and
+  the cause, and recorded in ``ServiceFailures``, which ``/readyz`` reports
+  as a reason for not being ready: deliveries go on, and the missing viewer
+  shows where an operator looks.
 
 ``UvicornService`` runs an ASGI app on uvicorn without uvicorn's own signal
 handling: uvicorn would take SIGTERM and SIGINT away from the proxy, whose
@@ -20,7 +31,7 @@ import contextlib
 import importlib.metadata
 import logging
 import socket
-from collections.abc import Awaitable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Collection, Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import uvicorn
@@ -32,7 +43,28 @@ if TYPE_CHECKING:
     from nemesis.dlq import DeadLetterStore
     from nemesis.runtime.app import Proxy
 
+from nemesis.errors import NemesisError
+
 log = logging.getLogger(__name__)
+
+
+class ServiceStartError(NemesisError):
+    """A required service (the admin API) could not listen; the process cannot be watched."""
+
+
+class ServiceFailures:
+    """Services beside the proxy that are not serving, and why: a reason for ``/readyz``."""
+
+    def __init__(self) -> None:
+        self._reasons: dict[str, str] = {}
+
+    def record(self, name: str, reason: str) -> None:
+        """``name`` is not serving because of ``reason``."""
+        self._reasons[name] = reason
+
+    def reasons(self) -> list[str]:
+        """One line per service that is not serving."""
+        return [f"{name} not serving: {reason}" for name, reason in sorted(self._reasons.items())]
 
 
 class Service(Protocol):
@@ -142,37 +174,59 @@ class UvicornService:
         self._server.should_exit = True
 
 
-async def _guarded(service: Service) -> None:
+async def _guarded(service: Service, failures: ServiceFailures) -> None:
     try:
         await service.serve()
-    except Exception:
+    except Exception as exc:
         # A supervisor boundary: a broken side server must not stop deliveries.
         log.exception("%s failed; the proxy runs on without it", service.name)
+        failures.record(service.name, f"failed: {exc}")
 
 
 async def serve_beside(
     main: Awaitable[None],
     services: Sequence[Service],
     background: Sequence[Coroutine[Any, Any, None]] = (),
+    *,
+    required: Collection[str] = (),
+    failures: ServiceFailures | None = None,
 ) -> None:
     """Runs ``main`` (the proxy) with the services and background jobs beside it.
 
     The services stop and the background jobs are cancelled once ``main``
-    returns; a service that cannot bind is logged and left out.
+    returns. A service named in ``required`` that cannot bind raises
+    ``ServiceStartError`` before ``main`` starts; any other is logged as an
+    error and recorded in ``failures`` (see the module docstring).
     """
+    failures = ServiceFailures() if failures is None else failures
     serving: list[Service] = []
     for service in services:
         try:
             service.bind()
         except OSError as exc:
+            cause = exc.strerror or str(exc)
+            if service.name in required:
+                for awaitable in (main, *background):
+                    if isinstance(awaitable, Coroutine):
+                        awaitable.close()  # never started: no "never awaited" warning
+                raise ServiceStartError(
+                    f"the {service.name} cannot listen on {service.url}: {cause}; nothing could"
+                    " report health or readiness, so Nemesis does not start (free the address"
+                    " or choose another one in nemesis.yaml)"
+                ) from exc
             log.error(  # noqa: TRY400 - a configuration or environment problem, no traceback
-                "%s not started: %s (the proxy runs without it)", service.name, exc
+                "%s NOT STARTED: cannot listen on %s: %s; the proxy runs without it and"
+                " /readyz reports it",
+                service.name,
+                service.url,
+                cause,
             )
+            failures.record(service.name, f"cannot listen on {service.url}: {cause}")
             continue
         serving.append(service)
     async with asyncio.TaskGroup() as tasks:
         for service in serving:
-            tasks.create_task(_guarded(service), name=f"serve:{service.name}")
+            tasks.create_task(_guarded(service, failures), name=f"serve:{service.name}")
         jobs = [tasks.create_task(job) for job in background]
         try:
             await main

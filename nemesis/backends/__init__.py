@@ -20,6 +20,8 @@ Adding a kind (say a Kafka broker):
    that does not use the kind never loads its client library.
 2. One line in ``default_backends`` below: ``registry.register_broker(KAFKA)``.
 
+A fleet state store kind (``state:``, see ``nemesis.fleet``) is the same with
+``StateKind`` and ``register_state``; its factory takes ``(config)``.
 A DLQ store kind is the same with ``DlqKind`` and ``register_dlq``; its
 model may override ``DlqModel.location`` (what ``nemesis init`` prints) and
 ``DlqModel.check_backend`` (a store that needs a certain broker).
@@ -37,10 +39,12 @@ from nemesis.backends.base import (
     DlqFactory,
     DlqKind,
     DlqModel,
+    StateKind,
+    StateModel,
 )
 from nemesis.backends.embedded import EMBEDDED
 from nemesis.backends.postgres import POSTGRES_DLQ
-from nemesis.backends.sqlite import SQLITE
+from nemesis.backends.sqlite import SQLITE, SQLITE_STATE
 from nemesis.backends.ydb import YDB, YDB_DLQ
 from nemesis.clock import SYSTEM_CLOCK, Clock
 
@@ -48,6 +52,7 @@ if TYPE_CHECKING:  # the configuration imports this module for its kinds
     from nemesis.broker.port import Broker
     from nemesis.config.models import NemesisConfig
     from nemesis.dlq.port import DeadLetterStore
+    from nemesis.fleet.port import StateStore
 
 __all__ = [
     "BackendModel",
@@ -57,9 +62,12 @@ __all__ = [
     "DlqFactory",
     "DlqKind",
     "DlqModel",
+    "StateKind",
+    "StateModel",
     "default_backends",
     "open_backend",
     "open_dlq",
+    "open_state",
 ]
 
 
@@ -71,6 +79,7 @@ def default_backends() -> Backends:
     registry.register_dlq(SQLITE)
     registry.register_dlq(YDB_DLQ)
     registry.register_dlq(POSTGRES_DLQ)
+    registry.register_state(SQLITE_STATE)
     return registry
 
 
@@ -101,3 +110,12 @@ async def open_dlq(
     if kind is None:
         raise ValueError(f"no DLQ store of kind {config.dlq.kind!r}")
     return await kind.open(config, broker, clock)
+
+
+async def open_state(config: NemesisConfig, *, backends: Backends | None = None) -> StateStore:
+    """The fleet's state store ``config.state`` names, its tables or file created if missing."""
+    registry = backends or default_backends()
+    kind = registry.states.get(config.state.kind)
+    if kind is None:
+        raise ValueError(f"no state store of kind {config.state.kind!r}")
+    return await kind.open(config)

@@ -1,8 +1,8 @@
 """What a backend kind is: a config model and a factory, registered together by name.
 
-``BackendModel`` and ``DlqModel`` are the bases of the ``backend:`` and
-``dlq:`` sections' models: what every kind has, so the CLI and the runner
-can read it whatever the kind. ``Backends`` is the registry; see
+``BackendModel``, ``DlqModel`` and ``StateModel`` are the bases of the
+``backend:``, ``dlq:`` and ``state:`` sections' models: what every kind
+has, so the CLI and the runner can read it whatever the kind. ``Backends`` is the registry; see
 ``nemesis.backends`` for how a kind joins it.
 """
 
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Union
 
 from pydantic import (
     Discriminator,
+    Field,
     Tag,
     ValidationError,
     ValidatorFunctionWrapHandler,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from nemesis.clock import Clock
     from nemesis.config.models import NemesisConfig
     from nemesis.dlq.port import DeadLetterStore
+    from nemesis.fleet.port import StateStore
 
 
 class BackendModel(Model):
@@ -53,8 +55,24 @@ class DlqModel(Model):
         """Raises ValueError if this store cannot work with ``backend``."""
 
 
+class StateModel(Model):
+    """The ``state:`` section of one kind: where the replicas of a fleet meet."""
+
+    kind: str
+    # A member that stops renewing its lease for this long is taken for dead and its
+    # integrations move; it renews every third of it.
+    lease_s: Annotated[float, Field(ge=0.5, le=600)] = 10.0
+    # How often a member asks whether anything changed (one small read).
+    poll_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+
+    def location(self, data_dir: str) -> str:
+        """Where the store is, in words."""
+        return self.kind
+
+
 BrokerFactory = Callable[["NemesisConfig", "Clock"], Awaitable["Broker"]]
 DlqFactory = Callable[["NemesisConfig", "Broker | None", "Clock"], Awaitable["DeadLetterStore"]]
+StateFactory = Callable[["NemesisConfig"], Awaitable["StateStore"]]
 
 
 @dataclass(frozen=True)
@@ -75,21 +93,34 @@ class DlqKind:
     open: DlqFactory
 
 
+@dataclass(frozen=True)
+class StateKind:
+    """A fleet state store: its name (``state.kind``), config model and factory."""
+
+    name: str
+    config: type[StateModel]
+    open: StateFactory
+
+
 @dataclass
 class Backends:
-    """Broker and DLQ-store kinds by name; the first registered of each is the default."""
+    """Broker, DLQ-store and state-store kinds by name; the first of each is the default."""
 
     brokers: dict[str, BrokerKind] = field(default_factory=dict)
     dlqs: dict[str, DlqKind] = field(default_factory=dict)
+    states: dict[str, StateKind] = field(default_factory=dict)
 
     def copy(self) -> Backends:
-        return Backends(dict(self.brokers), dict(self.dlqs))
+        return Backends(dict(self.brokers), dict(self.dlqs), dict(self.states))
 
     def register_broker(self, kind: BrokerKind) -> None:
         self.brokers[kind.name] = kind
 
     def register_dlq(self, kind: DlqKind) -> None:
         self.dlqs[kind.name] = kind
+
+    def register_state(self, kind: StateKind) -> None:
+        self.states[kind.name] = kind
 
     def backend_config(self) -> Any:
         """The type of ``backend:``: one model per registered kind, chosen by ``kind``."""
@@ -98,6 +129,10 @@ class Backends:
     def dlq_config(self) -> Any:
         """The type of ``dlq:``: one model per registered kind, chosen by ``kind``."""
         return _by_kind("dlq", {name: kind.config for name, kind in self.dlqs.items()})
+
+    def state_config(self) -> Any:
+        """The type of ``state:``: one model per registered kind, chosen by ``kind``."""
+        return _by_kind("state", {name: kind.config for name, kind in self.states.items()})
 
 
 _UNKNOWN = "?"  # the tag of a kind nobody registered

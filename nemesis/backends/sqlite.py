@@ -1,11 +1,12 @@
-"""The ``sqlite`` DLQ store kind: one SQLite file (``nemesis.dlq.sqlite``)."""
+"""The ``sqlite`` kinds: the DLQ store (``nemesis.dlq.sqlite``) and the fleet's state
+store (``nemesis.fleet.sqlite``), each one SQLite file."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from nemesis.backends.base import DlqKind, DlqModel
+from nemesis.backends.base import DlqKind, DlqModel, StateKind, StateModel
 from nemesis.config_base import DurationS
 
 if TYPE_CHECKING:
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
     from nemesis.clock import Clock
     from nemesis.config.models import NemesisConfig
     from nemesis.dlq.port import DeadLetterStore
+    from nemesis.fleet.port import StateStore
 
 
 class SqliteDlqConfig(DlqModel):
@@ -40,3 +42,22 @@ async def open_sqlite_store(
 
 
 SQLITE = DlqKind("sqlite", SqliteDlqConfig, open_sqlite_store)
+
+
+class SqliteStateConfig(StateModel):
+    kind: Literal["sqlite"] = "sqlite"
+    # Relative paths are taken from data_dir. Replicas on one host share the file.
+    path: str = "state.db"
+
+    def location(self, data_dir: str) -> str:
+        return f"sqlite:{Path(data_dir, self.path)}"
+
+
+async def open_sqlite_state_store(config: NemesisConfig) -> StateStore:
+    from nemesis.fleet.sqlite import open_sqlite_state
+
+    assert isinstance(config.state, SqliteStateConfig)  # chosen by kind
+    return await open_sqlite_state(Path(config.data_dir, config.state.path))
+
+
+SQLITE_STATE = StateKind("sqlite", SqliteStateConfig, open_sqlite_state_store)

@@ -54,6 +54,9 @@ class YamlDocument:
     # Paths whose value is already reported as wrong, or is an unset variable
     # while validating without secrets: validation errors under them are noise.
     unchecked: set[DataPath] = field(default_factory=set)
+    # Variables referenced without a default and not set, when they are not required
+    # (validating a pull request without production secrets): warnings, not problems.
+    unset_variables: list[ConfigProblem] = field(default_factory=list)
 
     def line_of(self, path: DataPath) -> int | None:
         """The line of ``path``, or of its nearest ancestor that is in the file."""

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nemesis.config.document import DataPath, YamlDocument
+from nemesis.config.document import DataPath, YamlDocument, format_path
+from nemesis.errors import ConfigProblem
 
 # Order matters: the escape first, then a whole reference, then an unclosed "${".
 _REFERENCE = re.compile(r"\$\$\{|\$\{([^}]*)\}|\$\{")
@@ -62,8 +63,9 @@ def interpolate(document: YamlDocument, env: Mapping[str, str], *, require_env: 
     """Expand references in every string value of ``document`` in place, reporting bad ones.
 
     With ``require_env=False`` (validating a pull request, where production
-    secrets are absent) an unset variable is not a problem: the value keeps its
-    reference and is left out of validation.
+    secrets are absent) an unset variable is not a problem but a warning in
+    ``document.unset_variables``: the value keeps its reference and is left out
+    of validation.
     """
     if document.data is not None:
         document.data = _walk(document.data, (), document, env, require_env)
@@ -95,6 +97,16 @@ def _walk(
                 f"environment variable {name} is not set "
                 f"(set it, or write ${{{name}:-default}} to give a default)",
             )
+        else:
+            warning = ConfigProblem(
+                document.file,
+                document.line_of(path),
+                format_path(path),
+                f"environment variable {name} is not set here: `nemesis run` refuses the file"
+                f" unless it is set where it runs (or write ${{{name}:-default}})",
+            )
+            if warning not in document.unset_variables:
+                document.unset_variables.append(warning)
     if expansion.malformed or expansion.unset:
         document.unchecked.add(path)
     return expansion.text

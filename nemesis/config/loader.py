@@ -21,10 +21,10 @@ cross-check what the core loaded.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -41,6 +41,8 @@ __all__ = [
     "IntegrationSet",
     "Parsed",
     "ValidationContext",
+    "ValidationReport",
+    "check_paths",
     "format_problems",
     "is_process_config_file",
     "load_integration_file",
@@ -86,6 +88,19 @@ class ValidationContext:
     integrations: IntegrationSet
     # The file each loaded integration came from, by name (problems in it need its lines).
     integration_files: Mapping[str, Path] = field(default_factory=dict)
+    # Integration files that did not load, as data (variables expanded): a checker
+    # can still judge the sections that are valid, so one run reports every problem.
+    unloaded: Mapping[Path, Mapping[Hashable, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationReport:
+    """What ``check_paths`` found: the problems, the warnings, and how many files it read."""
+
+    problems: list[ConfigProblem]
+    # Unset variables without a default, when they were not required.
+    warnings: list[ConfigProblem]
+    files: int  # configuration files read, claimed paths included
 
 
 class Checker(Protocol):
@@ -179,19 +194,32 @@ def validate_paths(
     require_env: bool = False,
     checkers: Sequence[Checker] = (),
 ) -> list[ConfigProblem]:
-    """Every problem in the given files and directories, sorted: what ``nemesis validate`` runs.
+    """Every problem in the given files and directories, sorted (``check_paths``' problems)."""
+    return check_paths(paths, env=env, require_env=require_env, checkers=checkers).problems
+
+
+def check_paths(
+    paths: Sequence[Path],
+    *,
+    env: Mapping[str, str] | None = None,
+    require_env: bool = False,
+    checkers: Sequence[Checker] = (),
+) -> ValidationReport:
+    """Every problem and warning in the given files and directories: what ``nemesis validate`` runs.
 
     A directory is an integrations directory; a file is process configuration
     when ``is_process_config_file`` says so, an integration otherwise; a
     checker that claims a path takes it instead. Without paths: ``nemesis.yaml``
     if present, its integrations directory, and its pipelines directory if a
     checker claims it. Unset variables are errors only with ``require_env``
-    (a pull request is validated without production secrets).
+    (a pull request is validated without production secrets); without it they
+    are warnings.
     """
     env = os.environ if env is None else env
     if not paths:
         paths = _default_paths(env, require_env, checkers)
     problems: list[ConfigProblem] = []
+    warnings: list[ConfigProblem] = []
     claimed: list[list[Path]] = [[] for _ in checkers]
     process_files: list[Path] = []
     integration_files: list[Path] = []
@@ -214,16 +242,27 @@ def validate_paths(
     for path in _unique(process_files):
         parsed = parse_file(path, NemesisConfig, env=env, require_env=require_env)
         problems.extend(parsed.problems)
+        warnings.extend(parsed.document.unset_variables)
         if parsed.value is not None:
             process_configs[path] = _resolve_dirs(parsed.value, path.parent)
 
-    integrations, sources = _load_integration_files(_unique(integration_files), env, require_env)
+    integration_files = _unique(integration_files)
+    loaded = [_load_integration(path, env, require_env) for path in integration_files]
+    warnings.extend(w for item in loaded for w in item.unset_variables)
+    integrations, sources = _integration_set(loaded)
     problems.extend(integrations.problems)
-    context = ValidationContext(env, require_env, process_configs, integrations, sources)
+    unloaded = {
+        item.path: item.data
+        for item in loaded
+        if item.config is None and item.data is not None and item.path not in sources.values()
+    }
+    context = ValidationContext(env, require_env, process_configs, integrations, sources, unloaded)
     # Checkers run even without claimed paths: they may cross-check integrations.
     for checker, checker_paths in zip(checkers, claimed, strict=True):
         problems.extend(checker.check(checker_paths, context))
-    return sort_problems(problems)
+    read = len(process_files) + len(integration_files)
+    read += sum(_yaml_files_in(path) for paths_of in claimed for path in paths_of)
+    return ValidationReport(sort_problems(problems), sort_problems(warnings), read)
 
 
 # --- internals -----------------------------------------------------------------
@@ -236,6 +275,8 @@ class _IntegrationFile:
     name_line: int | None
     config: IntegrationConfig | None
     problems: list[ConfigProblem] = field(default_factory=list)
+    unset_variables: list[ConfigProblem] = field(default_factory=list)
+    data: Mapping[Hashable, Any] | None = None  # as read, variables expanded
 
 
 def _load_integration(
@@ -258,7 +299,9 @@ def _load_integration(
             )
         )
     config = parsed.value if not problems else None
-    return _IntegrationFile(path, name, name_line, config, problems)
+    return _IntegrationFile(
+        path, name, name_line, config, problems, document.unset_variables, document.data
+    )
 
 
 def _load_integration_set(
@@ -271,7 +314,10 @@ def _load_integration_files(
     files: Sequence[Path], env: Mapping[str, str] | None, require_env: bool
 ) -> tuple[IntegrationSet, dict[str, Path]]:
     """The integration set, and the file each loaded integration came from."""
-    loaded = [_load_integration(path, env, require_env) for path in files]
+    return _integration_set([_load_integration(path, env, require_env) for path in files])
+
+
+def _integration_set(loaded: Sequence[_IntegrationFile]) -> tuple[IntegrationSet, dict[str, Path]]:
     problems = [problem for item in loaded for problem in item.problems]
     by_name: dict[str, list[_IntegrationFile]] = {}
     for item in loaded:
@@ -314,6 +360,13 @@ def _integration_files(directory: Path) -> tuple[list[Path], list[ConfigProblem]
         if entry.suffix in YAML_SUFFIXES and not entry.name.startswith(".") and entry.is_file()
     ]
     return files, []
+
+
+def _yaml_files_in(path: Path) -> int:
+    """1 for a file, the YAML files under a directory (a checker's folder may have subfolders)."""
+    if not path.is_dir():
+        return 1
+    return sum(1 for entry in path.rglob("*") if entry.suffix in YAML_SUFFIXES and entry.is_file())
 
 
 def _unique(paths: Sequence[Path]) -> list[Path]:

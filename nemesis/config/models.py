@@ -10,7 +10,9 @@ field says so.
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -21,15 +23,19 @@ from pydantic import (
     model_validator,
 )
 
-from nemesis.backends import BackendModel, DlqModel, default_backends
+from nemesis.backends import BackendModel, DlqModel, StateModel, default_backends
 from nemesis.backends.embedded import EmbeddedBackendConfig as EmbeddedBackendConfig
 from nemesis.backends.sqlite import SqliteDlqConfig as SqliteDlqConfig
+from nemesis.backends.sqlite import SqliteStateConfig as SqliteStateConfig
 from nemesis.backends.ydb import YdbBackendConfig as YdbBackendConfig
 from nemesis.backends.ydb import YdbConnectionConfig as YdbConnectionConfig
 from nemesis.backends.ydb import YdbCredentialsConfig as YdbCredentialsConfig
 from nemesis.backends.ydb import YdbDlqConfig as YdbDlqConfig
+from nemesis.config_base import CROSS_FIELD_ERROR as CROSS_FIELD_ERROR
+from nemesis.config_base import CrossRule as CrossRule
 from nemesis.config_base import DurationS as DurationS
 from nemesis.config_base import Model as Model
+from nemesis.config_base import get_path
 from nemesis.config_base import parse_duration as parse_duration
 
 NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
@@ -42,6 +48,14 @@ SOURCE_TOPIC_PATTERN = r"^/?[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 def _check_target_url(url: str) -> str:
     if not re.match(r"^(https?|grpcs?)://[^/\s]+", url):
         raise ValueError("must start with http://, https://, grpc:// or grpcs:// and name a host")
+    if "${" in url:
+        return url  # an unset variable while validating without secrets: checked where it is set
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError("the port must be a number from 1 to 65535")
     return url
 
 
@@ -108,19 +122,36 @@ class BatchConfig(Model):
     max_wait_ms: Annotated[int, Field(ge=0, le=60_000)] = 0
 
 
+def _int_at(data: Any, *path: str, default: int) -> int | None:
+    value = get_path(data, *path, default=default)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _number_at(data: Any, *path: str, default: float) -> float | None:
+    value = get_path(data, *path, default=default)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _buffer_holds_a_batch(delivery: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    buffer, size = (
+        _int_at(delivery, "buffer", default=1000),
+        _int_at(delivery, "batch", "size", default=1),
+    )
+    if buffer is not None and size is not None and buffer < size:
+        yield (), f"buffer ({buffer}) must hold at least one batch ({size})"
+
+
 class DeliveryConfig(Model):
     workers: Annotated[int, Field(ge=1, le=4096)] = 32
     buffer: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
     batch: BatchConfig = BatchConfig()
     ordering: Literal["none", "key", "partition"] = "none"
 
-    @model_validator(mode="after")
-    def _buffer_holds_a_batch(self) -> DeliveryConfig:
-        if self.buffer < self.batch.size:
-            raise ValueError(
-                f"buffer ({self.buffer}) must hold at least one batch ({self.batch.size})"
-            )
-        return self
+    cross_rules = (_buffer_holds_a_batch,)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}s"
 
 
 class RetryConfig(Model):
@@ -133,10 +164,27 @@ class RetryConfig(Model):
 
     @field_validator("tiers")
     @classmethod
-    def _positive(cls, tiers: list[float]) -> list[float]:
+    def _positive_and_growing(cls, tiers: list[float]) -> list[float]:
         if any(t <= 0 for t in tiers):
             raise ValueError("every retry tier needs a delay above zero")
+        for index in range(1, len(tiers)):
+            if tiers[index] < tiers[index - 1]:
+                # A failing handler needs more time at each step, not less; and a message
+                # moves from tier to tier, so a shorter tier after a longer one only shortens
+                # the total wait for no gain: write the delays from the shortest up.
+                raise ValueError(
+                    f"tier {index + 1} ({_seconds(tiers[index])}) is shorter than tier {index}"
+                    f" ({_seconds(tiers[index - 1])}): each tier must wait at least as long as"
+                    " the one before it, since retries back off as failures go on"
+                )
         return tiers
+
+
+def _hysteresis(breaker: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    open_above = _number_at(breaker, "open_above", default=0.5)
+    close_below = _number_at(breaker, "close_below", default=0.2)
+    if open_above is not None and close_below is not None and close_below >= open_above:
+        yield (), "close_below must be lower than open_above"
 
 
 class BreakerConfig(Model):
@@ -146,11 +194,7 @@ class BreakerConfig(Model):
     min_requests: Annotated[int, Field(ge=1)] = 20
     cooldown_s: Annotated[float, Field(gt=0)] = 10.0
 
-    @model_validator(mode="after")
-    def _hysteresis(self) -> BreakerConfig:
-        if self.close_below >= self.open_above:
-            raise ValueError("close_below must be lower than open_above")
-        return self
+    cross_rules = (_hysteresis,)
 
 
 class RateLimitsConfig(Model):
@@ -163,6 +207,18 @@ class RateLimitsConfig(Model):
 
 class FlagsConfig(Model):
     disabled_types: list[str] = Field(default_factory=list)
+
+
+def _halt_needs_ordering(integration: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    on_exhausted = get_path(integration, "retry", "on_exhausted", default="dead_letter")
+    ordering = get_path(integration, "delivery", "ordering", default="none")
+    if on_exhausted == "halt" and ordering == "none":
+        yield (
+            ("retry", "on_exhausted"),
+            "halt needs delivery.ordering key or partition: only an ordered integration retries"
+            " in place and can hold a key back; with ordering none a message that runs out of"
+            " retries goes to the DLQ. Set delivery.ordering, or on_exhausted: dead_letter",
+        )
 
 
 class IntegrationConfig(Model):
@@ -178,6 +234,11 @@ class IntegrationConfig(Model):
     rate_limits: RateLimitsConfig = RateLimitsConfig()
     flags: FlagsConfig = FlagsConfig()
     paused: bool = False
+    # How many members of the fleet run it; "all" for a heavy one, whose partitions
+    # the broker then spreads over every member.
+    replicas: Annotated[int, Field(ge=1, le=1000)] | Literal["all"] = 1
+
+    cross_rules = (_halt_needs_ordering,)
 
 
 # --- process ------------------------------------------------------------------
@@ -188,14 +249,21 @@ class IntegrationConfig(Model):
 if TYPE_CHECKING:
     BackendConfig = BackendModel
     DlqConfig = DlqModel
+    StateConfig = StateModel
 else:
     BackendConfig = default_backends().backend_config()
     DlqConfig = default_backends().dlq_config()
+    StateConfig = default_backends().state_config()
 
 
 class ListenConfig(Model):
+    """An address to listen on; the default port is the DLQ viewer's (the admin API has its own).
+
+    Every field has a default, so ``viewer: {enabled: false}`` needs no port.
+    """
+
     host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, le=65535)]
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
     enabled: bool = True
 
 
@@ -363,6 +431,8 @@ class AuthConfig(Model):
 class NemesisConfig(Model):
     backend: BackendConfig = EmbeddedBackendConfig()
     dlq: DlqConfig = SqliteDlqConfig()
+    # Where the replicas of this configuration meet (nemesis.fleet).
+    state: StateConfig = SqliteStateConfig()
     data_dir: str = "data"
     integrations_dir: str = "integrations"
     pipelines_dir: str = "pipelines"

@@ -13,6 +13,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import re
 import secrets
 from dataclasses import dataclass
 
@@ -88,3 +89,18 @@ def new_token() -> str:
 def hash_token(token: str) -> str:
     """The ``auth.tokens[].token_hash`` of a token."""
     return "sha256$" + hashlib.sha256(token.encode()).hexdigest()
+
+
+_TOKEN_HASH = re.compile(r"sha256\$[0-9a-f]{64}")
+
+
+def is_stored_hash(value: str) -> bool:
+    """Whether ``value`` is what ``hash_password`` or ``hash_token`` writes.
+
+    Such a value is meant to be committed (it cannot be turned back into the
+    password or token), unlike the credential itself.
+    """
+    if _TOKEN_HASH.fullmatch(value):
+        return True
+    parsed = _parse(value)
+    return parsed is not None and len(parsed.digest) == HASH_BYTES and len(parsed.salt) > 0

@@ -13,6 +13,7 @@ import re
 import types
 import typing
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
@@ -21,8 +22,10 @@ from pydantic_core import ErrorDetails
 from nemesis.config.document import DataPath, YamlDocument, format_path, yaml_kind
 from nemesis.config.models import NAME_PATTERN, SOURCE_TOPIC_PATTERN, TOPIC_PATTERN
 from nemesis.errors import ConfigProblem
+from nemesis.terminal import inert
 
 ProblemFormat = Literal["text", "github"]
+Severity = Literal["error", "warning"]
 
 _PATTERN_HELP = {
     NAME_PATTERN: "must be lowercase letters, digits and dashes (at most 63),"
@@ -73,15 +76,23 @@ def sort_problems(problems: Iterable[ConfigProblem]) -> list[ConfigProblem]:
     return sorted(problems, key=lambda p: (p.file, p.line or 0, p.field or "", p.message))
 
 
-def format_problems(problems: Iterable[ConfigProblem], style: ProblemFormat = "text") -> str:
-    """One line per problem, sorted: ``file:line: field: message``, or GitHub annotations."""
+def format_problems(
+    problems: Iterable[ConfigProblem], style: ProblemFormat = "text", severity: Severity = "error"
+) -> str:
+    """One line per problem, sorted: ``file:line: field: message``, or GitHub annotations.
+
+    Warnings say so: ``file:line: field: warning: message`` (``::warning`` on GitHub).
+    """
     ordered = sort_problems(problems)
+    # File names, keys and messages can hold what a pull request wrote: keep it inert.
     if style == "github":
-        return "\n".join(_github_annotation(p) for p in ordered)
-    return "\n".join(str(p) for p in ordered)
+        return "\n".join(inert(_github_annotation(p, severity)) for p in ordered)
+    if severity == "warning":
+        ordered = [replace(p, message=f"warning: {p.message}") for p in ordered]
+    return "\n".join(inert(str(p)) for p in ordered)
 
 
-def _github_annotation(problem: ConfigProblem) -> str:
+def _github_annotation(problem: ConfigProblem, severity: Severity = "error") -> str:
     # Workflow command escaping: data escapes %, CR, LF; properties also ':' and ','.
     def data(text: str) -> str:
         return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
@@ -93,7 +104,7 @@ def _github_annotation(problem: ConfigProblem) -> str:
     if problem.line is not None:
         where += f",line={problem.line}"
     message = f"{problem.field}: {problem.message}" if problem.field else problem.message
-    return f"::error {where}::{data(message)}"
+    return f"::{severity} {where}::{data(message)}"
 
 
 def _resolve(details: ErrorDetails, data: Any) -> tuple[DataPath, DataPath]:

@@ -11,7 +11,7 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -44,7 +44,12 @@ def add_onboarding_commands(commands: Any, run_async: AsyncRunner) -> None:
 
     handler = kinds.add_parser("handler", help="a runnable handler project with tests")
     handler.add_argument("directory", type=Path, help="where to write it (new or empty)")
-    handler.add_argument("--lang", choices=HANDLER_LANGS, default="python-fastapi")
+    handler.add_argument(
+        "--lang",
+        choices=HANDLER_LANGS,
+        default="python-fastapi",
+        help="the handler's language and framework (default: %(default)s)",
+    )
     handler.add_argument("--force", action="store_true", help="write into a non-empty folder")
     handler.set_defaults(handler=cmd_new_handler)
 
@@ -80,7 +85,9 @@ def add_onboarding_commands(commands: Any, run_async: AsyncRunner) -> None:
     check.add_argument("--type", default="nemesis.probe", help="ce-type of the probes")
     check.add_argument("--data", help=f"a realistic payload (default: {DEFAULT_DATA.decode()})")
     check.add_argument("--data-file", type=Path, help="the payload from a file")
-    check.add_argument("--content-type", default="application/json")
+    check.add_argument(
+        "--content-type", default="application/json", help="of the probes (default: %(default)s)"
+    )
     check.add_argument(
         "--header", action="append", default=[], metavar="K=V", help="request header, repeatable"
     )
@@ -97,9 +104,51 @@ def add_onboarding_commands(commands: Any, run_async: AsyncRunner) -> None:
     check.set_defaults(handler=functools.partial(cmd_check_handler, run_async=run_async))
 
     schema = commands.add_parser("schema", help="JSON Schema of a YAML file kind, for editors")
-    schema.add_argument("kind", nargs="?", choices=SCHEMA_KINDS, default="integration")
+    schema.add_argument(
+        "kind",
+        nargs="?",
+        choices=SCHEMA_KINDS,
+        default="integration",
+        help="which file kind (default: %(default)s)",
+    )
     schema.add_argument("-o", "--output", type=Path, help="write to a file instead of stdout")
     schema.set_defaults(handler=cmd_schema)
+
+
+# What to run in a new handler project, per language: (command, what it does).
+_NEXT_STEPS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
+    "python-fastapi": (
+        ("make install", "or: pip install -r requirements.txt"),
+        ("make test", "the handler's own contract tests"),
+        ("make run", "serves on 127.0.0.1:{port}"),
+    ),
+    "python-grpc": (
+        ("make install", "or: pip install -r requirements.txt"),
+        ("make proto", "generate the gRPC code"),
+        ("make test", "the handler's own contract tests"),
+        ("make run", "serves on 127.0.0.1:{port}"),
+    ),
+    "go-http": (
+        ("make test", "go vet and go test: the contract and the signing vectors"),
+        ("make run", "go build, then serves on 127.0.0.1:{port}"),
+    ),
+    "typescript-node": (
+        ("npm install", "typescript and @types/node, for the build"),
+        ("npm test", "tsc, then node --test: the contract and the signing vectors"),
+        ("npm start", "serves on 127.0.0.1:{port}"),
+    ),
+    "java-http": (
+        ("./build.sh", "javac, then the tests: the contract and the signing vectors"),
+        ("java -cp build/classes {java_package}.Server", "serves on 127.0.0.1:{port}"),
+    ),
+}
+# The file a team edits in each template, and the function in it.
+_LOGIC: Final[Mapping[str, str]] = {
+    "handler.py": "handle",
+    "handler.go": "Handle",
+    "handler.ts": "handle",
+    "Handler.java": "handle",
+}
 
 
 def cmd_new_handler(args: argparse.Namespace) -> int:
@@ -108,17 +157,22 @@ def cmd_new_handler(args: argparse.Namespace) -> int:
     written = new_handler(directory, args.lang, force=args.force)
     for path in written:
         print(f"wrote {path}")
-    port = DEFAULT_PORTS[args.lang]
-    url = DEFAULT_URLS[args.lang]
-    proto = "  make proto             # generate the gRPC code\n" if "grpc" in args.lang else ""
+    logic = next(path for path in written if path.name in _LOGIC)
+    java_package = (
+        logic.parent.relative_to(directory / "src/main/java") if logic.suffix == ".java" else None
+    )
+    values = {"port": DEFAULT_PORTS[args.lang], "java_package": str(java_package).replace("/", ".")}
+    steps = [
+        (command.format(**values), note.format(**values))
+        for command, note in _NEXT_STEPS[args.lang]
+    ]
+    width = max(len(command) for command, _ in steps)
+    lines = [f"  {command:<{width}}  # {note}" for command, note in steps]
     print(
         f"\nnext, in {directory}:\n"
-        "  make install           # or: pip install -r requirements.txt\n"
-        f"{proto}"
-        "  make test              # the handler's own contract tests\n"
-        f"  make run               # serves on 127.0.0.1:{port}\n"
-        f"  nemesis check-handler {url}\n"
-        "then write your logic in handler.py (handle)."
+        + "\n".join(lines)
+        + f"\n  nemesis check-handler {DEFAULT_URLS[args.lang]}\n"
+        f"then write your logic in {logic.relative_to(directory)} ({_LOGIC[logic.name]})."
     )
     return EXIT_OK
 

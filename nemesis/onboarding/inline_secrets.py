@@ -28,6 +28,7 @@ from typing import Any, Final
 from urllib.parse import parse_qsl, urlsplit
 
 from nemesis.config.document import DataPath
+from nemesis.config.passwords import is_stored_hash
 
 _REFERENCE: Final = re.compile(r"\$?\$\{[^}]*\}")
 _AUTH_SCHEMES: Final = frozenset({"bearer", "basic", "token", "digest", "apikey", "negotiate"})
@@ -100,6 +101,9 @@ def is_secret_key(key: Hashable) -> bool:
 
 def _why_secret(key: Hashable | None, value: str) -> str | None:
     literal = _REFERENCE.sub(" ", value)
+    if is_stored_hash(value):
+        # A password or token hash (auth.users[].password_hash): committing it is the point.
+        return None
     if key is not None and is_secret_key(key) and not _only_scheme_words(literal):
         return f"{key!s} is a credential written inline"
     for name, pattern in _TOKEN_FORMATS:

@@ -20,19 +20,25 @@ reviewer would otherwise enforce by hand, across files:
   paths ``nemesis validate`` was given; without it only the files that loaded
   are scanned.
 
+A file that did not load is still checked section by section: each rule runs
+when the sections it reads (owners, source, target) are valid on their own,
+so one run reports every problem in a file.
+
 Every problem points at the file and line of the value concerned.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Annotated, Any, Final, TypeVar
+
+from pydantic import Field, TypeAdapter, ValidationError
 
 from nemesis.config.document import DataPath, YamlDocument, format_path, parse_yaml
 from nemesis.config.loader import YAML_SUFFIXES, ValidationContext
-from nemesis.config.models import IntegrationConfig, TargetConfig
+from nemesis.config.models import SourceConfig, TargetConfig
 from nemesis.delivery.port import Transport
 from nemesis.errors import ConfigError, ConfigProblem
 from nemesis.onboarding.inline_secrets import find_inline_secrets
@@ -43,6 +49,8 @@ OWNER_PATTERN: Final = r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)?$|^[^@\s]+
 # Lowercase words joined by single separators: "orders", "billing.invoices", "crm/leads-v2".
 TOPIC_CONVENTION: Final = r"^[a-z0-9]+([._/-][a-z0-9]+)*$"
 INTERNAL_PREFIX: Final = "nemesis."
+
+T = TypeVar("T")
 
 TransportFactory = Callable[[TargetConfig, str, int], Transport]
 
@@ -96,17 +104,40 @@ class IntegrationRulesChecker:
         for name in sorted(context.integrations.integrations):
             integration = context.integrations.integrations[name]
             document = run.document(name, context.integration_files.get(name))
-            self._owners(run, document, integration)
-            self._source(run, document, integration, consumers)
-            self._target(run, document, integration)
+            self._owners(run, document, integration.owners)
+            self._source(run, document, name, integration.source, consumers)
+            self._target(run, document, name, integration.target)
             run.secrets(document)
+        for path, data in sorted(context.unloaded.items()):
+            self._unloaded(run, path, data, consumers)
         for path in [*context.process_configs, *_configuration_files(self._scan)]:
             run.secrets(run.read(path))
         return run.problems
 
-    def _owners(self, run: _Run, document: YamlDocument, integration: IntegrationConfig) -> None:
+    def _unloaded(
+        self,
+        run: _Run,
+        path: Path,
+        data: Mapping[Hashable, Any],
+        consumers: dict[tuple[str, str], tuple[str, str]],
+    ) -> None:
+        """The rules whose sections are valid, in a file that did not load."""
+        document = run.read(path)
+        raw_name = data.get("name")
+        name = raw_name if isinstance(raw_name, str) else path.stem
+        owners = _valid(_OWNERS, data.get("owners"))
+        if owners is not None:
+            self._owners(run, document, owners)
+        source = _valid(_SOURCE, data.get("source"))
+        if source is not None:
+            self._source(run, document, name, source, consumers)
+        target = _valid(_TARGET, data.get("target"))
+        if target is not None:
+            self._target(run, document, name, target)
+
+    def _owners(self, run: _Run, document: YamlDocument, owners: Sequence[str]) -> None:
         seen: set[str] = set()
-        for index, owner in enumerate(integration.owners):
+        for index, owner in enumerate(owners):
             where = ("owners", index)
             if not owner.strip():
                 run.report(document, where, "an owner cannot be blank: name the owning team")
@@ -125,10 +156,10 @@ class IntegrationRulesChecker:
         self,
         run: _Run,
         document: YamlDocument,
-        integration: IntegrationConfig,
+        name: str,
+        source: SourceConfig,
         consumers: dict[tuple[str, str], tuple[str, str]],
     ) -> None:
-        source = integration.source
         for field, value in (("topic", source.topic), ("consumer", source.consumer)):
             where = ("source", field)
             if value.startswith(INTERNAL_PREFIX) or value == INTERNAL_PREFIX.rstrip("."):
@@ -148,8 +179,8 @@ class IntegrationRulesChecker:
         key = (source.topic, source.consumer)
         where = ("source", "consumer")
         here = f"{document.file}:{document.line_of(where)}"
-        first = consumers.setdefault(key, (integration.name, here))
-        if first[0] != integration.name:
+        first = consumers.setdefault(key, (name, here))
+        if first[0] != name:
             run.report(
                 document,
                 where,
@@ -158,8 +189,7 @@ class IntegrationRulesChecker:
                 " consumer of this integration's own (its name)",
             )
 
-    def _target(self, run: _Run, document: YamlDocument, integration: IntegrationConfig) -> None:
-        target = integration.target
+    def _target(self, run: _Run, document: YamlDocument, name: str, target: TargetConfig) -> None:
         factory = self._transports.get(target.scheme)
         if factory is None:
             schemes = ", ".join(f"{s}://" for s in sorted(self._transports))
@@ -176,11 +206,27 @@ class IntegrationRulesChecker:
             # Building a transport opens nothing (connections open on first delivery):
             # it runs the transport's own checks of the URL and headers. The signing
             # secrets are `nemesis run`'s to read: validating needs only their names.
-            factory(target.model_copy(update={"signing": None}), integration.name, 1)
+            factory(target.model_copy(update={"signing": None}), name, 1)
         except ConfigError as exc:
             for problem in exc.problems:
                 path = _path_of(problem.field)
                 run.report(document, path, problem.message)
+
+
+# Owners as the integration model takes them: a list of at least one string.
+_OWNERS: Final = TypeAdapter(Annotated[list[str], Field(min_length=1)])
+_SOURCE: Final = TypeAdapter(SourceConfig)
+_TARGET: Final = TypeAdapter(TargetConfig)
+
+
+def _valid(adapter: TypeAdapter[T], value: Any) -> T | None:
+    """``value`` validated alone, or None when it is absent or has problems of its own."""
+    if value is None:
+        return None
+    try:
+        return adapter.validate_python(value)
+    except ValidationError:
+        return None
 
 
 def _configuration_files(paths: Sequence[Path]) -> list[Path]:

@@ -1,12 +1,16 @@
 """``nemesis new``: a runnable handler project, and a commented integration file that validates.
 
-Templates are package data under ``templates/``: ``<lang>/*.tmpl`` and
-``common/*.tmpl`` make a handler project (``gitignore.tmpl`` becomes
-``.gitignore``), ``integration.yaml.tmpl`` an integration. ``{{name}}``
-placeholders are filled in; a placeholder without a value is an error, so a
-template and the code that fills it cannot drift apart silently. The gRPC
-template also gets the handler contract, ``proto/nemesis_handler.proto``,
-copied from ``nemesis.proto`` (one source for the .proto everywhere).
+Templates are package data under ``templates/``: the ``*.tmpl`` files under
+``<lang>/`` (and ``common/`` for the Python ones) make a handler project
+(``gitignore.tmpl`` becomes ``.gitignore``), ``integration.yaml.tmpl`` an
+integration. ``{{name}}`` placeholders are filled in, in the files and in
+their paths (the Java package's folder); a placeholder without a value is an
+error, so a template and the code that fills it cannot drift apart silently.
+The gRPC template also gets the handler contract,
+``proto/nemesis_handler.proto``, copied from ``nemesis.proto``, and the Go,
+TypeScript and Java templates get the signing test vectors,
+``nemesis/delivery/signing-vectors.json``, which their own tests check their
+verifier against (one source for each everywhere).
 """
 
 from __future__ import annotations
@@ -32,13 +36,39 @@ from nemesis.config.models import (
 from nemesis.errors import NemesisError
 from nemesis.proto import handler_proto_text
 
-HandlerLang = Literal["python-fastapi", "python-grpc"]
+HandlerLang = Literal["python-fastapi", "python-grpc", "go-http", "typescript-node", "java-http"]
 HANDLER_LANGS: Final[tuple[HandlerLang, ...]] = get_args(HandlerLang)
-DEFAULT_PORTS: Final[Mapping[HandlerLang, int]] = {"python-fastapi": 8000, "python-grpc": 50051}
-DEFAULT_URLS: Final[Mapping[HandlerLang, str]] = {
-    "python-fastapi": "http://127.0.0.1:8000/events",
-    "python-grpc": "grpc://127.0.0.1:50051",
+# Every HTTP template serves where `nemesis new integration` points by default, and clear of
+# the ports `nemesis run` takes on a laptop (8080 for the DLQ viewer, 8081 for the admin API).
+DEFAULT_PORTS: Final[Mapping[HandlerLang, int]] = {
+    "python-fastapi": 8000,
+    "python-grpc": 50051,
+    "go-http": 8000,
+    "typescript-node": 8000,
+    "java-http": 8000,
 }
+DEFAULT_URLS: Final[Mapping[HandlerLang, str]] = {
+    lang: f"grpc://127.0.0.1:{port}"
+    if lang.endswith("-grpc")
+    else f"http://127.0.0.1:{port}/events"
+    for lang, port in DEFAULT_PORTS.items()
+}
+# The Python templates share handler.py (common/); the others are whole in their folder.
+_WITH_COMMON: Final[frozenset[HandlerLang]] = frozenset({"python-fastapi", "python-grpc"})
+# Where a template's own tests find the signing vectors they check the verifier against.
+_VECTORS_COPY: Final[Mapping[HandlerLang, str]] = {
+    "go-http": "testdata/signing-vectors.json",
+    "typescript-node": "test/signing-vectors.json",
+    "java-http": "src/test/resources/signing-vectors.json",
+}
+# Names a Java package cannot have (the keywords and the literals).
+_JAVA_KEYWORDS: Final = frozenset(
+    """abstract assert boolean break byte case catch char class const continue default do
+    double else enum extends false final finally float for goto if implements import
+    instanceof int interface long native new null package private protected public return
+    short static strictfp super switch synchronized this throw throws transient true try void
+    volatile while var record yield sealed permits""".split()  # noqa: SIM905  (a list to read)
+)
 SCHEMA_FILE: Final = "schemas/integration.schema.json"  # relative to the integrations' parent
 
 _PLACEHOLDER: Final = re.compile(r"\{\{\s*([a-z_]+)\s*\}\}")
@@ -73,24 +103,34 @@ def new_handler(
     if directory.is_dir() and any(directory.iterdir()) and not force:
         raise TemplateError(f"{directory} is not empty (--force writes over it)")
     project = directory.resolve().name
+    module = _module_name(project)
+    java_package = _java_package(module)
     values = {
         "project": project,
-        "module": _module_name(project),
+        "module": module,
         "port": str(DEFAULT_PORTS[lang]),
         "nemesis_version": __version__,
+        "java_package": java_package,
+        "java_package_dir": java_package.replace(".", "/"),
     }
     files: dict[str, str] = {}
-    for source in _templates("common") + _templates(lang):
-        name = source.name.removesuffix(_SUFFIX)
-        files["." + name if name == "gitignore" else name] = render(source.read_text(), values)
+    sources = (_templates("common") if lang in _WITH_COMMON else []) + _templates(lang)
+    for relative, source in sources:
+        folder, _, name = render(relative, values).removesuffix(_SUFFIX).rpartition("/")
+        name = "." + name if name == "gitignore" else name
+        files[f"{folder}/{name}" if folder else name] = render(source.read_text(), values)
     if lang == "python-grpc":
         files[_PROTO_COPY] = handler_proto_text()
+    if lang in _VECTORS_COPY:
+        files[_VECTORS_COPY[lang]] = signing_vectors_text()
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in sorted(files.items()):
         path = directory / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
+        if path.suffix == ".sh":
+            path.chmod(0o755)  # ./build.sh, as its README says
         written.append(path)
     return written
 
@@ -165,12 +205,24 @@ def new_integration(
     return path
 
 
-def _templates(folder: str) -> list[Traversable]:
-    root = _template_file(folder)
-    return sorted(
-        (entry for entry in root.iterdir() if entry.name.endswith(_SUFFIX)),
-        key=lambda entry: entry.name,
-    )
+def signing_vectors_text() -> str:
+    """The shared signing test vectors, as the package ships them."""
+    vectors = importlib.resources.files("nemesis.delivery").joinpath("signing-vectors.json")
+    return vectors.read_text(encoding="utf-8")
+
+
+def _templates(folder: str) -> list[tuple[str, Traversable]]:
+    """The ``*.tmpl`` files under ``folder``, at any depth, by their path inside it."""
+    found: list[tuple[str, Traversable]] = []
+    pending: list[tuple[str, Traversable]] = [("", _template_file(folder))]
+    while pending:
+        prefix, directory = pending.pop()
+        for entry in directory.iterdir():
+            if entry.is_dir():
+                pending.append((f"{prefix}{entry.name}/", entry))
+            elif entry.name.endswith(_SUFFIX):
+                found.append((prefix + entry.name, entry))
+    return sorted(found, key=lambda item: item[0])
 
 
 def _template_file(name: str) -> Traversable:
@@ -180,6 +232,13 @@ def _template_file(name: str) -> Traversable:
 def _module_name(project: str) -> str:
     module = re.sub(r"\W+", "_", project).strip("_").lower()
     return module or "handler"
+
+
+def _java_package(module: str) -> str:
+    """``module`` as a Java package name: not a keyword, not starting with a digit."""
+    if module[0].isdigit() or module in _JAVA_KEYWORDS:
+        return f"handler_{module}"
+    return module
 
 
 def _scalar(value: str) -> str:

@@ -60,6 +60,8 @@ from nemesis.metrics import Metrics
 log = logging.getLogger(__name__)
 
 DEFAULT_PROBE_CONCURRENCY: Final = 5
+_MIN_RECENT: Final = 10
+_MAX_RECENT: Final = 1000
 _MIN_BUCKETS: Final = 10
 _MAX_BUCKETS: Final = 60
 # Float sums of deadlines can land a hair short of the cooldown's end; that is the end.
@@ -265,6 +267,14 @@ class CircuitBreaker:
         self._epoch = 0  # bumped on every transition: tells which state a permit belongs to
         self._entered_at = clock.monotonic()
         self._window = SlidingWindow(config.window_s)
+        # The last answers, however old, in every state: the failure policy's view of
+        # whether the handler is down, which neither the window's successes from before
+        # an outage nor a long pause in traffic can hide.
+        self._recent = bytearray(min(_MAX_RECENT, max(_MIN_RECENT, config.min_requests)))
+        self._recent_at = 0
+        self._recent_seen = 0
+        self._recent_failures = 0
+        self._last_healthy_at: float | None = None
         self._round_issued = 0  # probes of this round handed out and not given back
         self._round_requests = 0
         self._round_failures = 0
@@ -301,6 +311,18 @@ class CircuitBreaker:
             ignored_answers=self._ignored,
             transitions=dict(self._transitions),
         )
+
+    @property
+    def recent_failure_rate(self) -> float | None:
+        """The handler-health failures among its last answers (``min_requests`` of them, at
+        least 10 and at most 1000), whatever the state; None before its first answer."""
+        seen = self._recent_seen
+        return self._recent_failures / seen if seen else None
+
+    @property
+    def last_healthy_at(self) -> float | None:
+        """When (monotonic) the handler last answered without a health failure, in any state."""
+        return self._last_healthy_at
 
     def add_listener(self, listener: BreakerListener) -> None:
         """Calls ``listener`` after every state change (for metrics and logs)."""
@@ -362,6 +384,15 @@ class CircuitBreaker:
 
     def _record(self, epoch: int, probe: bool, healthy: bool) -> None:
         now = self._clock.monotonic()
+        recent, at = self._recent, self._recent_at
+        failed = 0 if healthy else 1
+        self._recent_failures += failed - recent[at]
+        recent[at] = failed
+        self._recent_at = at + 1 if at + 1 < len(recent) else 0
+        if self._recent_seen < len(recent):
+            self._recent_seen += 1
+        if healthy:
+            self._last_healthy_at = now
         if self._state is _CLOSED:
             # Whenever it was sent, an answer received while closed is fresh evidence.
             window = self._window

@@ -228,7 +228,12 @@ def _check_rate(rate: float | None) -> None:
 
 
 class FlowLimits:
-    """The three rate limiters of one integration, set from ``rate_limits``."""
+    """The three rate limiters of one integration, set from ``rate_limits``.
+
+    In a fleet the limits hold for the integration as a whole: each of the
+    ``runners`` members running it takes ``rate / runners`` (``set_runners``,
+    called again whenever the membership changes).
+    """
 
     def __init__(
         self,
@@ -237,10 +242,14 @@ class FlowLimits:
         clock: Clock = SYSTEM_CLOCK,
         burst_s: float = DEFAULT_BURST_S,
         on_wait: Callable[[Flow, float], None] | None = None,
+        runners: int = 1,
     ) -> None:
+        _check_runners(runners)
+        self._config = config
+        self._runners = runners
         self._limiters = {
             flow: RateLimiter(
-                _rate_of(config, flow),
+                _rate_of(config, flow, runners),
                 clock=clock,
                 burst_s=burst_s,
                 on_wait=None if on_wait is None else functools.partial(on_wait, flow),
@@ -259,10 +268,25 @@ class FlowLimits:
         """Waits until ``n`` messages of ``flow`` may go; returns the seconds waited."""
         return await self._limiters[flow].acquire(n)
 
+    @property
+    def runners(self) -> int:
+        """How many members share the limits (1 outside a fleet)."""
+        return self._runners
+
     def apply(self, config: RateLimitsConfig) -> None:
         """Takes new limits while running (admin API, file reload); unchanged flows are kept."""
+        self._config = config
+        self._set_rates()
+
+    def set_runners(self, runners: int) -> None:
+        """Takes this member's share of limits that ``runners`` members hold together."""
+        _check_runners(runners)
+        self._runners = runners
+        self._set_rates()
+
+    def _set_rates(self) -> None:
         for flow, limiter in self._limiters.items():
-            rate = _rate_of(config, flow)
+            rate = _rate_of(self._config, flow, self._runners)
             if rate != limiter.rate:
                 limiter.set_rate(rate)
 
@@ -271,9 +295,14 @@ class FlowLimits:
         return {flow: limiter.statistics() for flow, limiter in self._limiters.items()}
 
 
-def _rate_of(config: RateLimitsConfig, flow: Flow) -> float | None:
+def _rate_of(config: RateLimitsConfig, flow: Flow, runners: int = 1) -> float | None:
     rate: float | None = getattr(config, flow.value)
-    return rate
+    return None if rate is None else rate / runners
+
+
+def _check_runners(runners: int) -> None:
+    if runners < 1:
+        raise ValueError(f"limits are shared by one member or more, not {runners!r}")
 
 
 def wait_recorder(metrics: Metrics, integration: str) -> Callable[[Flow, float], None]:

@@ -14,6 +14,13 @@ leaves the old one running), and ``update_file_config`` takes a changed YAML
 whose changes all apply live. ``set_overrides`` lays live values (admin API)
 over the YAML (``nemesis.runtime.overrides``); live values reach the
 runners, the rate limiters and the pipeline's disabled types at once.
+
+In a fleet (``nemesis.fleet``) the proxy holds every integration but starts
+only those its member says run here (``set_placement``); the member starts
+one that moves here (``start_integration``), drains one that moves away
+(``release_integration``), sets each one's share of its rate limits
+(``set_runners``) and lays the fleet's stored overrides over the YAML
+(``replace_overrides``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
+from nemesis.aio import first_of
 from nemesis.broker.port import Broker, ConsumerSpec, TopicWriter
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig, TargetConfig
@@ -43,9 +51,8 @@ from nemesis.resilience.breaker import BreakerListener, CircuitBreaker, bind_bre
 from nemesis.resilience.limits import FlowLimits, wait_recorder
 from nemesis.runtime import overrides as live
 from nemesis.runtime.lag import LagMonitor, LagTarget, PartitionLag, oldest_unfinished_from
-from nemesis.runtime.retries import FlowSpec, TieredSettler, flows_of, tier_topic
+from nemesis.runtime.retries import FlowSpec, flows_of, tier_topic
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
-from nemesis.runtime.settle import RetryInPlace, Settler
 from nemesis.runtime.sizing import LiveSizing
 from nemesis.runtime.telemetry import IntegrationSnapshot, ProxySnapshot, metric_families
 
@@ -152,6 +159,9 @@ class Proxy:
         self._supervisor = supervisor_options
         self._stopping = asyncio.Event()
         self._groups: dict[str, IntegrationGroup] = {}
+        # Whether an integration runs in this process (None: every one does).
+        self._runs_here: Callable[[str], bool] | None = None
+        self._runners_of: dict[str, int] = {}  # members sharing an integration's rate limits
         self._tasks: asyncio.TaskGroup | None = None
         self._running = False
         self._lag = LagMonitor(
@@ -248,7 +258,7 @@ class Proxy:
             integrations=[
                 IntegrationSnapshot(
                     name=group.name,
-                    state=_state_of(group),
+                    state=self._state_of(group),
                     config=group.config,
                     file_config=group.yaml,
                     overrides=dict(group.overrides),
@@ -306,6 +316,48 @@ class Proxy:
         group.file_config, group.file, group.overrides = config, file, kept
         self._apply_live(group, running, why="changed in the YAML")
         return changed
+
+    def replace_overrides(self, name: str, overrides: Mapping[str, Any]) -> IntegrationConfig:
+        """Makes ``overrides`` the whole set of live values (the fleet's stored ones).
+
+        Raises pydantic's ValidationError when they do not fit the YAML.
+        """
+        group = self._groups[name]
+        kept = live.caught_up(group.yaml, overrides)
+        config = live.apply_overrides(group.yaml, kept)
+        group.overrides = kept
+        self._apply_live(group, config, why="set live by the fleet")
+        return config
+
+    # --- placement in a fleet ---------------------------------------------------
+
+    def set_placement(self, runs_here: Callable[[str], bool]) -> None:
+        """From now on an integration starts only where ``runs_here(name)`` says."""
+        self._runs_here = runs_here
+
+    def start_integration(self, name: str) -> None:
+        """Starts an integration the placement now puts here (or lets run() start it)."""
+        self._start_group(self._groups[name])
+
+    async def release_integration(self, name: str) -> None:
+        """Drains and stops an integration that moved elsewhere; it stays, ready to start again."""
+        old = self._groups[name]
+        if old.task is None:
+            return
+        await self._halt_group(old)
+        # Built after the drain, so overrides set meanwhile count too. One that no longer
+        # builds stays halted (ConfigError): it cannot start here again until its YAML does.
+        fresh = self._build_group(old.yaml, old.file, old.overrides)
+        self._deactivate(old)
+        self._activate(fresh)
+        log.info("integration %s: stopped here, runs elsewhere", name, extra={"integration": name})
+
+    def set_runners(self, name: str, runners: int) -> None:
+        """Takes this process's share of rate limits that ``runners`` members hold together."""
+        self._runners_of[name] = runners
+        group = self._groups.get(name)
+        if group is not None and group.limits.runners != runners:
+            group.limits.set_runners(runners)
 
     def stop(self) -> None:
         """Drains and stops every flow; ``run()`` returns when all have."""
@@ -387,6 +439,8 @@ class Proxy:
     def _start_group(self, group: IntegrationGroup) -> None:
         if self._tasks is None or not self._running or group.task is not None:
             return  # run() starts it, or it runs already
+        if self._runs_here is not None and not self._runs_here(group.name):
+            return  # another member of the fleet runs it
         group.task = self._tasks.create_task(
             self._run_group(group), name=f"integration:{group.name}"
         )
@@ -520,7 +574,8 @@ class Proxy:
             self.broker,
             group.transport,
             flow=flow,
-            settler=self._settler(group, flow),
+            dlq=self.dlq,
+            tier_writers=group.tier_writers,
             pipeline=group.pipeline,
             breaker=group.breaker,
             limits=group.limits,
@@ -528,20 +583,6 @@ class Proxy:
             clock=self._clock,
             options=self._runner_options,
             owns_transport=False,
-        )
-
-    def _settler(self, group: IntegrationGroup, flow: FlowSpec) -> Settler:
-        config = group.config
-        if self.dlq is None:
-            return RetryInPlace(config.name, config.retry.tiers)
-        return TieredSettler(
-            config,
-            flow,
-            tier_writers=group.tier_writers,
-            dlq=self.dlq,
-            clock=self._clock,
-            breaker=group.breaker,
-            metrics=self.metrics,
         )
 
     async def _telemetry(self) -> None:
@@ -568,6 +609,7 @@ class Proxy:
                 requests=stats.requests,
                 request_seconds=stats.request_seconds,
                 produced=self._lag.end_offsets(group.config.source.topic),
+                read=stats.messages_read,
             )
 
     # --- groups -------------------------------------------------------------------
@@ -594,7 +636,10 @@ class Proxy:
         )
         breaker = CircuitBreaker(config.breaker, clock=self._clock, name=name)
         limits = FlowLimits(
-            config.rate_limits, clock=self._clock, on_wait=wait_recorder(self.metrics, name)
+            config.rate_limits,
+            clock=self._clock,
+            on_wait=wait_recorder(self.metrics, name),
+            runners=self._runners_of.get(name, 1),
         )
         return IntegrationGroup(
             config,
@@ -665,17 +710,13 @@ class Proxy:
     def _halted(self, group: IntegrationGroup) -> bool:
         return self._stopping.is_set() or group.stopping.is_set()
 
+    def _state_of(self, group: IntegrationGroup) -> str:
+        if group.task is None and self._runs_here is not None and not self._runs_here(group.name):
+            return "elsewhere"  # another member of the fleet runs it
+        return _state_of(group)
+
     async def _sleep_unless_halted(self, group: IntegrationGroup, seconds: float) -> None:
-        waiters = [
-            asyncio.ensure_future(self._stopping.wait()),
-            asyncio.ensure_future(group.stopping.wait()),
-        ]
-        try:
-            await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
-            await asyncio.gather(*waiters, return_exceptions=True)
+        await first_of(self._clock.sleep(seconds), self._stopping.wait(), group.stopping.wait())
 
 
 def _state_of(group: IntegrationGroup) -> str:

@@ -2,12 +2,18 @@
 
 ::
 
-    intake ──> scheduler (ordering) ──> N workers ──> transport ──> settler
-      │  bounded: at most delivery.buffer          │                  │
-      │  messages unfinished                       ▼                  ▼
-      └──────────── ack tracker <──── ack (done) ──┴── retry in place (delay)
+    intake ──> scheduler (ordering) ──> N workers: dispatch ──> transport
+      │  bounded: at most delivery.buffer          │ delivered,     │ failed
+      │  messages unfinished                       │ dropped        ▼
+      │                                            │       settlement: policy.decide
+      │                                            ▼         │ tier / DLQ  │ in place, halt
+      └──────────── ack tracker <──── ack (done) ──┴─────────┘             └─> scheduler
                          │
                  commit loop: contiguous done prefix per partition session
+
+A worker's dispatch delivers and measures; what becomes of a message that
+failed (a retry tier, the DLQ, a retry in place, a halted key) is decided by
+``nemesis.runtime.policy`` alone and carried out by the flow's ``Settlement``.
 
 The commit rule: an offset is committed only when every message before it
 in its partition is done (``nemesis.runtime.acks``). Messages of a revoked
@@ -35,25 +41,26 @@ of them touches a message in flight, so a change neither loses nor repeats one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from nemesis import logs
-from nemesis.broker.port import Broker, Message, PartitionSession, TopicReader
+from nemesis.aio import first_of
+from nemesis.broker.port import Broker, Message, PartitionSession, TopicReader, TopicWriter
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig
 from nemesis.delivery.port import DeliveryResult, Event, Outcome, Transport
+from nemesis.dlq import DeadLetterStore
 from nemesis.errors import BrokerError
 from nemesis.metrics import LoopCounter, LoopHistogram, Metrics, status_class
 from nemesis.pipeline import Pipeline, Verdict
 from nemesis.resilience.breaker import BreakerState, CircuitBreaker, is_healthy
 from nemesis.resilience.limits import Flow, FlowLimits
 from nemesis.runtime.acks import AckTracker, PartitionStats
-from nemesis.runtime.events import EventFactory, event_id
+from nemesis.runtime.events import EventFactory
+from nemesis.runtime.policy import failure_of, pipeline_failure
 from nemesis.runtime.retries import (
     FlowSpec,
     attempts_so_far,
@@ -62,7 +69,7 @@ from nemesis.runtime.retries import (
     origin,
 )
 from nemesis.runtime.scheduler import Scheduler, Work
-from nemesis.runtime.settle import Action, Failure, RetryInPlace, Settler, failure_of
+from nemesis.runtime.settle import Settlement
 from nemesis.runtime.workers import WorkerPool, WorkerSlot
 
 log = logging.getLogger(__name__)
@@ -126,7 +133,8 @@ class IntegrationRunner:
         transport: Transport,
         *,
         flow: FlowSpec | None = None,
-        settler: Settler | None = None,
+        dlq: DeadLetterStore | None = None,
+        tier_writers: Sequence[TopicWriter] = (),
         pipeline: Pipeline | None = None,
         breaker: CircuitBreaker | None = None,
         limits: FlowLimits | None = None,
@@ -146,7 +154,6 @@ class IntegrationRunner:
         self._broker = broker
         self._transport = transport
         self._owns_transport = owns_transport
-        self._settler = settler or RetryInPlace(config.name, config.retry.tiers)
         self._pipeline = pipeline or Pipeline.empty(config.name)
         self._metrics = metrics or Metrics()
         self._clock = clock
@@ -157,6 +164,20 @@ class IntegrationRunner:
         self._log = logs.bind(log, integration=config.name, flow=self.flow.name)
         self._tracker = AckTracker()
         self._scheduler = Scheduler(config.delivery.ordering, clock)
+        # Where failed messages go: the failure policy, carried out for this flow.
+        self._settlement = Settlement(
+            config,
+            self.flow,
+            self._scheduler,
+            self._finish,
+            clock=clock,
+            dlq=dlq,
+            tier_writers=tier_writers,
+            breaker=breaker,
+            metrics=self._metrics,
+        )
+        # The settlement's halted messages: finishing one, or losing its partition, frees it.
+        self._halted = self._settlement.halted
         self._state = RunnerState.STARTING
         self._stopping = asyncio.Event()
         self._resumed = asyncio.Event()
@@ -174,10 +195,6 @@ class IntegrationRunner:
         self._request_s = 0.0
         self._attempted = 0
         self._skipped = 0
-        # Messages past their retries that hold their key (or partition) back, with
-        # retry.on_exhausted: halt; each leaves when it finishes or its partition goes.
-        self._halted: set[Work] = set()
-        self._halts = config.retry.on_exhausted == "halt" and config.delivery.ordering != "none"
         self._started_at = clock.monotonic()
         self._last_read_at: float | None = None
         self._last_commit_at: float | None = None
@@ -190,7 +207,6 @@ class IntegrationRunner:
         self._m_duration: dict[Outcome, LoopHistogram] = {}
         self._m_batch = m.delivery_batch_size.labels(name)
         self._m_age = m.delivery_age.labels(name, self.flow.name)
-        self._m_retries = m.retries_in_place.labels(name)
         self._m_commits = m.commits.labels(name, topic)
         self._m_committed = m.committed_messages.labels(name, topic)
         self._m_commit_failures = m.commit_failures.labels(name, topic)
@@ -335,7 +351,7 @@ class IntegrationRunner:
         while not self._stopping.is_set():
             if not self._resumed.is_set():
                 self._state = RunnerState.PAUSED
-                await _first(self._resumed, self._stopping)
+                await first_of(self._resumed.wait(), self._stopping.wait())
                 continue
             self._state = RunnerState.RUNNING
             # Read every round: the buffer may be changed while running.
@@ -353,7 +369,7 @@ class IntegrationRunner:
             self._flow_control(reader)
             if self._breaker is not None and self._breaker.state is BreakerState.OPEN:
                 # The handler is down: leave new messages in the topic until it may be probed.
-                await _first_of(self._breaker.wait_until_not_open(), self._stopping)
+                await first_of(self._breaker.wait_until_not_open(), self._stopping.wait())
                 continue
             messages = await reader.receive(
                 min(free, self._options.max_receive), self._options.receive_timeout_s
@@ -426,9 +442,9 @@ class IntegrationRunner:
                 finally:
                     slot.idle = False
             if self._batch_size == 1:
-                await self._process([first])
+                await self._dispatch([first])
             else:
-                await self._process(await self._next_batch(first))
+                await self._dispatch(await self._next_batch(first))
 
     async def _next_batch(self, first: Work) -> list[Work]:
         # Read per batch: the batch settings may be changed while running.
@@ -456,7 +472,10 @@ class IntegrationRunner:
             batch += self._scheduler.take(size - len(batch))
         return batch
 
-    async def _process(self, batch: list[Work]) -> None:
+    async def _dispatch(self, batch: list[Work]) -> None:
+        """Delivers a batch: events, breaker permit, rate limit, in-flight count, transport,
+        metrics. A delivered or dropped batch finishes here; any other outcome goes to the
+        settlement (``nemesis.runtime.settle``: the failure policy and its executor)."""
         live = batch if _all_alive(batch) else self._drop_stale(batch)
         if not live:
             return
@@ -485,7 +504,9 @@ class IntegrationRunner:
                 await limits.acquire(self._limit_flow, count)
             self._in_flight += count
             try:
-                if count == 1:
+                # A batch integration sends the batch form even for one message: its
+                # handler may implement only batches.
+                if count == 1 and self._batch_size == 1:
                     result = await self._transport.deliver(events[0])
                 else:
                     result = await self._transport.deliver_batch(events)
@@ -507,8 +528,9 @@ class IntegrationRunner:
             self._finish_all(live)
             return
         failure = failure_of(result)
+        settle = self._settlement.settle
         for work in live:
-            await self._settle(work, failure)
+            await settle(work, failure)
 
     def _drop_stale(self, batch: list[Work]) -> list[Work]:
         live: list[Work] = []
@@ -523,7 +545,7 @@ class IntegrationRunner:
         return live
 
     async def _prepare(self, batch: list[Work]) -> tuple[list[Work], list[Event]]:
-        """Runs the pipeline: filtered messages finish here, dead ones go to the settler."""
+        """Runs the pipeline: filtered messages finish here, dead ones go to the settlement."""
         if self._disabled:
             batch = self._skip_disabled(batch)
         pipeline, make_event, view = self._pipeline, self._events, self._view
@@ -541,13 +563,8 @@ class IntegrationRunner:
             elif result.verdict is Verdict.FILTERED:
                 self._finish(work)  # acknowledged and committed like a delivered one
             else:
-                failure = Failure(
-                    Outcome.DEAD,
-                    result.reason or "pipeline_error",
-                    error=result.error,
-                    stage=result.stage or "pipeline",
-                )
-                await self._settle(work, failure)
+                failure = pipeline_failure(result.reason, result.error, result.stage)
+                await self._settlement.settle(work, failure)
         return passed, events
 
     def _skip_disabled(self, batch: list[Work]) -> list[Work]:
@@ -569,42 +586,6 @@ class IntegrationRunner:
             self._skipped += 1
             self._finish(work)
         return kept
-
-    async def _settle(self, work: Work, failure: Failure) -> None:
-        decision = await self._settler.settle(work, failure)
-        if self._log.isEnabledFor(logging.DEBUG):
-            message = self._view(work.message)
-            self._log.debug(
-                "%s/%s@%s attempt %d: %s (%s), %s",
-                message.topic,
-                message.partition,
-                message.offset,
-                work.attempt,
-                failure.outcome.value,
-                failure.reason,
-                decision.action.value,
-                extra={
-                    "topic": message.topic,
-                    "partition": message.partition,
-                    "offset": message.offset,
-                    "event_id": event_id(work.message),
-                    "attempt": work.attempt,
-                    "outcome": failure.outcome.value,
-                    "status": failure.status,
-                    "stage": failure.stage,
-                },
-            )
-        if decision.action is Action.ACK:
-            self._finish(work)
-            return
-        if work.first_failure_at is None:
-            work.first_failure_at = self._clock.time()
-        if self._halts and work.attempt > len(self.config.retry.tiers):
-            self._halted.add(work)  # retried at the last delay until the handler accepts it
-        work.attempt += 1
-        work.last_error = failure.error
-        self._m_retries.inc()
-        self._scheduler.put_later(work, decision.delay_s)
 
     def _observe(self, result: DeliveryResult, count: int) -> None:
         self._requests += 1
@@ -761,22 +742,3 @@ def _all_alive(batch: list[Work]) -> bool:
                 return False
             seen = session
     return True
-
-
-async def _first_of(waiting: Coroutine[Any, Any, None], event: asyncio.Event) -> None:
-    """Waits until the coroutine finishes or the event is set, whichever comes first."""
-    await _first(event, waiting=waiting)
-
-
-async def _first(*events: asyncio.Event, waiting: Coroutine[Any, Any, None] | None = None) -> None:
-    """Waits until any of the events is set."""
-    waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(event.wait()) for event in events]
-    if waiting is not None:
-        waiters.append(asyncio.ensure_future(waiting))
-    try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiter in waiters:
-            waiter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await waiter

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import Literal
 
+from nemesis.aio import first_of
 from nemesis.broker.port import Message
 from nemesis.clock import Clock
 from nemesis.runtime.acks import PartitionAcks
@@ -35,7 +36,10 @@ class Work:
     returned it), so finishing it needs no lookup.
     """
 
-    __slots__ = ("acks", "attempt", "first_failure_at", "last_error", "message")
+    # failed_at (monotonic, the last failure here) is set on the failure path only and
+    # read with getattr: a message that never fails does not pay for it.
+    __slots__ = ("acks", "attempt", "failed_at", "first_failure_at", "last_error", "message")
+    failed_at: float
 
     def __init__(self, message: Message, acks: PartitionAcks | None = None) -> None:
         self.message = message
@@ -176,13 +180,7 @@ class Scheduler:
                 await self._delayed_changed.wait()
                 continue
             wait_s = self._delayed[0][0] - now
-            sleeper = asyncio.ensure_future(self._clock.sleep(wait_s))
-            changed = asyncio.ensure_future(self._delayed_changed.wait())
-            try:
-                await asyncio.wait({sleeper, changed}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                sleeper.cancel()
-                changed.cancel()
+            await first_of(self._clock.sleep(wait_s), self._delayed_changed.wait())
 
     def _push(self, work: Work) -> None:
         self._ready.append(work)

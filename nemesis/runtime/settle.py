@@ -1,120 +1,293 @@
-"""What happens to a message after its delivery: the one place that decides.
+"""Carries out the failure policy's decisions for one flow (``nemesis.runtime.policy`` decides).
 
-A delivered or dropped message is finished by the contract and acknowledged
-at once. For every other outcome workers never decide on their own whether to
-retry or dead-letter: they hand the delivery result to a ``Settler`` and do
-what it says (faststream's acknowledgement middleware, dramatiq's Retries).
+A delivered or dropped message is finished by the runner at once. Every
+other one comes here: ``Settlement.settle`` asks ``policy.decide`` what to do
+and does it, publishing to a retry tier topic, writing the DLQ, scheduling a
+retry in place, and keeping the halted keys. Moves are acknowledged only
+after the tier write or the DLQ write returned, so a crash in between
+delivers the message again (at-least-once; the DLQ row is idempotent, a
+duplicate in a tier is delivered twice under the same ``ce-id``).
+
+Logs: each dead letter is a warning (integration, source coordinates,
+reason, attempts; never the payload). Retries are summed up in one warning
+per ``RETRY_LOG_INTERVAL_S`` per flow, not a line each: an outage fails every
+message, and a line per retry would flood the log at the delivery rate. The
+first retry is reported at once; the ones after it with the first retry once
+the interval has passed. Each decision is logged at debug.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Final
 
-from nemesis.delivery.port import DeliveryResult, Outcome
-from nemesis.runtime.scheduler import Work
+from nemesis.broker.port import Message, OutgoingMessage, TopicWriter
+from nemesis.clock import Clock
+from nemesis.config.models import IntegrationConfig
+from nemesis.dlq import DeadLetter, DeadLetterStore, Reason
+from nemesis.metrics import Metrics
+from nemesis.resilience.breaker import CircuitBreaker
+from nemesis.runtime.events import event_id
+from nemesis.runtime.policy import (
+    HEALTHY,
+    Action,
+    Decision,
+    Failure,
+    Health,
+    RetryPolicy,
+    decide,
+)
+from nemesis.runtime.retries import (
+    FlowSpec,
+    carried_metadata,
+    first_failure_at,
+    origin,
+    source_metadata,
+)
+from nemesis.runtime.scheduler import Scheduler, Work
+from nemesis.topology import (
+    META_ATTEMPTS,
+    META_DUE_AT,
+    META_FIRST_FAILURE_AT,
+    META_LAST_ERROR,
+    META_LAST_STATUS,
+    META_STAGE,
+    META_TIER,
+)
 
 log = logging.getLogger(__name__)
 
-
-class Action(enum.Enum):
-    ACK = "ack"  # finished: the offset may be committed
-    RETRY_IN_PLACE = "retry_in_place"  # deliver again after `delay_s`, keeping the offset
+RETRY_LOG_INTERVAL_S: Final = 60.0
+_ERROR_CHARS: Final = 500  # of the last error kept in a tier message's metadata
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    action: Action
-    delay_s: float = 0.0
+class Settlement:
+    """The executor of one flow: does what the failure policy decides for each failed message."""
 
+    def __init__(
+        self,
+        config: IntegrationConfig,
+        flow: FlowSpec,
+        scheduler: Scheduler,
+        finish: Callable[[Work], None],
+        *,
+        clock: Clock,
+        dlq: DeadLetterStore | None = None,
+        tier_writers: Sequence[TopicWriter] = (),
+        breaker: CircuitBreaker | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._name = config.name
+        self._flow = flow
+        self._scheduler = scheduler
+        self._finish = finish
+        self._clock = clock
+        self._dlq = dlq
+        self._writers = tier_writers
+        self._breaker = breaker
+        self.policy = RetryPolicy.of(config, dead_letters=dlq is not None)
+        self._unit = "partition" if config.delivery.ordering == "partition" else "key"
+        self._halts = config.delivery.ordering != "none" and config.retry.on_exhausted == "halt"
+        self._tiers = len(config.retry.tiers)
+        # Messages past their retries that hold their key (or partition) back, with
+        # retry.on_exhausted: halt; each leaves when it finishes or its partition goes.
+        self.halted: set[Work] = set()
+        metrics = metrics or Metrics()
+        self._metrics = metrics
+        self._m_retries = metrics.retries_in_place.labels(config.name)
+        self._m_halted = metrics.halted_keys.labels(config.name)
+        self._m_published = {
+            n: metrics.retry_publishes.labels(config.name, str(n))
+            for n in range(1, len(config.retry.tiers) + 1)
+        }
+        self._retries = _RetryLog(config.name, flow.name, clock)
 
-ACK = Decision(Action.ACK)
-
-
-def backoff_delay(attempt: int, delays_s: Sequence[float], retry_after_s: float | None) -> float:
-    """The delay before attempt ``attempt + 1``: the tier for this attempt, raised by Retry-After.
-
-    Past the last tier the last delay repeats. Pure, so tests need no clock.
-    """
-    base = delays_s[min(attempt, len(delays_s)) - 1] if delays_s else 1.0
-    if retry_after_s is not None and retry_after_s > base:
-        return retry_after_s
-    return base
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """Why a message did not finish: a handler's answer, or a pipeline stage's verdict."""
-
-    outcome: Outcome  # RETRY or DEAD
-    reason: str  # for the DLQ: http_4xx, verdict_dead, http_5xx, timeout, decode_error, ...
-    error: str | None = None  # short, never the payload
-    status: int | None = None
-    retry_after_s: float | None = None
-    stage: str = "delivery"
-
-
-def failure_of(result: DeliveryResult) -> Failure:
-    """The failure a handler's answer amounts to (only for outcomes that are not done)."""
-    status = result.status
-    if result.protocol == "grpc":
-        # A gRPC code is no HTTP status: it names the reason and stays out of http_status.
-        if result.outcome is Outcome.DEAD:
-            reason = "verdict_dead" if status == 0 else "grpc_status"
-        else:
-            reason = "no_answer" if status is None else f"grpc_{status}"
-        return Failure(
-            result.outcome, reason, error=result.error, retry_after_s=result.retry_after_s
-        )
-    if result.outcome is Outcome.DEAD:
-        # A 2xx that is dead can only be the verdict header; 4xx statuses are the contract table.
-        reason = "verdict_dead" if status is not None and status < 300 else "http_4xx"
-    elif status is None:
-        reason = "no_answer"  # timeout or connection error
-    elif status < 300:
-        reason = "verdict_retry"
-    else:
-        reason = f"http_{status // 100}xx"
-    return Failure(
-        result.outcome,
-        reason,
-        error=result.error,
-        status=status,
-        retry_after_s=result.retry_after_s,
-    )
-
-
-class Settler(Protocol):
-    async def settle(self, work: Work, failure: Failure) -> Decision: ...
-
-
-class RetryInPlace:
-    """Keeps every failed message and delivers it again after a backoff, forever.
-
-    Used where no retry topic may take the message: with this settler nothing
-    is ever committed past a message that did not finish. Dead outcomes are
-    retried too (and logged at error), since without a dead-letter store
-    dropping them would lose them.
-    """
-
-    def __init__(self, integration: str, delays_s: Sequence[float]) -> None:
-        self._integration = integration
-        self._delays_s = tuple(delays_s)
+    def health(self, work: Work) -> Health:
+        """The handler's health as the breaker sees it now, and since ``work`` last failed."""
+        breaker = self._breaker
+        if breaker is None:
+            return HEALTHY
+        failed_at: float | None = getattr(work, "failed_at", None)
+        healthy_at = breaker.last_healthy_at
+        answered = failed_at is not None and healthy_at is not None and healthy_at > failed_at
+        return Health(breaker.state, breaker.recent_failure_rate, answered)
 
     async def settle(self, work: Work, failure: Failure) -> Decision:
-        message = work.message
-        if failure.outcome is Outcome.DEAD:
-            log.error(
-                "integration %s: handler rejected %s/%s@%s (%s); no dead-letter store is "
-                "configured, so it is kept and retried",
-                self._integration,
+        """Decides what becomes of a failed message and carries it out."""
+        decision = decide(failure, work.attempt, self._flow.tier, self.policy, self.health(work))
+        action = decision.action
+        if log.isEnabledFor(logging.DEBUG):
+            message = origin(work.message)
+            log.debug(
+                "integration %s: %s/%s@%s attempt %d: %s, %s",
+                self._name,
                 message.topic,
                 message.partition,
                 message.offset,
-                failure.error,
+                work.attempt,
+                failure.summary,
+                action.value,
+                extra={**_where(message), "attempt": work.attempt, "stage": failure.stage},
             )
-        delay_s = backoff_delay(work.attempt, self._delays_s, failure.retry_after_s)
-        return Decision(Action.RETRY_IN_PLACE, delay_s)
+        if action is Action.DEAD_LETTER:
+            assert decision.reason is not None
+            await self._dead_letter(work, failure, decision.reason)
+            self._finish(work)
+        elif action is Action.TO_TIER:
+            await self._publish(work, failure, decision.tier, decision.delay_s)
+            self._retries.note(failure, decision)
+            self._finish(work)
+        else:
+            if action is Action.HALT or (
+                decision.waiting_out and self._halts and work.attempt > self._tiers
+            ):
+                # Past its retries, it holds its key back: halted, whether the handler
+                # rejects it alone or may be down (the key waits the same, and is shown).
+                self._halt(work)
+            elif failure.kind.dead:
+                self._keep_dead(work, failure)
+            self._retry_in_place(work, failure, decision)
+        return decision
+
+    def _retry_in_place(self, work: Work, failure: Failure, decision: Decision) -> None:
+        if work.first_failure_at is None:
+            work.first_failure_at = self._clock.time()
+        work.attempt += 1
+        work.last_error = failure.error
+        work.failed_at = self._clock.monotonic()
+        self._m_retries.inc()
+        self._retries.note(failure, decision)
+        self._scheduler.put_later(work, decision.delay_s)
+
+    def _halt(self, work: Work) -> None:
+        if work in self.halted:
+            return
+        self.halted.add(work)  # retried at the last delay until the handler accepts it
+        self._m_halted.inc()
+        message = origin(work.message)
+        log.error(
+            "integration %s: %s/%s@%s exhausted its retries; its %s is halted until "
+            "the handler accepts it (retry.on_exhausted: halt)",
+            self._name,
+            message.topic,
+            message.partition,
+            message.offset,
+            self._unit,
+            extra=_where(message),
+        )
+
+    def _keep_dead(self, work: Work, failure: Failure) -> None:
+        message = origin(work.message)
+        log.error(
+            "integration %s: handler rejected %s/%s@%s (%s); no dead-letter store is "
+            "configured, so it is kept and retried",
+            self._name,
+            message.topic,
+            message.partition,
+            message.offset,
+            failure.error or failure.summary,
+            extra=_where(message),
+        )
+
+    async def _publish(self, work: Work, failure: Failure, tier: int, delay_s: float) -> None:
+        message = work.message
+        now = self._clock.time()
+        meta = carried_metadata(message)
+        meta[META_ATTEMPTS] = str(work.attempt)
+        meta[META_DUE_AT] = repr(now + delay_s)
+        meta[META_FIRST_FAILURE_AT] = repr(work.first_failure_at or now)
+        meta[META_LAST_ERROR] = (failure.error or failure.summary)[:_ERROR_CHARS]
+        meta[META_STAGE] = failure.stage
+        meta[META_TIER] = str(tier)
+        if failure.http_status is not None:
+            meta[META_LAST_STATUS] = str(failure.http_status)
+        await self._writers[tier - 1].write(
+            [
+                OutgoingMessage(
+                    value=message.value,
+                    key=message.key,
+                    metadata=meta,
+                    created_at=message.created_at or None,
+                )
+            ]
+        )
+        self._m_published[tier].inc()
+
+    async def _dead_letter(self, work: Work, failure: Failure, reason: Reason) -> None:
+        assert self._dlq is not None  # the policy dead-letters only with a store
+        message = work.message
+        source = origin(message)
+        now = self._clock.time()
+        await self._dlq.put(
+            [
+                DeadLetter(
+                    integration=self._name,
+                    event_id=event_id(message),
+                    payload=message.value,
+                    reason=reason,
+                    error=failure.error or failure.summary,
+                    source_topic=source.topic,
+                    source_partition=source.partition,
+                    source_offset=source.offset,
+                    attempts=work.attempt,
+                    http_status=failure.http_status,
+                    key=message.key,
+                    metadata=source_metadata(message),
+                    stage=failure.stage,
+                    first_failure_at=work.first_failure_at or first_failure_at(message) or now,
+                    dead_lettered_at=now,
+                )
+            ]
+        )
+        self._metrics.dlq_writes.labels(self._name, reason.value).inc()
+        log.warning(
+            "integration %s: %s/%s@%s dead-lettered (%s) after %d attempts: %s",
+            self._name,
+            source.topic,
+            source.partition,
+            source.offset,
+            reason.value,
+            work.attempt,
+            failure.summary,
+            extra={**_where(source), "reason": reason.value, "attempt": work.attempt},
+        )
+
+
+class _RetryLog:
+    """Sums up a flow's retries in one warning per interval (the first one at once)."""
+
+    __slots__ = ("_clock", "_flow", "_integration", "_last", "_next_at", "_retried", "_waiting")
+
+    def __init__(self, integration: str, flow: str, clock: Clock) -> None:
+        self._integration = integration
+        self._flow = flow
+        self._clock = clock
+        self._next_at = float("-inf")
+        self._retried = 0
+        self._waiting = 0
+        self._last = ""
+
+    def note(self, failure: Failure, decision: Decision) -> None:
+        self._retried += 1
+        self._waiting += decision.waiting_out
+        self._last = failure.summary
+        now = self._clock.monotonic()
+        if now < self._next_at:
+            return
+        log.warning(
+            "integration %s, flow %s: %d retries since the last report (%d of them waiting"
+            " for the handler to recover); the last failure: %s",
+            self._integration,
+            self._flow,
+            self._retried,
+            self._waiting,
+            self._last,
+            extra={"integration": self._integration, "flow": self._flow},
+        )
+        self._retried = self._waiting = 0
+        self._next_at = now + RETRY_LOG_INTERVAL_S
+
+
+def _where(message: Message) -> dict[str, object]:
+    return {"topic": message.topic, "partition": message.partition, "offset": message.offset}

@@ -7,9 +7,14 @@ divided by the batch size when each request carries a batch. The buffer
 (messages read but not done) must cover every worker's batch in flight plus
 one batch per worker waiting, so no worker idles while the intake reads.
 
-``nemesis size`` prints the figure for a planned load; ``LiveSizing`` works it
-out from what a running integration measures: the demand (the faster of what
-producers write and what the integration finishes) and the mean delivery time.
+The rate that counts is the one that reaches the handler: a pipeline that
+passes 2,000 of 11,000 messages a second needs workers for 2,000 (the rest
+are filtered in microseconds, without a worker). ``nemesis size`` prints the
+figure for a planned load (``--pass-rate`` or ``--handler-rps`` for a
+filtering pipeline); ``LiveSizing`` works it out from what a running
+integration measures: the demand (the faster of what the integration
+finishes and what producers write times the share its pipeline has passed)
+and the mean delivery time.
 """
 
 from __future__ import annotations
@@ -71,6 +76,23 @@ def size_for(
     )
 
 
+def handler_rate(
+    rps: float, *, pass_rate: float | None = None, handler_rps: float | None = None
+) -> float:
+    """The rate that reaches the handler: given, or the written rate times the share passed."""
+    if handler_rps is not None:
+        if pass_rate is not None:
+            raise ValueError("give the share that passes or the handler's rate, not both")
+        if handler_rps < 0:
+            raise ValueError("rate and latency cannot be negative")
+        return handler_rps
+    if pass_rate is None:
+        return rps
+    if not 0 <= pass_rate <= 1:
+        raise ValueError(f"the share that passes is between 0 and 1, not {pass_rate:g}")
+    return rps * pass_rate
+
+
 def describe(sizing: Sizing) -> str:
     """The figure and how it was reached, for a terminal."""
     lines = [
@@ -104,6 +126,7 @@ class _Sample:
     requests: int
     request_seconds: float
     produced: int | None  # the source topic's end offsets summed
+    read: int | None  # messages the runner read (before the pipeline)
 
 
 class LiveSizing:
@@ -122,12 +145,17 @@ class LiveSizing:
         requests: int,
         request_seconds: float,
         produced: int | None,
+        read: int | None = None,
     ) -> None:
         """Records the cumulative counters at monotonic time ``at``."""
         samples = self._samples
-        if samples and (attempted < samples[-1].attempted or requests < samples[-1].requests):
+        if samples and (
+            attempted < samples[-1].attempted
+            or requests < samples[-1].requests
+            or (read is not None and read < (samples[-1].read or 0))
+        ):
             samples.clear()  # the runner restarted: its counters began again
-        samples.append(_Sample(at, attempted, requests, request_seconds, produced))
+        samples.append(_Sample(at, attempted, requests, request_seconds, produced, read))
         while len(samples) > 2 and at - samples[1].at >= self._window_s:
             samples.popleft()
 
@@ -147,10 +175,16 @@ class LiveSizing:
             produced_rps = max(last.produced - first.produced, 0) / elapsed
         latency_s = (last.request_seconds - first.request_seconds) / requests
         batch = max(1, round(attempted / requests))
-        demand = max(delivered_rps, produced_rps or 0.0)
+        pass_ratio = None
+        if first.read is not None and last.read is not None and last.read > first.read:
+            # Retries in place count again in ``attempted``: a ratio above 1 is all passing.
+            pass_ratio = min(1.0, attempted / (last.read - first.read))
+        handler_bound = None if produced_rps is None else produced_rps * (pass_ratio or 1.0)
+        demand = max(delivered_rps, handler_bound or 0.0)
         return LiveEstimate(
             delivered_rps=delivered_rps,
             produced_rps=produced_rps,
+            pass_ratio=pass_ratio,
             window_s=elapsed,
             sizing=size_for(demand, latency_s, batch_size=batch, headroom=self._headroom),
         )
@@ -162,5 +196,6 @@ class LiveEstimate:
 
     delivered_rps: float  # messages the integration sent to its handler
     produced_rps: float | None  # messages written to its source topic
+    pass_ratio: float | None  # of the messages read, the share the pipeline passed
     window_s: float
     sizing: Sizing

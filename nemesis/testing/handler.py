@@ -33,7 +33,6 @@ import logging
 import random
 import signal
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -44,6 +43,7 @@ from typing import Any, Final, cast
 import httptools
 import orjson
 
+from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.delivery.cloudevents import (
     BATCH_CONTENT_TYPE,
     STRUCTURED_CONTENT_TYPE,
@@ -125,8 +125,10 @@ class HandlerServer:
         *,
         ledger_path: str | Path | None = None,
         seed: int | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.host = host
+        self.clock = clock  # stamps arrivals: a fake one lets tests measure jumped time
         self.ledger = Ledger(ledger_path)
         self._port = port
         self._random = random.Random(seed)
@@ -458,8 +460,8 @@ class _Connection(asyncio.Protocol):
             headers=self._headers,
             body=body,
             keep_alive=self._parser.should_keep_alive(),
-            received_monotonic=time.monotonic(),
-            received_wall=time.time(),
+            received_monotonic=self._server.clock.monotonic(),
+            received_wall=self._server.clock.time(),
         )
         self._server._handle(self, request)
 

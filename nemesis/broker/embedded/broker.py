@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import logging
 import os
 import secrets
-import socket
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +13,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from nemesis.broker.embedded import log
+from nemesis.aio import TaskScope
+from nemesis.broker.embedded import leases, log
 from nemesis.broker.embedded.bells import Bell, Ringer, RingerStatistics, RingRows, Rings
 from nemesis.broker.embedded.db import Checkpoint, Database, checkpoint
 from nemesis.broker.embedded.reader import EmbeddedReader, Wakeups
@@ -201,7 +199,10 @@ class EmbeddedBroker:
         self._writers: set[EmbeddedWriter] = set()
         self._tail = TailCache()
         self._reader_numbers = itertools.count(1)
-        self._housekeeping_task: asyncio.Task[None] | None = None
+        # Owns the housekeeping loop: a failure is logged with its traceback and the
+        # loop started again (``_housekeeping_failed``); close() cancels and awaits it.
+        self._background = TaskScope("embedded broker", self._housekeeping_failed)
+        self._housekeeping_running = False
         self._closed = False
 
     @property
@@ -380,10 +381,20 @@ class EmbeddedBroker:
 
     def start_housekeeping(self) -> None:
         """Starts the periodic checkpoint and retention task (stopped by ``close``)."""
-        if self._housekeeping_task is None:
-            self._housekeeping_task = asyncio.create_task(
+        if not self._housekeeping_running:
+            self._housekeeping_running = True
+            self._background.start(
                 self._housekeeping_loop(), name=f"nemesis-housekeeping:{self.path.name}"
             )
+
+    def _housekeeping_failed(self, error: BaseException) -> None:
+        # Not a broker error (those are retried in the loop): a bug. Checkpoints must go
+        # on, or the WAL grows without bound: log it loudly and start the loop again (it
+        # waits a checkpoint interval before its first round, so a bug cannot spin).
+        logger.error("housekeeping of %s failed; starting it again", self.path, exc_info=error)
+        self._housekeeping_running = False
+        if not self._closed:
+            self.start_housekeeping()
 
     async def _housekeeping_loop(self) -> None:
         # Checkpoints often, so the WAL stays small (reads through a long WAL
@@ -414,11 +425,7 @@ class EmbeddedBroker:
         if self._closed:
             return
         self._closed = True
-        task, self._housekeeping_task = self._housekeeping_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._background.aclose()
         readers = [r for group in self._readers.values() for r in group]
         for reader in readers:
             await reader.close(timeout_s)
@@ -435,8 +442,8 @@ class EmbeddedBroker:
 
 
 def default_member_id() -> str:
-    """host:pid:random: unique per broker, and readable in the leases table."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+    """host:pid:random:node: unique per broker, readable, and says where it runs (see leases)."""
+    return leases.local_member_id()
 
 
 async def open_embedded(

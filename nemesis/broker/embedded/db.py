@@ -159,7 +159,12 @@ class Database:
 
     async def open(self, timeout_s: float) -> None:
         """Opens every connection and creates (or checks) the schema."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BrokerError(
+                f"{self.path}: cannot create the folder {self.path.parent}: {exc.strerror or exc}"
+            ) from exc
         try:
             # The write connection switches the file to WAL before the others open.
             await self.writer.open(timeout_s)

@@ -18,17 +18,95 @@ The generation is the fencing token: a commit updates the offset only if the
 lease row still names the committing reader with the session's generation,
 in the same transaction, so a reader that lost its partition cannot move the
 new owner's offset.
+
+A dead predecessor on the same machine does not have to expire. A member id
+(``local_member_id``) says where its process runs: host name, pid, and a
+digest of the boot and the pid namespace. In step 1 a member whose id names
+this host, this boot and this pid namespace, and a pid that is no longer
+alive (``is_dead_neighbour``), is forgotten at once and its leases are freed:
+a ``nemesis run`` restarted after ``kill -9`` takes its partitions back
+without waiting ``lease_s``. Anything it cannot be sure of (another host,
+another container, a pid that is alive, even if reused) waits for expiry as
+before; the generation fences a mistaken takeover in any case.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import secrets
+import socket
 import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from nemesis.broker.embedded import bells
 from nemesis.errors import TopicNotFound
 from nemesis.sqlite_thread import when_unlocked, write_transaction
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+@functools.cache
+def _node() -> str:
+    """This boot of this machine and this pid namespace, as 8 hex digits.
+
+    Two processes with one node digest see each other's pids; a container has
+    its own pid namespace (so its own digest) even where it has the host's name.
+    """
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    if not boot or not namespace:
+        # Nothing to tell this boot and pid namespace from another: a random digest,
+        # so no other process can take this one for its neighbour (leases then expire).
+        return secrets.token_hex(4)
+    return hashlib.sha256(f"{boot}/{namespace}".encode()).hexdigest()[:8]
+
+
+def local_member_id() -> str:
+    """``host:pid:random:node``: unique per broker, readable, and says where it runs."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}:{_node()}"
+
+
+def is_dead_neighbour(member_id: str) -> bool:
+    """True when ``member_id`` is a process of this host, boot and pid namespace that is gone.
+
+    A reader's id is its broker's plus ``/<n>``. Ids that say nothing of where
+    they run (other formats, other hosts) are never taken for dead.
+    """
+    parts = member_id.split("/", 1)[0].split(":")
+    if len(parts) != 4 or parts[0] != socket.gethostname() or parts[3] != _node():
+        return False
+    try:
+        pid = int(parts[1])
+    except ValueError:
+        return False
+    if pid <= 0 or pid == os.getpid():
+        return False
+    return not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    # Killed but not yet reaped by its parent: a zombie holds its pid and nothing else.
+    stat = _read(f"/proc/{pid}/stat")
+    state = stat.rpartition(")")[2].split()[:1]
+    return state != ["Z"]
 
 
 def fair_share(members: Sequence[str], partitions: int, member: str) -> frozenset[int]:
@@ -108,6 +186,7 @@ def heartbeat(
             "DELETE FROM members WHERE topic_id = ? AND consumer = ? AND expires_at < ?",
             (topic_id, consumer, now),
         )
+        _forget_dead_neighbours(conn, topic_id, consumer, member_id)
         if bell is not None:
             bells.renew(
                 conn,
@@ -188,6 +267,31 @@ def heartbeat(
         settled=not waiting,
         members=len(members),
     )
+
+
+def _forget_dead_neighbours(
+    conn: sqlite3.Connection, topic_id: int, consumer: str, member_id: str
+) -> None:
+    """Removes the other members of this host whose process is gone, and frees their leases."""
+    dead = [
+        r[0]
+        for r in conn.execute(
+            "SELECT member_id FROM members WHERE topic_id = ? AND consumer = ?",
+            (topic_id, consumer),
+        )
+        if r[0] != member_id and is_dead_neighbour(r[0])
+    ]
+    for member in dead:
+        conn.execute(
+            "DELETE FROM members WHERE topic_id = ? AND consumer = ? AND member_id = ?",
+            (topic_id, consumer, member),
+        )
+        conn.execute(
+            "UPDATE leases SET owner = NULL, expires_at = 0"
+            " WHERE topic_id = ? AND consumer = ? AND owner = ?",
+            (topic_id, consumer, member),
+        )
+        bells.remove(conn, topic_id=topic_id, member_id=member)
 
 
 def _start_position(conn: sqlite3.Connection, topic_id: int, consumer: str, partition: int) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import sqlite3
@@ -11,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
+from nemesis.aio import TaskScope, first_of
 from nemesis.broker.embedded import leases, log
 from nemesis.broker.embedded.db import Database
 from nemesis.broker.embedded.tail import TailCache
@@ -213,7 +213,8 @@ class EmbeddedReader:
         self._receive_lock = asyncio.Lock()
         self._heartbeat_lock = asyncio.Lock()
         self._poke = asyncio.Event()
-        self._heartbeat_task: asyncio.Task[None] | None = None
+        # Owns the heartbeat: its failure ends the sessions at once (``_heartbeat_failed``).
+        self._background = TaskScope(f"reader {member_id}", self._heartbeat_failed)
         self._failure: BrokerError | None = None
         self._closed = False
 
@@ -236,7 +237,7 @@ class EmbeddedReader:
     async def start(self, timeout_s: float) -> None:
         """Joins the consumer's members, takes a first share, and starts heartbeating."""
         await self.heartbeat(timeout_s)
-        self._heartbeat_task = asyncio.create_task(
+        self._background.start(
             self._heartbeat_loop(), name=f"nemesis-lease:{self._topic.name}:{self._member_id}"
         )
 
@@ -450,9 +451,6 @@ class EmbeddedReader:
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
             raise self._failure
-        task = self._heartbeat_task
-        if task is not None and task.done():
-            raise BrokerError("the lease heartbeat stopped") from task.exception()
 
     # --- committing -----------------------------------------------------------------
 
@@ -616,6 +614,13 @@ class EmbeddedReader:
         """Asks for a heartbeat now: a sibling reader joined or let partitions go."""
         self._poke.set()
 
+    def _heartbeat_failed(self, error: BaseException) -> None:
+        # Not a broker error (those are retried in the loop): a bug. The leases are
+        # no longer renewed, so the sessions end now; receive() raises it to the runner.
+        failure = BrokerError(f"the lease heartbeat of {self._member_id} failed: {error!r}")
+        failure.__cause__ = error
+        self._fail(failure)
+
     async def _heartbeat_loop(self) -> None:
         interval = self._lease_s / 3
         delay = interval
@@ -640,14 +645,7 @@ class EmbeddedReader:
             delay = interval if self._settled else interval / 4
 
     async def _sleep_or_poke(self, seconds: float) -> None:
-        sleeper = asyncio.ensure_future(self._clock.sleep(seconds))
-        poked = asyncio.ensure_future(self._poke.wait())
-        try:
-            await asyncio.wait((sleeper, poked), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in (sleeper, poked):
-                waiter.cancel()
-            await asyncio.gather(sleeper, poked, return_exceptions=True)
+        await first_of(self._clock.sleep(seconds), self._poke.wait())
 
     def _fail(self, error: BrokerError) -> None:
         self._failure = error
@@ -663,11 +661,7 @@ class EmbeddedReader:
         if self._closed:
             return
         self._closed = True
-        task, self._heartbeat_task = self._heartbeat_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._background.aclose()
         for session in self._sessions.values():
             session.end()
         held = {p: s.id for p, s in self._sessions.items()}

@@ -1,0 +1,14 @@
+"""A fleet: replicas of one ``nemesis run`` configuration sharing one state store.
+
+- ``port``: the state store's port (members, assignments, live overrides,
+  the generation) and its values;
+- ``core``: the store logic over SQL, once; ``sqlite``: the SQLite store,
+  only its queries (the kind is registered in ``nemesis.backends``);
+- ``placement``: who runs which integration (rendezvous hashing) and each
+  runner's share of a rate limit;
+- ``member``: one replica's part (lease, placement, shares, overrides),
+  beside the proxy;
+- ``status``: what ``nemesis fleet status`` and ``GET /fleet`` show.
+
+Nothing here is imported by ``nemesis.config``; import the modules you need.
+"""

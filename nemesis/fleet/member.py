@@ -1,0 +1,420 @@
+"""One replica's part in a fleet: its lease, its integrations, its shares, the live overrides.
+
+A ``FleetMember`` sits beside the proxy (``nemesis.runtime.app.Proxy``),
+which asks it, before starting an integration, whether the integration runs
+here (``runs_here``). The member:
+
+1. **Joins**: writes its row (``heartbeat``), renews it every third of the
+   lease, and forgets rows of processes on its own host that no longer exist
+   (a predecessor killed with ``kill -9``) at once rather than after a lease.
+2. **Watches** the store's generation every ``poll_s`` (one small read) and
+   reads the whole view when it moved, when a peer's lease may have run out,
+   or while it waits for a handover. A member whose lease has expired is
+   deleted by whoever notices first; that moves the generation.
+3. **Places** every integration with rendezvous hashing over the active
+   (live, not draining) members (``nemesis.fleet.placement``): it starts
+   those it should run, once no live member outside their owners still runs
+   them (the old owner drains and commits first) or after ``handover_wait_s``;
+   it drains and stops those it should no longer run, then says so in the
+   store. The broker's partition fencing covers the overlap either way.
+4. **Shares** each running integration's rate limits by the number of
+   members running it (the owners, or more while one hands over).
+5. **Keeps overrides fleet-wide**: a live change through any replica's admin
+   API goes to the store first, then applies here; every other member
+   applies it at its next poll, and a restarted one at its start. An
+   override the YAML now says is deleted from the store (drift no more).
+
+Shutting down (``proxy.stop()``), the member marks itself draining, so the
+others compute owners without it; once the proxy has drained it leaves
+(deletes its row and assignments), and the new owners start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from nemesis.clock import SYSTEM_CLOCK, Clock
+from nemesis.config.models import IntegrationConfig
+from nemesis.errors import StateError
+from nemesis.fleet.placement import Replicas, assign
+from nemesis.fleet.port import FleetView, MemberInfo, StateStore
+from nemesis.runtime import overrides as live
+
+log = logging.getLogger(__name__)
+
+
+class FleetGroup(Protocol):
+    """What the member reads of one of the proxy's integrations."""
+
+    @property
+    def yaml(self) -> IntegrationConfig: ...
+
+    @property
+    def overrides(self) -> dict[str, Any]: ...
+
+
+class FleetProxy(Protocol):
+    """What the member needs of the proxy (``nemesis.runtime.app.Proxy``)."""
+
+    @property
+    def groups(self) -> Mapping[str, FleetGroup]: ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def set_placement(self, runs_here: Any) -> None: ...
+
+    def start_integration(self, name: str) -> None: ...
+
+    async def release_integration(self, name: str) -> None: ...
+
+    def set_runners(self, name: str, runners: int) -> None: ...
+
+    def replace_overrides(self, name: str, overrides: Mapping[str, Any]) -> Any: ...
+
+    def set_overrides(self, name: str, changes: Mapping[str, Any]) -> Any: ...
+
+    def clear_overrides(self, name: str, fields: Collection[str] | None = None) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FleetOptions:
+    lease_s: float = 10.0
+    poll_s: float = 1.0
+    # How long a new owner waits for the old one to drain before it starts anyway.
+    handover_wait_s: float = 30.0
+
+
+@dataclass
+class FleetStatistics:
+    """What this member knows now: for the admin API and logs."""
+
+    member_id: str
+    generation: int
+    draining: bool
+    running: list[str]
+    waiting: list[str]  # integrations it should run, waiting for the old owner
+    releasing: list[str]
+    last_error: str | None = None
+
+
+def new_member_id(host: str, pid: int) -> str:
+    """A member id: readable (host, pid) and unique across restarts (a random tail)."""
+    return f"{host}-{pid}-{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Every integration's owners for one set of active members and integrations."""
+
+    active: tuple[str, ...] = ()
+    integrations: frozenset[tuple[str, Replicas]] = frozenset()
+    owners: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, active: tuple[str, ...], integrations: Mapping[str, Replicas]) -> _Placement:
+        return cls(active, frozenset(integrations.items()), assign(integrations, active))
+
+
+class FleetMember:
+    """This replica in the fleet: lease, placement, shares and fleet-wide overrides."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        proxy: FleetProxy,
+        *,
+        options: FleetOptions = FleetOptions(),
+        clock: Clock = SYSTEM_CLOCK,
+        host: str | None = None,
+        pid: int | None = None,
+        member_id: str | None = None,
+    ) -> None:
+        self.store = store
+        self._proxy = proxy
+        self._options = options
+        self._clock = clock
+        host = host or socket.gethostname()
+        pid = os.getpid() if pid is None else pid
+        self._info = MemberInfo(
+            member_id=member_id or new_member_id(host, pid),
+            host=host,
+            pid=pid,
+            started_at=clock.time(),
+        )
+        self._view = FleetView(0, (), (), ())
+        self._placement = _Placement()
+        self._running: set[str] = set()
+        self._releasing: set[str] = set()
+        self._waiting_since: dict[str, float] = {}
+        self._next_heartbeat = 0.0
+        self._next_expiry = float("inf")
+        self._refused: dict[tuple[str, int], str] = {}  # overrides that do not fit, logged once
+        self._last_error: str | None = None
+        self._placed: set[str] = set()  # the integrations the last placement saw
+        self._tasks: asyncio.TaskGroup | None = None
+        proxy.set_placement(self.runs_here)
+
+    # --- reading ------------------------------------------------------------------
+
+    @property
+    def member_id(self) -> str:
+        return self._info.member_id
+
+    @property
+    def view(self) -> FleetView:
+        """The store as last read."""
+        return self._view
+
+    @property
+    def active(self) -> tuple[str, ...]:
+        """The live members that take integrations, as last read."""
+        return self._placement.active
+
+    def runs_here(self, name: str) -> bool:
+        """Whether the integration runs on this member (the proxy asks before starting it)."""
+        return name in self._running
+
+    def owners_of(self, name: str) -> tuple[str, ...]:
+        """The members that should run an integration, as this member sees the fleet."""
+        return self._placement.owners.get(name, ())
+
+    def statistics(self) -> FleetStatistics:
+        now = self._clock.time()
+        return FleetStatistics(
+            member_id=self.member_id,
+            generation=self._view.generation,
+            draining=self._info.draining,
+            running=sorted(self._running),
+            waiting=sorted(n for n, t in self._waiting_since.items() if t <= now),
+            releasing=sorted(self._releasing),
+            last_error=self._last_error,
+        )
+
+    # --- the run ------------------------------------------------------------------
+
+    async def join(self) -> None:
+        """Writes this member's row and places the integrations once (before the proxy runs)."""
+        await self._forget_dead_neighbours()
+        await self._heartbeat()
+        await self._refresh()
+
+    async def run(self) -> None:
+        """Watches the store until cancelled, then leaves the fleet."""
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                while True:
+                    await self._clock.sleep(self._options.poll_s)
+                    try:
+                        await self.tick()
+                    except StateError as exc:
+                        self._failed(exc)
+                    except Exception:
+                        # A supervisor boundary: a bug here must not stop the deliveries.
+                        log.exception("fleet: looking at the state store failed; trying again")
+        finally:
+            self._tasks = None
+            with contextlib.suppress(StateError, TimeoutError):
+                await asyncio.shield(self.store.leave(self.member_id))
+
+    async def tick(self) -> None:
+        """One look at the store; acts on what changed."""
+        now = self._clock.time()
+        if self._proxy.stopping and not self._info.draining:
+            self._info = dataclasses.replace(self._info, draining=True)
+            self._next_heartbeat = now
+        if now >= self._next_heartbeat:
+            generation = await self._heartbeat()
+        else:
+            generation = await self.store.generation()
+        if (
+            generation != self._view.generation
+            or now >= self._next_expiry
+            or self._waiting_since
+            or self._proxy.groups.keys() != self._placed
+        ):
+            await self._refresh()
+        self._last_error = None
+
+    async def leave(self) -> None:
+        """Deletes this member's row and assignments (after the proxy has drained)."""
+        await self.store.leave(self.member_id)
+
+    # --- live overrides, fleet-wide ------------------------------------------------
+
+    async def set_overrides(self, name: str, changes: Mapping[str, Any], *, set_by: str) -> None:
+        """Stores live values for the whole fleet, then applies them here.
+
+        Raises KeyError for an unknown integration, pydantic's ValidationError
+        when the values do not fit, StateError when the store cannot take them.
+        """
+        group = self._proxy.groups[name]
+        yaml = group.yaml
+        live.apply_overrides(yaml, live.caught_up(yaml, {**group.overrides, **changes}))
+        kept = live.caught_up(yaml, changes)
+        cleared = [path for path in changes if path not in kept]
+        now = self._clock.time()
+        await self.store.set_overrides(name, kept, cleared=cleared, set_by=set_by, now=now)
+        self._proxy.set_overrides(name, changes)
+
+    async def clear_overrides(self, name: str, fields: Collection[str] | None = None) -> None:
+        """Back to the YAML for the whole fleet (every live field when ``fields`` is None)."""
+        group = self._proxy.groups[name]
+        kept = {} if fields is None else live.only(group.overrides, fields)
+        live.apply_overrides(group.yaml, kept)
+        await self.store.clear_overrides(name, fields)
+        self._proxy.clear_overrides(name, fields)
+
+    # --- the parts ----------------------------------------------------------------
+
+    async def _heartbeat(self) -> int:
+        now = self._clock.time()
+        generation = await self.store.heartbeat(self._info, now=now, lease_s=self._options.lease_s)
+        self._next_heartbeat = now + self._options.lease_s / 3
+        return generation
+
+    async def _forget_dead_neighbours(self) -> None:
+        """Forgets members of this host whose process is gone (no lease wait for a restart)."""
+        view = await self.store.view()
+        gone = [
+            m.member_id
+            for m in view.members
+            if m.host == self._info.host and m.pid != self._info.pid and not _alive(m.pid)
+        ]
+        if gone:
+            log.info("fleet: forgetting members of this host that are gone: %s", ", ".join(gone))
+            await self.store.forget(gone)
+
+    async def _refresh(self) -> None:
+        view = await self.store.view()
+        now = self._clock.time()
+        expired = [m.member_id for m in view.members if not m.live(now)]
+        if expired:
+            log.warning("fleet: members whose lease ran out: %s", ", ".join(expired))
+            await self.store.forget(expired)
+            view = await self.store.view()
+        self._view = view
+        others = [m for m in view.members if m.member_id != self.member_id and m.live(now)]
+        self._next_expiry = min((m.lease_until for m in others), default=float("inf"))
+        active = {m.member_id for m in others if not m.draining}
+        if not self._info.draining:
+            active.add(self.member_id)  # even before its row is read back
+        ordered = tuple(sorted(active))
+        if ordered != self._placement.active:
+            log.info("fleet: %d active members: %s", len(ordered), ", ".join(ordered))
+        integrations = {name: g.yaml.replicas for name, g in self._proxy.groups.items()}
+        placement = self._placement
+        if ordered != placement.active or placement.integrations != integrations.items():
+            self._placement = _Placement.of(ordered, integrations)
+        await self._apply_overrides(view)
+        await self._place(view, now)
+
+    async def _place(self, view: FleetView, now: float) -> None:
+        live_ids = {m.member_id for m in view.members if m.live(now)} | {self.member_id}
+        runners: dict[str, set[str]] = {}
+        for assignment in view.assignments:
+            if assignment.member_id in live_ids:
+                runners.setdefault(assignment.integration, set()).add(assignment.member_id)
+        me = self.member_id
+        groups = self._proxy.groups
+        for name in groups:
+            wanted = self.owners_of(name)
+            running = runners.get(name, set())
+            if name in self._running:
+                running = running | {me}
+            if me in wanted and name not in self._running:
+                blockers = running - set(wanted)
+                since = self._waiting_since.setdefault(name, now)
+                if blockers and now - since < self._options.handover_wait_s:
+                    continue  # the old owner drains first
+                del self._waiting_since[name]
+                await self.store.assign(name, me, now=now)
+                self._running.add(name)
+                self._proxy.set_runners(name, max(len(wanted), len(running | {me})))
+                self._proxy.start_integration(name)
+                continue
+            self._waiting_since.pop(name, None)
+            if name not in self._running:
+                continue
+            if me not in runners.get(name, ()):
+                # Forgotten while this member could not renew its lease: it runs it still.
+                await self.store.assign(name, me, now=now)
+            self._proxy.set_runners(name, max(len(wanted), len(running)))
+            if me not in wanted and name not in self._releasing:
+                self._releasing.add(name)
+                if self._tasks is None:
+                    await self._release(name)  # before run(): nothing started, nothing to drain
+                else:
+                    self._tasks.create_task(self._release(name), name=f"fleet:release:{name}")
+        for name in self._running - set(groups):  # removed by a reload
+            self._running.discard(name)
+            await self.store.unassign(name, me)
+        self._placed = set(groups)
+
+    async def _release(self, name: str) -> None:
+        """Drains and stops an integration that moved to another member, then says so."""
+        try:
+            log.info("fleet: integration %s moves to another member; draining it here", name)
+            await self._proxy.release_integration(name)
+        except Exception:
+            # It stopped here all the same (or never ran); the new owner must not wait for it.
+            log.exception("fleet: integration %s: stopping it here failed", name)
+        finally:
+            self._running.discard(name)
+            self._releasing.discard(name)
+        try:
+            await self.store.unassign(name, self.member_id)
+        except StateError as exc:
+            # The others start after handover_wait_s without this row's deletion.
+            self._failed(exc)
+
+    async def _apply_overrides(self, view: FleetView) -> None:
+        for name, group in self._proxy.groups.items():
+            stored = view.overrides_of(name)
+            yaml = group.yaml
+            said = {p: o.version for p, o in stored.items() if live.get_field(yaml, p) == o.value}
+            if said:
+                await self.store.drop_caught_up(name, said)
+            wanted = {path: o.value for path, o in stored.items() if path not in said}
+            if wanted == group.overrides:
+                continue
+            try:
+                self._proxy.replace_overrides(name, wanted)
+            except (ValidationError, KeyError) as exc:
+                key = (name, view.generation)
+                if key not in self._refused:
+                    self._refused[key] = str(exc)
+                    log.error(  # noqa: TRY400 - a configuration disagreement, not a bug
+                        "fleet: the stored overrides of %s do not fit this member's YAML: %s",
+                        name,
+                        exc,
+                        extra={"integration": name},
+                    )
+
+    def _failed(self, exc: StateError) -> None:
+        message = str(exc)
+        if message != self._last_error:
+            log.error("fleet: the state store failed: %s; the integrations here keep running", exc)
+        self._last_error = message
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    return True

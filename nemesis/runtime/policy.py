@@ -1,0 +1,304 @@
+"""The failure policy: what becomes of a message that did not finish, decided in one place.
+
+``decide`` is a pure function of the failure (its kind, status and
+Retry-After), the attempt that failed, the flow it failed in (main, retry
+tier n, replay), the integration's retry policy and the handler's health.
+It answers with one ``Decision``; ``nemesis.runtime.settle`` carries it out.
+The table, in words:
+
+- **Dead** (a 400/409/410/413/415/422, ``nemesis-verdict: dead``, the gRPC
+  mirror of those, a pipeline error, a payload that does not decode): to the
+  DLQ at once, with the ``Reason`` its kind names, in every flow and ordering
+  mode. Without a dead-letter store nothing may drop it: it is retried in
+  place at the backoff of its attempt, forever.
+- **Retry** (5xx and the statuses the contract counts as the handler's
+  trouble, timeouts and refused connections, 429, ``nemesis-verdict:
+  retry``): with ``ordering: none`` and retry tier topics it moves to the
+  next tier after that tier's delay (main and replay go to tier 1, tier n to
+  tier n + 1); ordered flows, and flows without tier topics, retry in place
+  after the delay of the attempt. Retry-After raises any delay, never lowers
+  it.
+- **Exhausted** (the last tier failed, or an ordered message failed once per
+  tier after its first try): ``retry.on_exhausted: dead_letter`` writes it to
+  the DLQ as ``retries_exhausted``; ``halt`` (ordered only) keeps it in place
+  at the last delay and counts its key (or partition) as halted until the
+  handler accepts it. Without a dead-letter store it stays in place at the
+  last delay.
+- **The handler may be down**: a health failure (every retry kind but the
+  verdict: 5xx, timeouts, refused connections, 429) is dead-lettered only
+  with evidence that the failure is the message's own: the breaker is
+  closed, the handler's recent answers (the last ``min_requests`` of them,
+  however old) fail at no more than the breaker's ``open_above``, and the
+  handler answered some other message without a health failure since this
+  one last failed. Where it would be exhausted without that evidence it
+  waits in place for the breaker's ``cooldown_s`` (or Retry-After) and is
+  tried again. The first time a health failure runs out it waits so once in
+  any case: an outage that has just begun may not show in the answers yet.
+  So during an outage messages wait in their topic or in place, never in the
+  DLQ, whatever the tiers, the breaker's window and the traffic; a message
+  the handler fails alone while others pass reaches the DLQ one cooldown
+  later than its tiers say, and one it fails while nothing else is sent
+  waits until something is.
+
+A delivered or dropped message never comes here: it is finished by the
+contract.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from nemesis.config.models import IntegrationConfig
+from nemesis.delivery.port import DeliveryResult, Outcome
+from nemesis.dlq import Reason
+from nemesis.resilience.breaker import BreakerState
+
+Ordering = Literal["none", "key", "partition"]
+
+_GRPC_OK = 0
+_GRPC_RESOURCE_EXHAUSTED = 8
+
+
+class FailureKind(enum.Enum):
+    """Why a message did not finish, as the policy tells failures apart."""
+
+    REJECTED = "rejected"  # 400, 409, 410, 413, 415, 422, or a gRPC contract violation
+    VERDICT_DEAD = "verdict_dead"  # nemesis-verdict: dead
+    PIPELINE_ERROR = "pipeline_error"  # a pipeline stage failed on this message
+    DECODE_ERROR = "decode_error"  # the payload does not decode (JSON, Protobuf)
+    SERVER_ERROR = "server_error"  # 5xx, 408, 425, the misconfigured 401/403/404/405, gRPC codes
+    NO_ANSWER = "no_answer"  # timeout, refused or broken connection
+    RATE_LIMITED = "rate_limited"  # 429 (gRPC RESOURCE_EXHAUSTED)
+    VERDICT_RETRY = "verdict_retry"  # nemesis-verdict: retry
+
+    @property
+    def dead(self) -> bool:
+        """Whether the message itself is at fault: dead-lettered at once."""
+        return self in _DEAD_KINDS
+
+    @property
+    def health(self) -> bool:
+        """Whether it says the handler is unwell (so it must not dead-letter during an outage)."""
+        return self in _HEALTH_KINDS
+
+
+_DEAD_KINDS = frozenset(
+    {
+        FailureKind.REJECTED,
+        FailureKind.VERDICT_DEAD,
+        FailureKind.PIPELINE_ERROR,
+        FailureKind.DECODE_ERROR,
+    }
+)
+_HEALTH_KINDS = frozenset(
+    {FailureKind.SERVER_ERROR, FailureKind.NO_ANSWER, FailureKind.RATE_LIMITED}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A message that did not finish: what went wrong, typed, with what the DLQ keeps of it."""
+
+    kind: FailureKind
+    status: int | None = None  # the HTTP status (gRPC code with protocol "grpc"); None: no answer
+    error: str | None = None  # short, never the payload
+    retry_after_s: float | None = None
+    stage: str = "delivery"
+    protocol: Literal["http", "grpc"] = "http"
+
+    @property
+    def reason(self) -> Reason:
+        """The DLQ reason when it is dead-lettered at once (``retries_exhausted`` is not one)."""
+        kind = self.kind
+        if kind is FailureKind.REJECTED:
+            return Reason.GRPC_STATUS if self.protocol == "grpc" else Reason.HTTP_4XX
+        if kind is FailureKind.VERDICT_DEAD:
+            return Reason.VERDICT_DEAD
+        if kind is FailureKind.DECODE_ERROR:
+            return Reason.DECODE_ERROR
+        return Reason.PIPELINE_ERROR
+
+    @property
+    def summary(self) -> str:
+        """A short label for logs and the ``nemesis-last-error`` of a tier message."""
+        if self.status is None:
+            return self.kind.value
+        if self.protocol == "grpc":
+            return f"{self.kind.value} (grpc {self.status})"
+        return f"{self.kind.value} (http {self.status})"
+
+    @property
+    def http_status(self) -> int | None:
+        """The status a DLQ row shows: an HTTP status only (a gRPC code is none)."""
+        return self.status if self.protocol == "http" else None
+
+
+def failure_of(result: DeliveryResult) -> Failure:
+    """The typed failure a handler's answer amounts to (only for outcomes that are not done)."""
+    status, protocol = result.status, result.protocol
+    dead = result.outcome is Outcome.DEAD
+    if protocol == "grpc":
+        if dead:
+            kind = FailureKind.VERDICT_DEAD if status == _GRPC_OK else FailureKind.REJECTED
+        elif status is None:
+            kind = FailureKind.NO_ANSWER
+        elif status == _GRPC_OK:
+            kind = FailureKind.VERDICT_RETRY
+        elif status == _GRPC_RESOURCE_EXHAUSTED:
+            kind = FailureKind.RATE_LIMITED
+        else:
+            kind = FailureKind.SERVER_ERROR
+    elif dead:
+        # A 2xx that is dead can only be the verdict header; 4xx statuses are the contract table.
+        verdict = status is not None and status < 300
+        kind = FailureKind.VERDICT_DEAD if verdict else FailureKind.REJECTED
+    elif status is None:
+        kind = FailureKind.NO_ANSWER
+    elif status < 300:
+        kind = FailureKind.VERDICT_RETRY
+    elif status == 429:
+        kind = FailureKind.RATE_LIMITED
+    else:
+        kind = FailureKind.SERVER_ERROR
+    return Failure(
+        kind,
+        status=status,
+        error=result.error,
+        retry_after_s=result.retry_after_s,
+        protocol=protocol,
+    )
+
+
+def pipeline_failure(reason: str | None, error: str | None, stage: str | None) -> Failure:
+    """The typed failure of a pipeline stage's dead verdict (its own reason kept in ``error``)."""
+    kind = FailureKind.DECODE_ERROR if reason == "decode_error" else FailureKind.PIPELINE_ERROR
+    if error is None:
+        error = reason
+    elif reason is not None and reason not in (kind.value, "pipeline_error"):
+        error = f"{reason}: {error}"
+    return Failure(kind, error=error, stage=stage or "pipeline")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """What an integration allows a failed message: its tiers, ordering and exhausted rule."""
+
+    delays_s: tuple[float, ...]
+    ordering: Ordering = "none"
+    on_exhausted: Literal["dead_letter", "halt"] = "dead_letter"
+    dead_letters: bool = True  # a dead-letter store exists
+    tier_topics: bool = True  # retry tier topics exist (unordered integrations with a DLQ)
+    open_above: float = 0.5  # the breaker's: a recent failure rate above it means "down"
+    cooldown_s: float = 30.0  # the breaker's: how long a message waits while the handler is down
+
+    @classmethod
+    def of(cls, config: IntegrationConfig, *, dead_letters: bool) -> RetryPolicy:
+        ordering = config.delivery.ordering
+        return cls(
+            delays_s=tuple(config.retry.tiers),
+            ordering=ordering,
+            on_exhausted=config.retry.on_exhausted,
+            dead_letters=dead_letters,
+            tier_topics=dead_letters and ordering == "none",
+            open_above=config.breaker.open_above,
+            cooldown_s=config.breaker.cooldown_s,
+        )
+
+    @property
+    def in_place(self) -> bool:
+        """Whether retries happen in place (ordered, or no tier topics to move to)."""
+        return self.ordering != "none" or not self.tier_topics
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """The handler's health as the integration sees it now: its breaker and recent answers."""
+
+    breaker: BreakerState = BreakerState.CLOSED
+    failure_rate: float | None = None  # of the handler's last answers; None: no answer yet
+    # Whether the handler answered some message without a health failure since this one
+    # last failed: the evidence that its failure is its own, not the handler's.
+    answered_since_failure: bool = True
+
+    def down(self, open_above: float) -> bool:
+        """Whether the handler counts as down: a breaker not closed, or most answers failing."""
+        if self.breaker is not BreakerState.CLOSED:
+            return True
+        return self.failure_rate is not None and self.failure_rate > open_above
+
+
+HEALTHY = Health()
+
+
+class Action(enum.Enum):
+    ACK = "ack"  # finished: the offset may be committed (only after a tier or DLQ write)
+    RETRY_IN_PLACE = "retry_in_place"  # deliver again after delay_s, keeping the offset
+    TO_TIER = "to_tier"  # publish to retry tier `tier`, due after delay_s, then ack
+    DEAD_LETTER = "dead_letter"  # write to the DLQ with `reason`, then ack
+    HALT = "halt"  # retry in place after delay_s, its key (or partition) counted as halted
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    delay_s: float = 0.0
+    tier: int = 0  # TO_TIER: the tier (1-based)
+    reason: Reason | None = None  # DEAD_LETTER: why
+    waiting_out: bool = False  # RETRY_IN_PLACE: held back because the handler is down
+
+
+def backoff_s(attempt: int, delays_s: Sequence[float], retry_after_s: float | None) -> float:
+    """The delay after failed attempt ``attempt``: that tier's delay, raised by Retry-After.
+
+    Past the last tier the last delay repeats. Pure, so tests need no clock.
+    """
+    base = delays_s[min(max(attempt, 1), len(delays_s)) - 1] if delays_s else 1.0
+    if retry_after_s is not None and retry_after_s > base:
+        return retry_after_s
+    return base
+
+
+def decide(
+    failure: Failure, attempt: int, tier: int, policy: RetryPolicy, health: Health = HEALTHY
+) -> Decision:
+    """What to do with a message whose attempt ``attempt`` failed in a flow of ``tier``.
+
+    ``tier`` is the retry tier the message was read from: 0 for main and replay.
+    """
+    delays, retry_after = policy.delays_s, failure.retry_after_s
+    if failure.kind.dead:
+        if policy.dead_letters:
+            return Decision(Action.DEAD_LETTER, reason=failure.reason)
+        return Decision(Action.RETRY_IN_PLACE, backoff_s(attempt, delays, retry_after))
+    tiers = len(delays)
+    if not policy.in_place:
+        next_tier = tier + 1
+        if next_tier <= tiers:
+            return Decision(
+                Action.TO_TIER, backoff_s(next_tier, delays, retry_after), tier=next_tier
+            )
+    elif attempt <= tiers:
+        return Decision(Action.RETRY_IN_PLACE, backoff_s(attempt, delays, retry_after))
+    # Exhausted.
+    last_s = backoff_s(tiers, delays, retry_after)
+    halts = policy.ordering != "none" and policy.on_exhausted == "halt"
+    if not policy.dead_letters and not halts:
+        return Decision(Action.RETRY_IN_PLACE, last_s)  # nowhere to go, and nothing may drop it
+    if failure.kind.health and (
+        attempt <= tiers + 1 or health.down(policy.open_above) or not health.answered_since_failure
+    ):
+        # Maybe not the message's fault: it waits for the handler, wherever the tiers end.
+        # The first time it runs out it waits once in any case, so that an outage that
+        # began with it (after a run of successes, with tiers shorter than it takes the
+        # answers to turn) is seen before anything is dead-lettered; after that only the
+        # handler answering other messages meanwhile shows the failure is the message's.
+        wait_s = policy.cooldown_s
+        if retry_after is not None and retry_after > wait_s:
+            wait_s = retry_after
+        return Decision(Action.RETRY_IN_PLACE, wait_s, waiting_out=True)
+    if halts:
+        return Decision(Action.HALT, last_s)
+    return Decision(Action.DEAD_LETTER, reason=Reason.RETRIES_EXHAUSTED)

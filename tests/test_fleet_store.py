@@ -1,0 +1,150 @@
+"""The fleet's state store, on a real file: members and leases, assignments, overrides, generation.
+
+Written once against the port; each store kind is one entry of ``STORES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from nemesis.errors import StateError
+from nemesis.fleet.port import MemberInfo, StateStore
+from nemesis.fleet.sqlite import open_sqlite_state
+
+Opener = Callable[[Path], Awaitable[StateStore]]
+
+
+async def _sqlite(tmp: Path) -> StateStore:
+    return await open_sqlite_state(tmp / "state.db")
+
+
+STORES: dict[str, Opener] = {"sqlite": _sqlite}
+
+A = MemberInfo("host-a-1-aaaaaa", "host-a", 1, started_at=1000.0)
+B = MemberInfo("host-b-2-bbbbbb", "host-b", 2, started_at=1001.0)
+
+
+@pytest.fixture(params=sorted(STORES))
+async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[list[StateStore]]:
+    """Two connections to one store, as two replicas have."""
+    opener = STORES[request.param]
+    opened = [await opener(tmp_path), await opener(tmp_path)]
+    try:
+        yield opened
+    finally:
+        for store in opened:
+            await store.close()
+
+
+async def test_a_new_member_moves_the_generation_and_a_renewal_does_not(
+    stores: list[StateStore],
+) -> None:
+    one, two = stores
+    start = await one.generation()
+    joined = await one.heartbeat(A, now=1000.0, lease_s=10)
+    assert joined == start + 1
+    assert await two.generation() == joined  # the other connection sees it
+    assert await one.heartbeat(A, now=1003.0, lease_s=10) == joined
+    [member] = (await two.view()).members
+    assert (member.member_id, member.host, member.pid) == ("host-a-1-aaaaaa", "host-a", 1)
+    assert (member.heartbeat_at, member.lease_until, member.draining) == (1003.0, 1013.0, False)
+
+
+async def test_draining_is_news_to_the_others(stores: list[StateStore]) -> None:
+    one, _ = stores
+    joined = await one.heartbeat(A, now=1000.0, lease_s=10)
+    draining = MemberInfo(A.member_id, A.host, A.pid, A.started_at, draining=True)
+    assert await one.heartbeat(draining, now=1001.0, lease_s=10) == joined + 1
+    assert (await one.view()).members[0].draining
+
+
+async def test_an_expired_member_is_forgotten_with_its_assignments(
+    stores: list[StateStore],
+) -> None:
+    one, two = stores
+    await one.heartbeat(A, now=1000.0, lease_s=10)
+    await one.assign("orders", A.member_id, now=1000.0)
+    await two.heartbeat(B, now=1005.0, lease_s=10)
+    assert {a.member_id for a in (await two.view()).assignments} == {A.member_id}
+    before = await two.generation()
+    # A's lease ran until 1010; B's heartbeat at 1011 finds it expired.
+    after = await two.heartbeat(B, now=1011.0, lease_s=10)
+    assert after == before + 1
+    view = await one.view()
+    assert [m.member_id for m in view.members] == [B.member_id]
+    assert view.assignments == ()
+
+
+async def test_assignments_are_idempotent_and_only_changes_move_the_generation(
+    stores: list[StateStore],
+) -> None:
+    one, two = stores
+    start = await one.generation()
+    await one.assign("orders", A.member_id, now=1.0)
+    await one.assign("orders", A.member_id, now=2.0)
+    await two.assign("orders", B.member_id, now=3.0)
+    assert await one.generation() == start + 2
+    view = await two.view()
+    assert [(a.integration, a.member_id, a.since) for a in view.assignments] == [
+        ("orders", A.member_id, 1.0),
+        ("orders", B.member_id, 3.0),
+    ]
+    await one.unassign("orders", A.member_id)
+    await one.unassign("orders", A.member_id)
+    assert await one.generation() == start + 3
+    await two.leave(B.member_id)
+    assert (await one.view()).assignments == ()
+
+
+async def test_overrides_keep_their_json_value_version_and_author(
+    stores: list[StateStore],
+) -> None:
+    one, two = stores
+    values = {"delivery.workers": 64, "flags.disabled_types": ["a", "b"], "rate_limits.main": None}
+    version = await one.set_overrides("orders", values, set_by="admin API on a", now=5.0)
+    assert version == await two.generation()
+    stored = (await two.view()).overrides_of("orders")
+    assert {f: o.value for f, o in stored.items()} == values
+    assert {(o.version, o.set_by, o.set_at) for o in stored.values()} == {
+        (version, "admin API on a", 5.0)
+    }
+    later = await two.set_overrides(
+        "orders", {"delivery.workers": 8}, cleared=["rate_limits.main"], set_by="b", now=6.0
+    )
+    stored = (await one.view()).overrides_of("orders")
+    assert {f: (o.value, o.version) for f, o in stored.items()} == {
+        "delivery.workers": (8, later),
+        "flags.disabled_types": (["a", "b"], version),
+    }
+    await one.clear_overrides("orders", ["flags.disabled_types"])
+    assert list((await two.view()).overrides_of("orders")) == ["delivery.workers"]
+    await one.clear_overrides("orders")
+    assert (await two.view()).overrides == ()
+
+
+async def test_a_caught_up_override_is_dropped_only_at_the_version_seen(
+    stores: list[StateStore],
+) -> None:
+    one, two = stores
+    old = await one.set_overrides("orders", {"delivery.workers": 64}, set_by="a", now=1.0)
+    new = await two.set_overrides("orders", {"delivery.workers": 8}, set_by="b", now=2.0)
+    await one.drop_caught_up("orders", {"delivery.workers": old})  # a stale view: kept
+    assert (await one.view()).overrides_of("orders")["delivery.workers"].value == 8
+    await one.drop_caught_up("orders", {"delivery.workers": new})
+    assert (await one.view()).overrides == ()
+
+
+async def test_a_closed_store_says_so(tmp_path: Path) -> None:
+    store = await open_sqlite_state(tmp_path / "state.db")
+    await store.close()
+    with pytest.raises(StateError, match=r"state\.db"):
+        await store.generation()
+
+
+async def test_a_path_that_cannot_be_a_file_is_a_state_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(StateError, match="file"):
+        await open_sqlite_state(tmp_path / "file" / "state.db")
