@@ -87,9 +87,16 @@ def ssl_option(config: PostgresConnectionConfig) -> ssl.SSLContext | str | None:
 
 
 async def open_pool(
-    config: PostgresConnectionConfig, translated: Translated, *, min_size: int = 1
+    config: PostgresConnectionConfig,
+    translated: Translated,
+    *,
+    min_size: int = 1,
+    search_path: str | None = None,
 ) -> asyncpg.Pool:
-    """A connected pool (``min_size`` connections made now, so a bad address fails at once)."""
+    """A connected pool (``min_size`` connections made now, so a bad address fails at once).
+
+    ``search_path``: the schema unqualified table names are found in.
+    """
     options: dict[str, Any] = {}
     if config.dsn is not None:
         options["dsn"] = config.dsn.get_secret_value()
@@ -119,6 +126,7 @@ async def open_pool(
             "application_name": "nemesis",
             "statement_timeout": str(timeout_ms),
             "idle_in_transaction_session_timeout": str(timeout_ms * 2),
+            **({} if search_path is None else {"search_path": search_path}),
         },
         **options,
     )

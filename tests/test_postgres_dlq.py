@@ -20,7 +20,11 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from nemesis.backends.postgres import PostgresConnectionConfig, PostgresDlqConfig
+from nemesis.backends.postgres import (
+    PostgresConnectionConfig,
+    PostgresDlqConfig,
+    PostgresStateConfig,
+)
 from nemesis.config import load_process_config
 from nemesis.config.interpolation import expand
 from nemesis.config.models import NemesisConfig
@@ -402,16 +406,29 @@ async def test_connections_the_server_dropped_are_replaced(
         await store.close()
 
 
-def test_the_example_postgres_block_validates_when_uncommented() -> None:
+def _postgres_block(key: str) -> str:
+    """The example's commented-out ``# key:`` block of kind postgres, uncommented."""
     lines = (REPO / "nemesis.example.yaml").read_text().splitlines()
-    start = lines.index("#   kind: postgres") - 1
-    block = ["dlq:"]
+    start = next(
+        n
+        for n, line in enumerate(lines)
+        if line.startswith(f"# {key}:") and lines[n + 1] == "#   kind: postgres"
+    )
+    block = [f"{key}:"]
     for line in lines[start + 1 :]:
         if not line.startswith("#  "):
             break
         block.append(line[2:])
+    return "\n".join(block)
+
+
+def test_the_example_postgres_blocks_validate_when_uncommented() -> None:
     dsn = "postgresql://app:pw@db.example.net:5432/events"
-    expanded = expand("\n".join(block), env={"NEMESIS_DLQ_DSN": dsn})
+    env = {"NEMESIS_DLQ_DSN": dsn, "NEMESIS_STATE_DSN": dsn}
+    text = _postgres_block("dlq") + "\n" + _postgres_block("state")
+    expanded = expand(text, env=env)
+    assert (expanded.unset, expanded.malformed) == ((), ())
     config = NemesisConfig.model_validate(yaml.safe_load(expanded.text))
     assert isinstance(config.dlq, PostgresDlqConfig)
-    assert config.dlq.address() == "db.example.net:5432/events"
+    assert isinstance(config.state, PostgresStateConfig)
+    assert config.dlq.address() == config.state.address() == "db.example.net:5432/events"

@@ -43,7 +43,7 @@ from nemesis.backends.base import (
     StateModel,
 )
 from nemesis.backends.embedded import EMBEDDED
-from nemesis.backends.postgres import POSTGRES_DLQ
+from nemesis.backends.postgres import POSTGRES_DLQ, POSTGRES_STATE
 from nemesis.backends.sqlite import SQLITE, SQLITE_STATE
 from nemesis.backends.ydb import YDB, YDB_DLQ
 from nemesis.clock import SYSTEM_CLOCK, Clock
@@ -80,6 +80,7 @@ def default_backends() -> Backends:
     registry.register_dlq(YDB_DLQ)
     registry.register_dlq(POSTGRES_DLQ)
     registry.register_state(SQLITE_STATE)
+    registry.register_state(POSTGRES_STATE)
     return registry
 
 

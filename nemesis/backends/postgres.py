@@ -2,8 +2,9 @@
 
 ``PostgresConnectionConfig`` is where a database is and how to reach it
 (``nemesis.postgres`` opens its pool); ``PostgresDlqConfig`` adds where the
-DLQ's tables are. The driver (asyncpg) is imported only when a factory
-runs: a process on another kind never loads it.
+DLQ's tables are (``dlq:``), ``PostgresStateConfig`` where the fleet's are
+(``state:``). The driver (asyncpg) is imported only when a factory runs: a
+process on another kind never loads it.
 
 The password, whether in ``dsn`` or ``password``, is a ``SecretStr``: it is
 never printed, neither in an error of the configuration nor in a log line;
@@ -18,7 +19,7 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from nemesis.backends.base import DlqKind, DlqModel
+from nemesis.backends.base import DlqKind, DlqModel, StateKind, StateModel
 from nemesis.config_base import DurationS, Model
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from nemesis.clock import Clock
     from nemesis.config.models import NemesisConfig
     from nemesis.dlq.port import DeadLetterStore
+    from nemesis.fleet.port import StateStore
 
 SslMode = Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]
 # A schema or table-name prefix: put into statements as an identifier, so letters,
@@ -117,3 +119,25 @@ async def open_postgres_store(
 
 
 POSTGRES_DLQ = DlqKind("postgres", PostgresDlqConfig, open_postgres_store)
+
+
+class PostgresStateConfig(PostgresConnectionConfig, StateModel):
+    """The fleet's state in PostgreSQL tables (``fleet_*``): replicas on several hosts."""
+
+    kind: Literal["postgres"] = "postgres"
+    # The schema of the fleet's tables; created when missing. One fleet per schema:
+    # two configurations on one schema would take each other for replicas.
+    schema_name: Annotated[str, Field(pattern=IDENTIFIER_PATTERN)] = "public"
+
+    def location(self, data_dir: str) -> str:
+        return f"postgres:{self.address()} {self.schema_name}"
+
+
+async def open_postgres_state_store(config: NemesisConfig) -> StateStore:
+    from nemesis.fleet.postgres import open_postgres_state
+
+    assert isinstance(config.state, PostgresStateConfig)  # chosen by kind
+    return await open_postgres_state(config.state)
+
+
+POSTGRES_STATE = StateKind("postgres", PostgresStateConfig, open_postgres_state_store)
