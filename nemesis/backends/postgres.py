@@ -39,7 +39,7 @@ class PostgresConnectionConfig(Model):
     """Where a PostgreSQL database is and how to reach it: ``dsn``, or host and the rest."""
 
     # A refused value is not repeated in the error: a DSN holds a password.
-    model_config = ConfigDict(**Model.model_config, hide_input_in_errors=True)
+    model_config = ConfigDict(hide_input_in_errors=True)
 
     # postgresql://user:password@host:port/database?sslmode=verify-full; or the fields below.
     dsn: SecretStr | None = None

@@ -91,8 +91,9 @@ class Sql:
         self.actions = self.table("actions")
         self.action_integrations = self.table("action_integrations")
         self.meta = self.table("meta")
-        # Puts take it shared, pruning signatures exclusive (see the module docstring).
-        self.signature_lock = zlib.crc32(f"{schema}.{prefix}signatures".encode()) - 2**31
+        # An advisory lock of this store's tables: puts take it shared; pruning
+        # signatures and creating the tables take it alone (see the module docstring).
+        self.lock = zlib.crc32(f"{schema}.{prefix}".encode()) - 2**31
 
     def table(self, name: str) -> str:
         return f"{_quoted(self.schema)}.{_quoted(self.prefix + name)}"
@@ -320,7 +321,7 @@ class PostgresDeadLetterStore(StoreCore):
                 return
             async with conn.transaction():
                 # Replicas starting together: one creates, the others wait and find it made.
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", sql.signature_lock)
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", sql.lock)
                 for statement in sql.schema_ddl():
                     await conn.execute(statement)
                 found = await version(conn)
@@ -372,7 +373,7 @@ class PostgresDeadLetterStore(StoreCore):
 
         async def attempt(conn: Conn) -> PutResult:
             async with conn.transaction():
-                await conn.execute("SELECT pg_advisory_xact_lock_shared($1)", sql.signature_lock)
+                await conn.execute("SELECT pg_advisory_xact_lock_shared($1)", sql.lock)
                 existing: dict[str, Row] = {}
                 for chunk in chunks(ids, ID_CHUNK):
                     rows = await conn.fetch(
@@ -474,7 +475,7 @@ class PostgresDeadLetterStore(StoreCore):
 
         async def work(conn: Conn) -> None:
             async with conn.transaction():
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", sql.signature_lock)
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", sql.lock)
                 await conn.execute(
                     f"DELETE FROM {sql.signatures} AS s WHERE NOT EXISTS"
                     f" (SELECT 1 FROM {sql.letters} AS l WHERE l.signature = s.signature)"
