@@ -29,13 +29,14 @@ from nemesis.config import load_process_config
 from nemesis.config.interpolation import expand
 from nemesis.config.models import NemesisConfig
 from nemesis.dlq import Action, DeadLetterFilter, PageRequest, Status
+from nemesis.dlq import postgres as dlq_postgres
 from nemesis.dlq.postgres import open_postgres_dlq
 from nemesis.errors import ConfigError, DlqError, DlqTimeout
 from nemesis.postgres import describe, open_pool
 from nemesis.testing import HandlerServer, LedgerEntry
 from tests.conftest import REPO, Workspace, integration_yaml, stop_gracefully
 from tests.postgres_server import PostgresServer, make_certificate
-from tests.test_dlq_store import FakeClock, letter
+from tests.test_dlq_store import START, FakeClock, all_pages_after, letter
 
 DAY = 86400.0
 
@@ -176,6 +177,31 @@ async def test_text_search_reads_the_payload_bytes_by_token(postgres_dsn: str) -
         assert await found("straße")
         assert await found("end")
         assert not await found("\\\\")
+    finally:
+        await store.close()
+
+
+async def test_text_search_stops_at_its_scan_bound_and_resumes(
+    postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dlq_postgres, "TEXT_SCAN_ROWS", 10)
+    store = await open_postgres_dlq(_config(postgres_dsn))
+    try:
+        needles = {3, 25, 26, 47}
+        await store.put(
+            [
+                letter(n, payload=b"needle" if n in needles else b"hay", at=START + n)
+                for n in range(50)
+            ]
+        )
+        where = DeadLetterFilter(text="needle")
+        first = await store.query(where, PageRequest(limit=50))
+        assert [row.source_offset for row in first.rows] == [47]  # rows 49..40 examined
+        assert first.next_cursor is not None
+        rows = [*first.rows, *await all_pages_after(store, where, first.next_cursor)]
+        assert [row.source_offset for row in rows] == [47, 26, 25, 3]
+        assert await store.count(where) == 4  # counting is not bounded
+        assert len(await store.select_ids(where, 100)) == 4
     finally:
         await store.close()
 

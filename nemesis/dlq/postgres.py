@@ -24,9 +24,15 @@ its index by integration), and ``meta`` (the schema version). Times are
 and every open create what is missing.
 
 Text search is ASCII case-insensitive on the error and the payload's bytes,
-as in every store: the payload (``bytea``, any bytes) is compared through
+as in every store: ``lower()`` under the C collation folds ASCII letters
+only. The payload (``bytea``, any bytes, not always UTF-8) is compared as
 ``encode(payload, 'escape')``, where each byte is itself or one escape
-token, and a pattern that starts matching only at a token's boundary.
+token, against a pattern that matches only from a token's boundary (see
+``_escaped_pattern``). A search examines at most ``TEXT_SCAN_ROWS`` rows per
+page, as the core asks.
+
+An audit entry equal to one of the newest (``same_action``) is a write
+retried after its commit went unanswered, and is not appended again.
 """
 
 from __future__ import annotations
