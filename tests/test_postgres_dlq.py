@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -458,3 +460,24 @@ def test_the_example_postgres_blocks_validate_when_uncommented() -> None:
     assert isinstance(config.dlq, PostgresDlqConfig)
     assert isinstance(config.state, PostgresStateConfig)
     assert config.dlq.address() == config.state.address() == "db.example.net:5432/events"
+
+
+def test_a_process_on_other_kinds_never_loads_the_driver(tmp_path: Path) -> None:
+    script = (
+        "import asyncio, sys\n"
+        "from nemesis.backends import open_backend, open_dlq\n"
+        "from nemesis.config.models import NemesisConfig\n"
+        f"config = NemesisConfig(data_dir={str(tmp_path)!r})\n"
+        "async def main():\n"
+        "    broker = await open_backend(config)\n"
+        "    store = await open_dlq(config, broker=broker)\n"
+        "    await store.close()\n"
+        "    await broker.close()\n"
+        "asyncio.run(main())\n"
+        "import nemesis.cli\n"
+        "assert 'asyncpg' not in sys.modules, sorted(m for m in sys.modules if 'asyncpg' in m)\n"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert ran.returncode == 0, ran.stderr
