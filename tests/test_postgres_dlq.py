@@ -15,7 +15,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import asyncpg
 import pytest
@@ -242,6 +242,29 @@ def test_a_bad_dsn_in_the_file_is_reported_at_its_field_without_the_password(
     text = str(caught.value)
     assert "dlq.postgres.dsn" in text or "dlq.dsn" in text, text
     assert "hunter22" not in text
+
+
+async def test_the_fields_reach_the_database_as_a_dsn_does(postgres_dsn: str) -> None:
+    url = urlsplit(postgres_dsn)
+    fields = PostgresDlqConfig(
+        host=url.hostname,
+        port=url.port or 5432,
+        database=url.path.lstrip("/"),
+        user=url.username,
+        password=unquote(url.password or ""),
+        schema_name="by_fields",
+        table_prefix="",
+    )
+    store = await open_postgres_dlq(fields)
+    try:
+        await store.put([letter(1)])
+    finally:
+        await store.close()
+    conn = await asyncpg.connect(postgres_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM by_fields.letters") == 1
+    finally:
+        await conn.close()
 
 
 async def test_a_wrong_password_and_a_server_down_are_clear_errors(postgres_dsn: str) -> None:
