@@ -108,9 +108,10 @@ async def open_pool(
             options["password"] = config.password.get_secret_value()
     try:
         tls = ssl_option(config)
-    except OSError as exc:  # the CA file is missing or unreadable
+    except OSError as exc:  # the CA file is missing, unreadable or not PEM (ssl.SSLError)
+        reason = exc.strerror or str(exc)
         raise translated.error(
-            f"{translated.where}: ssl_root_cert {config.ssl_root_cert}: {exc.strerror}"
+            f"{translated.where}: ssl_root_cert {config.ssl_root_cert}: {reason}"
         ) from None
     if tls is not None:
         options["ssl"] = tls

@@ -404,6 +404,9 @@ async def test_tls_verifies_the_server_against_the_ca_file(
     stranger, _ = make_certificate(tmp_path, "stranger")
     with pytest.raises(DlqError, match=r"the PostgreSQL DLQ at 127\.0\.0\.1:.*certificate verify"):
         await _uses_tls(config(sslmode="verify-ca", ssl_root_cert=str(stranger)))
+    (tmp_path / "garbage.pem").write_text("not a certificate")
+    with pytest.raises(DlqError, match=r"ssl_root_cert .*garbage\.pem: .+"):
+        await _uses_tls(config(sslmode="verify-full", ssl_root_cert=str(tmp_path / "garbage.pem")))
     with pytest.raises(DlqError, match=r"ssl_root_cert .*missing\.pem: No such file"):
         await _uses_tls(config(sslmode="verify-full", ssl_root_cert=str(tmp_path / "missing.pem")))
 
