@@ -1048,6 +1048,33 @@ async def test_an_empty_payload_lists_and_reads_back_empty(store: DeadLetterStor
     assert [r.id for r in (await store.query(DeadLetterFilter(text="order"))).rows] == [row.id]
 
 
+async def test_text_with_nul_characters_is_kept_with_a_replacement_character(
+    store: DeadLetterStore,
+) -> None:
+    # A handler's answer may hold a NUL; PostgreSQL's text cannot: every store keeps U+FFFD.
+    odd = letter(1, error="bad\x00answer", key="k\x00", stage="s\x00", event_id="orders:0:\x00")
+    assert (await store.put([odd])).inserted == 1
+    assert (await store.put([odd])).inserted == 0  # still the same row
+    row = await store.get(odd.id)
+    assert row is not None
+    assert (row.error, row.key, row.stage, row.event_id) == (
+        "bad\ufffdanswer", "k\ufffd", "s\ufffd", "orders:0:\ufffd"
+    )  # fmt: skip
+    assert [r.id for r in (await store.query(DeadLetterFilter(text="d\ufffda"))).rows] == [odd.id]
+    await store.query(DeadLetterFilter(text="d\x00a"))  # a NUL in the search is no error
+    assert await store.get("no\x00such") is None
+    assert await store.mark_requeued([odd.id], by="a\x00b") == 1
+    await store.record_action(
+        who="a\x00b", action=Action.REQUEUE, integrations=["x\x00"], count=1, description="\x00"
+    )
+    [entry] = (await store.actions()).rows
+    assert (entry.who, entry.integrations, entry.description) == (
+        "a\ufffdb",
+        ("x\ufffd",),
+        "\ufffd",
+    )
+
+
 async def test_times_far_out_of_range_match_as_the_range_ends_would(
     store: DeadLetterStore, clock: FakeClock
 ) -> None:

@@ -66,6 +66,7 @@ from nemesis.dlq.core import (
     check_schema_version,
     chunks,
     fold_failures,
+    no_nul,
     same_action,
 )
 from nemesis.dlq.port import DEFAULT_RETENTION_S, DeadLetter, DeadLetterFilter, PutResult
@@ -185,8 +186,17 @@ class _Params:
         self.values: list[Any] = []
 
     def __call__(self, value: Any) -> str:
-        self.values.append(value)
+        self.values.append(_safe(value))
         return f"${len(self.values)}"
+
+
+def _safe(value: Any) -> Any:
+    """A caller's text as a parameter: a NUL (which no stored text holds) cannot be sent."""
+    if isinstance(value, str):
+        return no_nul(value)
+    if isinstance(value, list):
+        return [_safe(item) for item in value]
+    return value
 
 
 def _conditions(where: DeadLetterFilter, p: _Params, *, text: bool = True) -> list[str]:
@@ -495,7 +505,7 @@ class PostgresDeadLetterStore(StoreCore):
         return await self._fetch(
             "get dead letters",
             f"SELECT {_ROW_COLUMNS}, payload FROM {self._sql.letters} WHERE id = ANY($1::text[])",
-            list(letter_ids),
+            _safe(list(letter_ids)),
         )
 
     async def _list(
