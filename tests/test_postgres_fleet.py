@@ -85,6 +85,15 @@ async def test_a_heartbeat_sent_twice_at_once_is_one_member(
     assert view.generation == start + 5  # one "joined" each
 
 
+async def test_text_with_a_nul_is_stored_with_a_replacement_character(
+    two: list[PostgresStateStore],
+) -> None:
+    one, other = two
+    await one.set_overrides("orders", {"flags.note": "a\x00b"}, set_by="ops\x00", now=1.0)
+    [stored] = (await other.view()).overrides
+    assert (stored.value, stored.set_by) == ("a\x00b", "ops\ufffd")  # the value is JSON
+
+
 async def test_a_cancelled_job_leaves_nothing_behind_and_the_store_goes_on(
     two: list[PostgresStateStore],
 ) -> None:

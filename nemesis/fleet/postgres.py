@@ -109,10 +109,15 @@ class _ThreadTx:
         return asyncio.run_coroutine_threadsafe(call, self._loop).result(self._timeout_s)
 
     def execute(self, sql: str, parameters: Sequence[object] = ()) -> int:
-        return _row_count(self._wait(self._conn.execute(sql, *parameters)))
+        return _row_count(self._wait(self._conn.execute(sql, *_safe(parameters))))
 
     def query(self, sql: str, parameters: Sequence[object] = ()) -> list[tuple[Any, ...]]:
-        return [tuple(row) for row in self._wait(self._conn.fetch(sql, *parameters))]
+        return [tuple(row) for row in self._wait(self._conn.fetch(sql, *_safe(parameters)))]
+
+
+def _safe(parameters: Sequence[object]) -> list[object]:
+    """Text without NUL (each becomes U+FFFD): PostgreSQL's text cannot hold one."""
+    return [v.replace("\x00", "\ufffd") if isinstance(v, str) else v for v in parameters]
 
 
 class PostgresStateStore(SqlStateStore):
