@@ -149,3 +149,16 @@ async def open_pool(
         pool.terminate()
         raise
     return pool
+
+
+async def close_pool(pool: asyncpg.Pool, timeout_s: float) -> None:
+    """Closes the pool's connections gracefully, or cuts them after ``timeout_s``.
+
+    A graceful close waits for every lent connection to come back; a call
+    stuck on a dead server must not hold up a process's shutdown.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            await pool.close()
+    except (TimeoutError, *_NETWORK_ERRORS):
+        pool.terminate()

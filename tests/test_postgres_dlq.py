@@ -431,6 +431,32 @@ async def test_a_statement_past_its_timeout_is_a_dlq_timeout_and_the_store_goes_
         await store.close()
 
 
+async def test_close_cuts_a_call_stuck_on_a_lock(
+    postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dlq_postgres, "CLOSE_TIMEOUT_S", 0.5)
+    store = await open_postgres_dlq(_config(postgres_dsn, statement_timeout_s=600))
+    blocker = await asyncpg.connect(postgres_dsn)
+    try:
+        await store.put([letter(1)])
+        [row_id] = await store.select_ids(DeadLetterFilter(), 10)
+        locked = blocker.transaction()
+        await locked.start()
+        await blocker.execute("SELECT 1 FROM nemesis_dlq_letters FOR UPDATE")
+        stuck = asyncio.ensure_future(store.mark_requeued([row_id], by="alice"))
+        async with asyncio.timeout(30):
+            while not await blocker.fetchval(  # noqa: ASYNC110 - the server changes it
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            ):
+                await asyncio.sleep(0.05)
+        await store.close()  # does not wait for the stuck call
+        with pytest.raises(DlqError, match="mark 1 rows requeued"):
+            await stuck
+        await locked.rollback()
+    finally:
+        await blocker.close()
+
+
 async def test_connections_the_server_dropped_are_replaced(
     postgres_server: PostgresServer, postgres_dsn: str
 ) -> None:

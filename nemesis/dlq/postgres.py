@@ -71,7 +71,7 @@ from nemesis.dlq.core import (
 )
 from nemesis.dlq.port import DEFAULT_RETENTION_S, DeadLetter, DeadLetterFilter, PutResult
 from nemesis.errors import DlqError, DlqTimeout
-from nemesis.postgres import Translated, describe, open_pool
+from nemesis.postgres import Translated, close_pool, describe, open_pool
 
 if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
@@ -81,6 +81,7 @@ Conn: TypeAlias = "PoolConnectionProxy[asyncpg.Record]"  # a connection lent by 
 
 # A put that lost a race for a new row's id runs again this many times at most.
 PUT_ATTEMPTS = 5
+CLOSE_TIMEOUT_S = 10.0  # for calls under way to finish before their connections are cut
 
 
 def _quoted(name: str) -> str:
@@ -355,10 +356,7 @@ class PostgresDeadLetterStore(StoreCore):
         if self._closed:
             return
         self._closed = True
-        try:
-            await self._translated("close", self._pool.close())
-        except DlqError:
-            self._pool.terminate()
+        await close_pool(self._pool, CLOSE_TIMEOUT_S)
 
     async def __aenter__(self) -> PostgresDeadLetterStore:
         return self

@@ -28,7 +28,7 @@ from nemesis.backends.postgres import PostgresStateConfig
 from nemesis.errors import StateError
 from nemesis.fleet.core import Queries, SqlStateStore, Tx
 from nemesis.fleet.sqlite import QUERIES as SQLITE_QUERIES
-from nemesis.postgres import Translated, describe, open_pool
+from nemesis.postgres import Translated, close_pool, describe, open_pool
 
 if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
@@ -171,10 +171,7 @@ class PostgresStateStore(SqlStateStore):
         if self._closed:
             return
         self._closed = True
-        try:
-            await self._translated("close", self._pool.close())
-        except StateError:
-            self._pool.terminate()
+        await close_pool(self._pool, self._timeout_s)
 
     async def _transaction(self, job: Callable[[Tx], T], *, write: bool = True) -> T:
         async def run(conn: Conn) -> T:
