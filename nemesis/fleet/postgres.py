@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
 
 T = TypeVar("T")
+CLOSE_TIMEOUT_S: Final = 10.0  # for calls under way to finish before their connections are cut
 Conn: TypeAlias = "PoolConnectionProxy[asyncpg.Record]"
 
 SCHEMA: Final = (
@@ -171,7 +172,7 @@ class PostgresStateStore(SqlStateStore):
         if self._closed:
             return
         self._closed = True
-        await close_pool(self._pool, self._timeout_s)
+        await close_pool(self._pool, CLOSE_TIMEOUT_S)
 
     async def _transaction(self, job: Callable[[Tx], T], *, write: bool = True) -> T:
         async def run(conn: Conn) -> T:
