@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from nemesis.admin import create_admin_app
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.config.models import EmbeddedBackendConfig
 from nemesis.fleet.member import FleetMember, FleetOptions
@@ -20,7 +22,7 @@ from nemesis.fleet.sqlite import SqliteStateStore, open_sqlite_state
 from nemesis.runtime import overrides as live
 from nemesis.runtime.app import Proxy
 from nemesis.testing.clock import FakeClock
-from tests.operability import integration
+from tests.operability import AUTH, TOKEN, integration
 
 NAMES = sorted(f"team-{n}" for n in range(12))
 OPTIONS = FleetOptions(lease_s=10, poll_s=1, handover_wait_s=60)
@@ -182,3 +184,62 @@ async def test_shares_follow_the_members_running_an_integration(
     await a.tick()
     limits = first.snapshot({"team-0"}).integrations[0].limits
     assert {flow.value: s.rate for flow, s in limits.items()}["main"] == 300
+
+
+async def test_the_admin_api_stores_changes_for_the_fleet_and_answers_503_without_the_store(
+    broker: EmbeddedBroker, stores: list[SqliteStateStore]
+) -> None:
+    clock = FakeClock()
+    here = proxy(broker, clock)
+    member = FleetMember(stores[0], here, options=OPTIONS, clock=clock, member_id="a")
+    await member.join()
+    app = create_admin_app(here, token=TOKEN, fleet=member)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://admin") as admin:
+        patched = await admin.patch(
+            "/integrations/team-1", json={"delivery": {"workers": 16}}, headers=AUTH
+        )
+        assert patched.status_code == 200, patched.text
+        [stored] = (await stores[1].view()).overrides
+        assert (stored.field, stored.value, stored.set_by) == (
+            "delivery.workers",
+            16,
+            "admin API of a",
+        )
+        fleet = (await admin.get("/fleet")).json()
+        assert [m["member_id"] for m in fleet["members"]] == ["a"]
+        assert fleet["members"][0]["this"]
+        assert {i["name"]: i["running"] for i in fleet["integrations"]}["team-1"] == ["a"]
+
+        await stores[0].close()  # the store goes away
+        refused = await admin.patch(
+            "/integrations/team-1", json={"delivery": {"workers": 4}}, headers=AUTH
+        )
+        assert refused.status_code == 503
+        assert "the change was not made" in refused.json()["detail"]
+        cleared = await admin.delete("/integrations/team-1/overrides", headers=AUTH)
+        assert cleared.status_code == 503
+        last = (await admin.get("/fleet")).json()  # as last read, saying why
+        assert [m["member_id"] for m in last["members"]] == ["a"]
+        assert "closed" in last["last_error"]
+    assert here.groups["team-1"].config.delivery.workers == 16  # nothing changed here either
+
+
+async def test_a_change_of_replicas_places_the_integration_again_without_a_restart(
+    broker: EmbeddedBroker, stores: list[SqliteStateStore]
+) -> None:
+    clock = FakeClock()
+    first, second = proxy(broker, clock), proxy(broker, clock)
+    a = FleetMember(stores[0], first, options=OPTIONS, clock=clock, member_id="a", pid=1)
+    b = FleetMember(stores[1], second, options=OPTIONS, clock=clock, member_id="b", pid=2)
+    await a.join()
+    await b.join()
+    await a.tick()
+    name = next(n for n in NAMES if a.owners_of(n) == ("a",))
+    everywhere = integration(name, "http://127.0.0.1:9/", replicas="all")
+    assert live.needs_restart(first.groups[name].yaml, everywhere) == []
+    for member in (first, second):
+        member.update_file_config(everywhere)  # the reload of each replica
+    await b.tick()
+    assert sorted(b.owners_of(name)) == ["a", "b"]
+    assert name in b.statistics().running

@@ -264,10 +264,18 @@ def create_admin_app(
         responses={404: {"model": schemas.ErrorMessage, "description": "Not in a fleet."}},
     )
     async def fleet_members() -> schemas.FleetStatus:
-        """The replicas sharing the state store, who runs which integration, the overrides."""
+        """The replicas sharing the state store, who runs which integration, the overrides.
+
+        Read from the store now; when it does not answer, as this replica last
+        read it, with the failure in ``last_error``.
+        """
         if fleet is None:
             raise HTTPException(404, "this proxy runs without a fleet state store")
-        view = fleet.view
+        last_error = fleet.statistics().last_error
+        try:
+            view = await fleet.store.view()
+        except StateError as exc:
+            view, last_error = fleet.view, str(exc)
         replicas = {name: group.yaml.replicas for name, group in proxy.groups.items()}
         status = fleet_status(view, replicas, now=proxy.clock.time(), location=fleet.store.location)
         return schemas.FleetStatus(
@@ -308,7 +316,7 @@ def create_admin_app(
                 )
                 for o in status.overrides
             ],
-            last_error=fleet.statistics().last_error,
+            last_error=last_error,
         )
 
     @app.get("/config", tags=["config"])

@@ -11,6 +11,10 @@ subclass of ``SqlStateStore`` that gives:
   read-only one for ``write=False``) and returns its result, where ``tx``
   is a ``Tx`` (``execute`` returns the row count, ``query`` the rows).
 
+Times are float seconds since the epoch: a store keeps them at double
+precision (``REAL`` in SQLite, ``DOUBLE PRECISION`` in PostgreSQL, whose
+``REAL`` is too coarse). Override values are JSON text.
+
 Everything else lives here: when the generation moves, how an expired
 member is forgotten, how values travel as JSON, how rows become the
 port's values. The jobs are synchronous functions, run wherever the store

@@ -6,8 +6,10 @@ configuration is the YAML with the overrides laid over it, validated as a
 whole (so ``delivery.buffer`` must still hold a ``delivery.batch.size``). An
 override is *drift*: the running value differs from the reviewed file. It
 lasts until it is cleared, or until the YAML catches up (a reload finds the
-file saying the same value), and it is kept in memory only: a restarted
-process runs what the YAML says, which is why drift is reported loudly.
+file saying the same value). ``nemesis run`` keeps overrides in the fleet's
+state store (``nemesis.fleet``): they hold on every replica and survive a
+restart, which is why drift is reported loudly. A proxy built without a
+fleet (tests, embedders) keeps them in memory only.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ LiveField = Literal[
 LIVE_FIELDS: Final[tuple[str, ...]] = get_args(LiveField)
 
 # Changes to these need no restart either: the runtime never reads owners
-# (the DLQ viewer does, from the configuration it is handed).
-RESTART_FREE_FIELDS: Final = (*LIVE_FIELDS, "owners")
+# (the DLQ viewer does, from the configuration it is handed); a fleet member
+# places an integration again when its replicas change.
+RESTART_FREE_FIELDS: Final = (*LIVE_FIELDS, "owners", "replicas")
 
 
 class Source(enum.Enum):
