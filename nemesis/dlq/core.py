@@ -7,8 +7,9 @@ cursors, folds a failure into its row's history (``fold_failures``), maps
 rows to ``DeadLetterRow``, ``Group``, ``Stats`` and ``ActionRecord``, and
 runs bulk work in rounds. A store subclasses it and implements the
 ``_``-prefixed primitives below, each one query (or one transaction) in its
-dialect, handing rows back as mappings by column name. A new store (a
-PostgreSQL one, say) is a subclass holding its DDL and those queries.
+dialect, handing rows back as mappings by column name. Each store
+(``nemesis.dlq.sqlite``, ``nemesis.dlq.ydb``, ``nemesis.dlq.postgres``) is a
+subclass holding its DDL and those queries.
 
 Text is stored without NUL characters (``no_nul``: each becomes U+FFFD), as
 PostgreSQL's text columns require, so every store keeps the same values;
