@@ -431,6 +431,16 @@ async def test_a_statement_past_its_timeout_is_a_dlq_timeout_and_the_store_goes_
         await store.close()
 
 
+async def test_a_closed_store_says_so(postgres_dsn: str) -> None:
+    store = await open_postgres_dlq(_config(postgres_dsn))
+    await store.close()
+    await store.close()  # twice is fine
+    with pytest.raises(
+        DlqError, match=r"PostgreSQL DLQ at 127\.0\.0\.1:\d+/\w+: the store is closed"
+    ):
+        await store.count(DeadLetterFilter())
+
+
 async def test_close_cuts_a_call_stuck_on_a_lock(
     postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

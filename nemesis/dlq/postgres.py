@@ -297,7 +297,7 @@ class PostgresDeadLetterStore(StoreCore):
     async def _call(self, what: str, work: Callable[[Conn], Awaitable[T]]) -> T:
         """``work`` on a connection of the pool, its errors translated."""
         if self._closed:
-            raise DlqError("the DLQ store is closed")
+            raise DlqError(f"{self._translated.where}: the store is closed")
 
         async def run() -> T:
             async with self._pool.acquire() as conn:
