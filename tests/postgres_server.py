@@ -154,9 +154,11 @@ def running_postgres() -> Iterator[PostgresServer]:
     """Initialises and starts a server in a temporary folder; stops it and removes the folder."""
     binaries = bin_dir()
     prefix, user = _runner()
-    # Not under pytest's tmp_path: its parents are private to root, and the server's user
-    # must reach the folder.
-    root = Path(tempfile.mkdtemp(prefix="nemesis-pg-"))
+    # Not under pytest's tmp_path (its parents are private to root, and the server's user
+    # must reach the folder) nor a long TMPDIR (a unix socket's path is short): /tmp.
+    root = Path(
+        tempfile.mkdtemp(prefix="nemesis-pg-", dir="/tmp" if Path("/tmp").is_dir() else None)
+    )
     try:
         data, sockets, log = root / "data", root / "sockets", root / "server.log"
         sockets.mkdir()
