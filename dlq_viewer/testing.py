@@ -30,7 +30,7 @@ from nemesis.config.models import (
     TokenConfig,
     UserConfig,
 )
-from nemesis.dlq import DeadLetter, Reason, SqliteDeadLetterStore, open_sqlite_dlq
+from nemesis.dlq import DeadLetter, DeadLetterStore, Reason, open_sqlite_dlq
 
 if TYPE_CHECKING:
     import httpx
@@ -160,9 +160,9 @@ STANDARD_ACCESS = Access(
 
 @dataclass(frozen=True, slots=True)
 class ViewerEnv:
-    """A viewer over real files: the SQLite DLQ, the embedded log, the app (lifespan entered)."""
+    """A viewer over real parts: the DLQ (a SQLite file by default), the embedded log, the app."""
 
-    store: SqliteDeadLetterStore
+    store: DeadLetterStore
     broker: EmbeddedBroker
     app: FastAPI
     integrations: dict[str, IntegrationConfig]
@@ -177,14 +177,19 @@ async def viewer_env(
     auth: AuthConfig | None = None,
     clock: Clock = SYSTEM_CLOCK,
     lifespan: bool = True,
+    open_store: Callable[[Path, Clock], Awaitable[DeadLetterStore]] | None = None,
     **app_options: Any,
 ) -> AsyncIterator[ViewerEnv]:
     """Opens the store and the log under ``directory`` and builds the app.
 
     With ``lifespan`` the app's startup and shutdown run here (for httpx's
     ASGI transport); without, a server that runs them itself must serve it.
+    ``open_store(directory, clock)`` opens another DLQ store than the SQLite file.
     """
-    store = await open_sqlite_dlq(directory / "dlq.db", clock=clock)
+    if open_store is None:
+        store: DeadLetterStore = await open_sqlite_dlq(directory / "dlq.db", clock=clock)
+    else:
+        store = await open_store(directory, clock)
     try:
         broker = await open_embedded(EmbeddedBackendConfig(path=str(directory / "log.db")))
         try:

@@ -16,6 +16,9 @@ import pytest
 
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.config.models import EmbeddedBackendConfig
+from tests.postgres_server import postgres_dsn, postgres_server
+
+__all__ = ["postgres_dsn", "postgres_server"]  # fixtures: a PostgreSQL server, a database per test
 
 REPO = Path(__file__).resolve().parent.parent
 

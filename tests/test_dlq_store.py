@@ -1,9 +1,11 @@
 """The DLQ store: pure signature rules, then contract cases on every store.
 
 Contract cases take the ``store`` fixture, parametrized over ``STORES``: the
-sqlite store on a real file, and the YDB store on ``tests/ydb_fake.py`` (a
-database that plays a YDB server's rules); ``tests/contract`` runs them
-again on a real YDB when ``NEMESIS_YDB_ENDPOINT`` names one. Cases that need
+sqlite store on a real file, the YDB store on ``tests/ydb_fake.py`` (a
+database that plays a YDB server's rules), and the postgres store on a real
+PostgreSQL server the session starts (``tests/postgres_server.py``), in a
+schema of each test's own; ``tests/contract`` runs them again on a real YDB
+when ``NEMESIS_YDB_ENDPOINT`` names one. Cases that need
 one store's internals (the SQLite scan bound, batch sizes, the file), the
 core's folding of failures and the real CLI come last.
 """
@@ -17,6 +19,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
@@ -27,6 +30,7 @@ from hypothesis import strategies as st
 
 import nemesis.dlq.core as dlq_core
 import nemesis.dlq.sqlite as dlq_sqlite
+from nemesis.backends.postgres import PostgresDlqConfig
 from nemesis.clock import Clock
 from nemesis.dlq import (
     Action,
@@ -44,9 +48,11 @@ from nemesis.dlq import (
 )
 from nemesis.dlq.cursor import decode_cursor, encode_cursor
 from nemesis.dlq.port import MAX_ERROR_CHARS, MAX_TEXT_CHARS
+from nemesis.dlq.postgres import open_postgres_dlq
 from nemesis.dlq.signature import MAX_PATTERN_CHARS, escape_like
 from nemesis.dlq.ydb import YdbDeadLetterStore
 from nemesis.errors import DlqError, InvalidCursor, InvalidQuery, NemesisError
+from tests.postgres_server import PostgresServer
 from tests.ydb_fake import FAST_RETRY, FakeYdb
 
 START = 1_800_000_000.0
@@ -73,10 +79,24 @@ class FakeClock:
 
 
 StoreFactory = Callable[[Path, Clock], Awaitable[DeadLetterStore]]
+# A kind's factory, given the test's request (for fixtures only some kinds need).
+FactoryOf = Callable[[pytest.FixtureRequest], StoreFactory]
 
 
 async def _sqlite(directory: Path, clock: Clock) -> DeadLetterStore:
     return await open_sqlite_dlq(directory / "dlq.db", clock=clock)
+
+
+def _postgres(request: pytest.FixtureRequest) -> StoreFactory:
+    """The postgres store on the session's server, in a schema new at each call."""
+    server: PostgresServer = request.getfixturevalue("postgres_server")
+
+    async def factory(directory: Path, clock: Clock) -> DeadLetterStore:
+        schema = f"t_{uuid.uuid4().hex[:16]}"
+        config = PostgresDlqConfig(dsn=server.dsn(), schema_name=schema, pool_size=4)
+        return await open_postgres_dlq(config, clock=clock)
+
+    return factory
 
 
 async def _ydb_fake(directory: Path, clock: Clock) -> DeadLetterStore:
@@ -89,7 +109,11 @@ async def _ydb_fake(directory: Path, clock: Clock) -> DeadLetterStore:
     return store
 
 
-STORES: dict[str, StoreFactory] = {"sqlite": _sqlite, "ydb-fake": _ydb_fake}
+STORES: dict[str, FactoryOf] = {
+    "sqlite": lambda _: _sqlite,
+    "ydb-fake": lambda _: _ydb_fake,
+    "postgres": _postgres,
+}
 
 
 @pytest.fixture
@@ -101,7 +125,7 @@ def clock() -> FakeClock:
 async def store(
     request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock
 ) -> AsyncIterator[DeadLetterStore]:
-    opened = await STORES[request.param](tmp_path, clock)
+    opened = await STORES[request.param](request)(tmp_path, clock)
     try:
         yield opened
     finally:
@@ -638,6 +662,7 @@ _rows_strategy = st.lists(
 )
 
 
+@pytest.mark.parametrize("kind", sorted(STORES))
 @settings(max_examples=25, deadline=None)
 @given(
     rows=_rows_strategy,
@@ -646,6 +671,8 @@ _rows_strategy = st.lists(
     status=st.none() | st.sampled_from([Status.DEAD, Status.REQUEUED]),
 )
 def test_keyset_paging_returns_each_matching_row_once_newest_first(
+    request: pytest.FixtureRequest,
+    kind: str,
     rows: list[tuple[int, str, bool]],
     limit: int,
     integrations: frozenset[str] | None,
@@ -677,9 +704,8 @@ def test_keyset_paging_returns_each_matching_row_once_newest_first(
         finally:
             await store.close()
 
-    for factory in STORES.values():
-        with tempfile.TemporaryDirectory() as directory:
-            asyncio.run(scenario(Path(directory), factory))
+    with tempfile.TemporaryDirectory() as directory:
+        asyncio.run(scenario(Path(directory), STORES[kind](request)))
 
 
 async def test_count_can_stop_early(store: DeadLetterStore) -> None:
@@ -1020,6 +1046,33 @@ async def test_an_empty_payload_lists_and_reads_back_empty(store: DeadLetterStor
     assert full is not None
     assert full.payload == b""
     assert [r.id for r in (await store.query(DeadLetterFilter(text="order"))).rows] == [row.id]
+
+
+async def test_text_with_nul_characters_is_kept_with_a_replacement_character(
+    store: DeadLetterStore,
+) -> None:
+    # A handler's answer may hold a NUL; PostgreSQL's text cannot: every store keeps U+FFFD.
+    odd = letter(1, error="bad\x00answer", key="k\x00", stage="s\x00", event_id="orders:0:\x00")
+    assert (await store.put([odd])).inserted == 1
+    assert (await store.put([odd])).inserted == 0  # still the same row
+    row = await store.get(odd.id)
+    assert row is not None
+    assert (row.error, row.key, row.stage, row.event_id) == (
+        "bad\ufffdanswer", "k\ufffd", "s\ufffd", "orders:0:\ufffd"
+    )  # fmt: skip
+    assert [r.id for r in (await store.query(DeadLetterFilter(text="d\ufffda"))).rows] == [odd.id]
+    await store.query(DeadLetterFilter(text="d\x00a"))  # a NUL in the search is no error
+    assert await store.get("no\x00such") is None
+    assert await store.mark_requeued([odd.id], by="a\x00b") == 1
+    await store.record_action(
+        who="a\x00b", action=Action.REQUEUE, integrations=["x\x00"], count=1, description="\x00"
+    )
+    [entry] = (await store.actions()).rows
+    assert (entry.who, entry.integrations, entry.description) == (
+        "a\ufffdb",
+        ("x\ufffd",),
+        "\ufffd",
+    )
 
 
 async def test_times_far_out_of_range_match_as_the_range_ends_would(

@@ -1,7 +1,8 @@
-"""Fleet members in one process on a real state file, driven tick by tick (no timing).
+"""Fleet members in one process on a real state store, driven tick by tick (no timing).
 
 Two proxies (not running: placement and overrides need no delivery) share
-one embedded broker file and one state file, each with its ``FleetMember``;
+one embedded broker file and one state store (each kind of
+``tests/test_fleet_store.py``: a file, a PostgreSQL schema), each with its ``FleetMember``;
 each ``tick()`` is one look at the store, as the member's loop makes every
 ``poll_s``.
 """
@@ -18,11 +19,12 @@ from nemesis.admin import create_admin_app
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.config.models import EmbeddedBackendConfig
 from nemesis.fleet.member import FleetMember, FleetOptions
-from nemesis.fleet.sqlite import SqliteStateStore, open_sqlite_state
+from nemesis.fleet.port import StateStore
 from nemesis.runtime import overrides as live
 from nemesis.runtime.app import Proxy
 from nemesis.testing.clock import FakeClock
 from tests.operability import AUTH, TOKEN, integration
+from tests.test_fleet_store import STORES
 
 NAMES = sorted(f"team-{n}" for n in range(12))
 OPTIONS = FleetOptions(lease_s=10, poll_s=1, handover_wait_s=60)
@@ -35,9 +37,10 @@ async def broker(tmp_path: Path) -> AsyncIterator[EmbeddedBroker]:
     await opened.close()
 
 
-@pytest.fixture
-async def stores(tmp_path: Path) -> AsyncIterator[list[SqliteStateStore]]:
-    opened = [await open_sqlite_state(tmp_path / "state.db") for _ in range(2)]
+@pytest.fixture(params=sorted(STORES))
+async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[list[StateStore]]:
+    opener = STORES[request.param](request)
+    opened = [await opener(tmp_path) for _ in range(2)]
     yield opened
     for store in opened:
         await store.close()
@@ -49,7 +52,7 @@ def proxy(broker: EmbeddedBroker, clock: FakeClock, **sections: object) -> Proxy
 
 
 async def test_two_members_split_the_integrations_and_a_leaving_one_hands_over(
-    broker: EmbeddedBroker, stores: list[SqliteStateStore]
+    broker: EmbeddedBroker, stores: list[StateStore]
 ) -> None:
     clock = FakeClock()
     first, second = proxy(broker, clock), proxy(broker, clock)
@@ -79,7 +82,7 @@ async def test_two_members_split_the_integrations_and_a_leaving_one_hands_over(
 
 
 async def test_a_new_owner_waits_for_a_live_old_owner_to_let_go(
-    broker: EmbeddedBroker, stores: list[SqliteStateStore]
+    broker: EmbeddedBroker, stores: list[StateStore]
 ) -> None:
     clock = FakeClock()
     options = FleetOptions(lease_s=600, handover_wait_s=60)  # a stays alive, silent
@@ -99,7 +102,7 @@ async def test_a_new_owner_waits_for_a_live_old_owner_to_let_go(
 
 
 async def test_an_override_set_on_one_member_applies_on_the_other_and_survives_a_restart(
-    broker: EmbeddedBroker, stores: list[SqliteStateStore]
+    broker: EmbeddedBroker, stores: list[StateStore]
 ) -> None:
     clock = FakeClock()
     first, second = proxy(broker, clock), proxy(broker, clock)
@@ -131,7 +134,7 @@ async def test_an_override_set_on_one_member_applies_on_the_other_and_survives_a
 
 
 async def test_an_override_the_yaml_catches_up_with_leaves_the_store(
-    broker: EmbeddedBroker, stores: list[SqliteStateStore]
+    broker: EmbeddedBroker, stores: list[StateStore]
 ) -> None:
     clock = FakeClock()
     first, second = proxy(broker, clock), proxy(broker, clock)
@@ -151,7 +154,7 @@ async def test_an_override_the_yaml_catches_up_with_leaves_the_store(
 
 
 async def test_an_override_that_does_not_fit_is_refused_before_it_is_stored(
-    broker: EmbeddedBroker, stores: list[SqliteStateStore]
+    broker: EmbeddedBroker, stores: list[StateStore]
 ) -> None:
     from pydantic import ValidationError
 
@@ -164,7 +167,7 @@ async def test_an_override_that_does_not_fit_is_refused_before_it_is_stored(
 
 
 async def test_shares_follow_the_members_running_an_integration(
-    broker: EmbeddedBroker, stores: list[SqliteStateStore]
+    broker: EmbeddedBroker, stores: list[StateStore]
 ) -> None:
     clock = FakeClock()
     sections = {"replicas": "all", "rate_limits": {"main": 300}}
@@ -187,7 +190,7 @@ async def test_shares_follow_the_members_running_an_integration(
 
 
 async def test_the_admin_api_stores_changes_for_the_fleet_and_answers_503_without_the_store(
-    broker: EmbeddedBroker, stores: list[SqliteStateStore]
+    broker: EmbeddedBroker, stores: list[StateStore]
 ) -> None:
     clock = FakeClock()
     here = proxy(broker, clock)
@@ -226,7 +229,7 @@ async def test_the_admin_api_stores_changes_for_the_fleet_and_answers_503_withou
 
 
 async def test_a_change_of_replicas_places_the_integration_again_without_a_restart(
-    broker: EmbeddedBroker, stores: list[SqliteStateStore]
+    broker: EmbeddedBroker, stores: list[StateStore]
 ) -> None:
     clock = FakeClock()
     first, second = proxy(broker, clock), proxy(broker, clock)

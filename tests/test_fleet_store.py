@@ -5,23 +5,45 @@ Written once against the port; each store kind is one entry of ``STORES``.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
+from nemesis.backends.postgres import PostgresStateConfig
 from nemesis.errors import StateError
 from nemesis.fleet.port import MemberInfo, StateStore
+from nemesis.fleet.postgres import open_postgres_state
 from nemesis.fleet.sqlite import open_sqlite_state
+from tests.postgres_server import PostgresServer
 
 Opener = Callable[[Path], Awaitable[StateStore]]
 
 
-async def _sqlite(tmp: Path) -> StateStore:
-    return await open_sqlite_state(tmp / "state.db")
+def _sqlite(request: pytest.FixtureRequest) -> Opener:
+    async def opener(tmp: Path) -> StateStore:
+        return await open_sqlite_state(tmp / "state.db")
+
+    return opener
 
 
-STORES: dict[str, Opener] = {"sqlite": _sqlite}
+def _postgres(request: pytest.FixtureRequest) -> Opener:
+    """A schema of the test's own on the session's server (tests/postgres_server.py)."""
+    server: PostgresServer = request.getfixturevalue("postgres_server")
+    config = PostgresStateConfig(dsn=server.dsn(), schema_name=f"fleet_{uuid.uuid4().hex[:12]}")
+
+    async def opener(tmp: Path) -> StateStore:
+        return await open_postgres_state(config)
+
+    return opener
+
+
+# A kind's opener, given the test's request (for the fixtures only some kinds need).
+STORES: dict[str, Callable[[pytest.FixtureRequest], Opener]] = {
+    "sqlite": _sqlite,
+    "postgres": _postgres,
+}
 
 A = MemberInfo("host-a-1-aaaaaa", "host-a", 1, started_at=1000.0)
 B = MemberInfo("host-b-2-bbbbbb", "host-b", 2, started_at=1001.0)
@@ -30,7 +52,7 @@ B = MemberInfo("host-b-2-bbbbbb", "host-b", 2, started_at=1001.0)
 @pytest.fixture(params=sorted(STORES))
 async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[list[StateStore]]:
     """Two connections to one store, as two replicas have."""
-    opener = STORES[request.param]
+    opener = STORES[request.param](request)
     opened = [await opener(tmp_path), await opener(tmp_path)]
     try:
         yield opened

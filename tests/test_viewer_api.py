@@ -1,7 +1,9 @@
 """The DLQ viewer's pages and JSON API through httpx: lists, filters, paging, detail, actions, jobs.
 
-Real parts: the SQLite DLQ and the embedded log in tmp_path, the replay
-requeue path of ``nemesis.dlq.requeue``, the app with its lifespan.
+Real parts: the DLQ (a SQLite file in tmp_path, and the tests that take the
+``env`` fixture again on the PostgreSQL server the session starts), the
+embedded log in tmp_path, the replay requeue path of ``nemesis.dlq.requeue``,
+the app with its lifespan.
 Security (sign-in, CSRF, team scopes, hostile input) is in test_viewer_security.py.
 """
 
@@ -29,6 +31,7 @@ from dlq_viewer.testing import (
 )
 from nemesis.dlq import DeadLetterFilter, Reason, Status
 from nemesis.topology import replay_topic
+from tests.test_dlq_store import STORES
 
 ALICE, BOB, ROOT = STANDARD_ACCESS.people
 BOT_A, BOT_ROOT = STANDARD_ACCESS.clients
@@ -38,9 +41,15 @@ INTEGRATIONS = {
 }
 
 
-@pytest.fixture
-async def env(tmp_path: Path) -> AsyncIterator[ViewerEnv]:
-    async with viewer_env(tmp_path, integrations=INTEGRATIONS, bulk_round_size=7) as opened:
+@pytest.fixture(params=sorted(set(STORES) - {"ydb-fake"}))
+async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ViewerEnv]:
+    """The viewer on each store a deployment runs here: the SQLite file, and PostgreSQL."""
+    async with viewer_env(
+        tmp_path,
+        integrations=INTEGRATIONS,
+        bulk_round_size=7,
+        open_store=STORES[request.param](request),
+    ) as opened:
         yield opened
 
 

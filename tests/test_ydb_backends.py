@@ -51,7 +51,7 @@ async def test_the_default_kinds_open_from_the_configuration(tmp_path: Path) -> 
     finally:
         await broker.close()
     assert set(default_backends().brokers) == {"embedded", "ydb", "kafka"}
-    assert set(default_backends().dlqs) == {"sqlite", "ydb"}
+    assert set(default_backends().dlqs) == {"sqlite", "ydb", "postgres"}
 
 
 async def test_a_registry_can_be_copied_and_given_other_factories(tmp_path: Path) -> None:
@@ -136,9 +136,10 @@ def test_a_registered_kind_brings_its_config_model_into_validation_and_the_schem
 
 def test_the_known_kinds_are_listed_when_a_kind_is_wrong() -> None:
     with pytest.raises(
-        ValidationError, match="unknown dlq kind 'postgres'; the known kinds are sqlite, ydb"
+        ValidationError,
+        match="unknown dlq kind 'cassandra'; the known kinds are sqlite, ydb, postgres",
     ):
-        NemesisConfig.model_validate({"dlq": {"kind": "postgres"}})
+        NemesisConfig.model_validate({"dlq": {"kind": "cassandra"}})
 
 
 def test_the_embedded_path_never_loads_the_ydb_sdk(tmp_path: Path) -> None:

@@ -44,6 +44,7 @@ from nemesis.backends.base import (
 )
 from nemesis.backends.embedded import EMBEDDED
 from nemesis.backends.kafka import KAFKA
+from nemesis.backends.postgres import POSTGRES_DLQ, POSTGRES_STATE
 from nemesis.backends.sqlite import SQLITE, SQLITE_STATE
 from nemesis.backends.ydb import YDB, YDB_DLQ
 from nemesis.clock import SYSTEM_CLOCK, Clock
@@ -79,7 +80,9 @@ def default_backends() -> Backends:
     registry.register_broker(KAFKA)
     registry.register_dlq(SQLITE)
     registry.register_dlq(YDB_DLQ)
+    registry.register_dlq(POSTGRES_DLQ)
     registry.register_state(SQLITE_STATE)
+    registry.register_state(POSTGRES_STATE)
     return registry
 
 

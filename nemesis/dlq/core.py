@@ -7,8 +7,13 @@ cursors, folds a failure into its row's history (``fold_failures``), maps
 rows to ``DeadLetterRow``, ``Group``, ``Stats`` and ``ActionRecord``, and
 runs bulk work in rounds. A store subclasses it and implements the
 ``_``-prefixed primitives below, each one query (or one transaction) in its
-dialect, handing rows back as mappings by column name. A new store (a
-PostgreSQL one, say) is a subclass holding its DDL and those queries.
+dialect, handing rows back as mappings by column name. Each store
+(``nemesis.dlq.sqlite``, ``nemesis.dlq.ydb``, ``nemesis.dlq.postgres``) is a
+subclass holding its DDL and those queries.
+
+Text is stored without NUL characters (``no_nul``: each becomes U+FFFD), as
+PostgreSQL's text columns require, so every store keeps the same values;
+ids, signatures and the payload (bytes) are untouched.
 
 The columns are the same in every store: times in whole microseconds since
 1970 (``*_us``, clamped to the store's ``Times``: a signed 64-bit column
@@ -177,6 +182,15 @@ def to_s(us: int) -> float:
 def cut(text: str, limit: int) -> str:
     """``text``, or its first ``limit - 1`` characters and an ellipsis."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def no_nul(text: str) -> str:
+    """``text`` with each NUL as U+FFFD: a PostgreSQL text column cannot hold a NUL."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
+def _no_nul_or_none(text: str | None) -> str | None:
+    return None if text is None else no_nul(text)
 
 
 def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
@@ -350,11 +364,11 @@ def fold_failures(
                     "integration": letter.integration,
                     "reason": letter.reason.value,
                     "http_status": letter.http_status,
-                    "pattern": pattern,
-                    "sample_error": cut(letter.error, MAX_SAMPLE_ERROR_CHARS),
+                    "pattern": no_nul(pattern),
+                    "sample_error": no_nul(cut(letter.error, MAX_SAMPLE_ERROR_CHARS)),
                 },
             )
-        error = cut(letter.error, MAX_ERROR_CHARS)
+        error = no_nul(cut(letter.error, MAX_ERROR_CHARS))
         previous = rows.get(letter_id) or existing.get(letter_id)
         if previous is None:
             first = letter.first_failure_at
@@ -373,12 +387,12 @@ def fold_failures(
                 "last_action": None,
                 "last_action_by": None,
                 "last_action_us": None,
-                "event_id": letter.event_id,
-                "source_topic": letter.source_topic,
+                "event_id": no_nul(letter.event_id),
+                "source_topic": no_nul(letter.source_topic),
                 "source_partition": letter.source_partition,
                 "source_offset": letter.source_offset,
-                "msg_key": letter.key,
-                "stage": letter.stage,
+                "msg_key": _no_nul_or_none(letter.key),
+                "stage": _no_nul_or_none(letter.stage),
                 "payload_size": len(letter.payload),
                 "error": error,
                 "history": None,
@@ -416,7 +430,7 @@ def fold_failures(
             "signature": signature,
             "dead_lettered_us": at_us,
             "attempts": letter.attempts,
-            "stage": letter.stage,
+            "stage": _no_nul_or_none(letter.stage),
             "error": error,
             "history": orjson.dumps(past[-MAX_HISTORY:]).decode(),
         }
@@ -764,7 +778,7 @@ class StoreCore(abc.ABC):
         if not unique or (integrations is not None and not integrations):
             return 0
         at_us = self.times.to_us(self._clock.time() if at is None else at)
-        mark = Mark(status, action, cut(by, MAX_ACTOR_CHARS), at_us, integrations)
+        mark = Mark(status, action, no_nul(cut(by, MAX_ACTOR_CHARS)), at_us, integrations)
         changed = 0
         for chunk in chunks(unique, MARK_BATCH):
             changed += await self._mark(chunk, mark)
@@ -782,14 +796,14 @@ class StoreCore(abc.ABC):
     ) -> ActionRecord:
         """Appends an entry to the audit log."""
         at_us = self.times.to_us(self._clock.time() if at is None else at)
-        names = tuple(sorted(set(integrations)))
+        names = tuple(sorted({no_nul(name) for name in integrations}))
         entry = {
             "at_us": at_us,
-            "who": cut(who, MAX_ACTOR_CHARS),
+            "who": no_nul(cut(who, MAX_ACTOR_CHARS)),
             "action": action.value,
             "integrations": orjson.dumps(names).decode(),
             "count": count,
-            "description": cut(description, MAX_DESCRIPTION_CHARS),
+            "description": no_nul(cut(description, MAX_DESCRIPTION_CHARS)),
         }
         seq = await self._append_action(entry)
         return action_record({**entry, "seq": seq})
