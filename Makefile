@@ -53,7 +53,7 @@ pytest: install
 	$(BIN)/pytest $(XDIST) $(PYTEST_ARGS)
 
 bench: install
-	$(BIN)/python tests/bench/delivery.py
+	$(BIN)/python tests/bench/delivery.py --only delivery --only log --only latency --only kafka
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache
