@@ -32,9 +32,10 @@ topics). The semantics are chosen so that YDB fits without contortions:
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, TypeVar, runtime_checkable
 
 
 @runtime_checkable
@@ -311,3 +312,25 @@ class Broker(Protocol):
     async def writer(self, topic: str, producer_id: str | None = None) -> TopicWriter: ...
 
     async def close(self) -> None: ...
+
+
+SessionT = TypeVar("SessionT", bound=PartitionSession)
+
+
+def run_session(
+    messages: Sequence[Message], kind: type[SessionT], mine: Callable[[SessionT], bool]
+) -> SessionT:
+    """The one session of a non-empty run handed to ``TopicReader.commit``, checked.
+
+    A run is one partition session's messages, in offset order, received by
+    the reader committing them (``mine``); anything else is a caller's bug
+    (``ValueError``), never a commit of the wrong offsets. Every backend's
+    reader checks its runs here.
+    """
+    session = messages[0].session
+    if not isinstance(session, kind) or not mine(session):
+        raise ValueError("messages were not received by this reader")
+    for previous, message in itertools.pairwise(messages):
+        if message.session is not session or message.offset <= previous.offset:
+            raise ValueError("commit takes one partition session's messages in offset order")
+    return session

@@ -16,7 +16,7 @@ from nemesis.broker.embedded import leases, log
 from nemesis.broker.embedded.beats import BeatJob, SharedHeartbeat
 from nemesis.broker.embedded.db import Database
 from nemesis.broker.embedded.tail import TailCache
-from nemesis.broker.port import EARLIEST, Message, PartitionSession, StartFrom
+from nemesis.broker.port import EARLIEST, Message, PartitionSession, StartFrom, run_session
 from nemesis.clock import Clock
 from nemesis.errors import BrokerError, TopicNotFound
 
@@ -580,12 +580,7 @@ class EmbeddedReader:
         """
         if not messages:
             return
-        session = messages[0].session
-        if not isinstance(session, EmbeddedSession) or session.holder != self._member_id:
-            raise ValueError("messages were not received by this reader")
-        for previous, message in itertools.pairwise(messages):
-            if message.session is not session or message.offset <= previous.offset:
-                raise ValueError("commit takes one partition session's messages in offset order")
+        session = run_session(messages, EmbeddedSession, lambda s: s.holder == self._member_id)
         offset = messages[-1].offset + 1
         if not session.alive or offset <= session.committed:
             return

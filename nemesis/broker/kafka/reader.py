@@ -43,7 +43,7 @@ from nemesis.aio import first_of
 from nemesis.broker.kafka.connection import close_leftover_connections
 from nemesis.broker.kafka.errors import broker_error, describe
 from nemesis.broker.kafka.mapping import KafkaSession, to_message
-from nemesis.broker.port import Message, PartitionSession
+from nemesis.broker.port import Message, PartitionSession, run_session
 from nemesis.errors import BrokerError
 
 logger = logging.getLogger(__name__)
@@ -186,12 +186,7 @@ class KafkaReader:
         """Commits the offset after a run of one session's messages, fenced by the generation."""
         if not messages:
             return
-        session = messages[0].session
-        if not isinstance(session, KafkaSession) or session.owner is not self:
-            raise ValueError("messages were not received by this reader")
-        for previous, message in itertools.pairwise(messages):
-            if message.session is not session or message.offset <= previous.offset:
-                raise ValueError("commit takes one partition session's messages in offset order")
+        session = run_session(messages, KafkaSession, lambda s: s.owner is self)
         if not session.alive:
             return
         tp = TopicPartition(self._topic, session.partition)

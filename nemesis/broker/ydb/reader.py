@@ -78,7 +78,7 @@ from ydb._topic_reader.topic_reader_asyncio import (
     PublicTopicReaderUnexpectedCodecError,
 )
 
-from nemesis.broker.port import Message, PartitionSession
+from nemesis.broker.port import Message, PartitionSession, run_session
 from nemesis.broker.ydb.errors import broker_error
 from nemesis.broker.ydb.mapping import (
     Undecodable,
@@ -428,12 +428,7 @@ class YdbReader:
         """
         if not messages:
             return
-        session = messages[0].session
-        if not isinstance(session, YdbSession) or session.owner is not self:
-            raise ValueError("messages were not received by this reader")
-        for previous, message in itertools.pairwise(messages):
-            if message.session is not session or message.offset <= previous.offset:
-                raise ValueError("commit takes one partition session's messages in offset order")
+        session = run_session(messages, YdbSession, lambda s: s.owner is self)
         if not session.alive:
             return
         if any(m.offset not in session.inflight for m in messages):
