@@ -8,15 +8,19 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
+from ydb.aio.query.pool import QuerySessionPool
 
 from nemesis.backends.postgres import PostgresStateConfig
 from nemesis.errors import StateError
 from nemesis.fleet.port import MemberInfo, StateStore
 from nemesis.fleet.postgres import open_postgres_state
 from nemesis.fleet.sqlite import open_sqlite_state
+from nemesis.fleet.ydb import YdbStateStore
 from tests.postgres_server import PostgresServer
+from tests.ydb_fake import FAST_RETRY, FakePool, FakeYdb
 
 Opener = Callable[[Path], Awaitable[StateStore]]
 
@@ -39,10 +43,27 @@ def _postgres(request: pytest.FixtureRequest) -> Opener:
     return opener
 
 
+def _ydb_fake(request: pytest.FixtureRequest) -> Opener:
+    """One fake YDB database per test (tests/ydb_fake.py)."""
+    database = FakeYdb()
+
+    async def opener(tmp: Path) -> StateStore:
+        store = YdbStateStore(
+            cast(QuerySessionPool, FakePool(database)),
+            directory="nemesis/fleet",
+            retry_settings=FAST_RETRY,
+        )
+        await store.open()
+        return store
+
+    return opener
+
+
 # A kind's opener, given the test's request (for the fixtures only some kinds need).
 STORES: dict[str, Callable[[pytest.FixtureRequest], Opener]] = {
     "sqlite": _sqlite,
     "postgres": _postgres,
+    "ydb-fake": _ydb_fake,
 }
 
 A = MemberInfo("host-a-1-aaaaaa", "host-a", 1, started_at=1000.0)
@@ -170,3 +191,29 @@ async def test_a_path_that_cannot_be_a_file_is_a_state_error(tmp_path: Path) -> 
     (tmp_path / "file").write_text("")
     with pytest.raises(StateError, match="file"):
         await open_sqlite_state(tmp_path / "file" / "state.db")
+
+
+async def test_ydb_jobs_run_again_over_their_own_undetermined_commit() -> None:
+    """Each commit happens and answers Undetermined: the SDK runs the job again on top of it."""
+    database = FakeYdb()
+    store = YdbStateStore(
+        cast(QuerySessionPool, FakePool(database)),
+        directory="nemesis/fleet",
+        retry_settings=FAST_RETRY,
+    )
+    await store.open()
+    try:
+        database.undetermined_commits = 1
+        joined = await store.heartbeat(A, now=1000.0, lease_s=10)
+        database.undetermined_commits = 1
+        await store.assign("orders", A.member_id, now=1000.0)
+        database.undetermined_commits = 1
+        version = await store.set_overrides("orders", {"delivery.workers": 8}, set_by="a", now=1.0)
+        assert database.undetermined_commits == 0  # each was answered Undetermined
+        view = await store.view()
+        assert [m.member_id for m in view.members] == [A.member_id]
+        assert [(a.member_id, a.since) for a in view.assignments] == [(A.member_id, 1000.0)]
+        assert view.overrides_of("orders")["delivery.workers"].version == version
+        assert view.generation == version > joined
+    finally:
+        await store.close()

@@ -14,6 +14,9 @@ subset the store uses to SQLite, and refuses what a YDB server refuses:
   ("Missing not null column in input"), and each member's type must be the
   column's (a NOT NULL column takes no optional);
 * ``UPDATE ... ON`` and ``DELETE ... ON`` must carry the primary key;
+  ``UPDATE ... SET`` may not change a key column;
+* ``UPSERT INTO t (columns) SELECT ...`` must name every NOT NULL column
+  and put no NULL in one;
 * ``VIEW`` must name an index the table was created with;
 * a statement answers one result set per ``SELECT``, in order.
 
@@ -108,6 +111,13 @@ def _substring(value: SqlValue, start: int, length: int) -> SqlValue:
     if value is None:
         return None
     return cast(bytes, value)[start : start + length]
+
+
+def _literal(text: str) -> SqlValue:
+    """A literal of a VALUES list: 'text', or a number."""
+    if text.startswith("'"):
+        return text.strip("'")
+    return float(text) if "." in text else int(text)
 
 
 def _members(type_text: str) -> dict[str, str]:
@@ -297,10 +307,42 @@ class FakeYdb:
                 )
             values = [v.strip() for v in values_text.split(",")]
             row = {
-                name: params[v].value if v.startswith("$") else v.strip("'")
+                name: params[v].value if v.startswith("$") else _literal(v)
                 for name, v in zip(names, values, strict=True)
             }
             self._upsert(table, names, [row], replace=False)
+        elif found := re.fullmatch(
+            r"UPSERT INTO `([^`]+)` \(([^)]*)\) (SELECT .*)", statement, re.S
+        ):
+            path, names_text, select = found.groups()
+            table = self._table(path)
+            names = re.findall(r"`(\w+)`", names_text)
+            missing = table.not_null - set(names)
+            if missing:
+                raise issues.GenericError(
+                    f"Missing not null column in input: {', '.join(sorted(missing))}"
+                )
+            rows = self._select(select, {}, params)
+            for row in rows:
+                if list(row) != names:
+                    raise issues.GenericError(
+                        f"fake YDB: the SELECT names {list(row)}, the UPSERT {names}"
+                    )
+                if any(row[name] is None for name in table.not_null):
+                    raise issues.GenericError("NULL in a not null column")
+            self._upsert(table, names, rows, replace=False)
+        elif found := re.fullmatch(r"UPDATE `([^`]+)` SET (.*) WHERE (.*)", statement, re.S):
+            path, assignments_text, _ = found.groups()
+            table = self._table(path)
+            for name in re.findall(r"(\w+) = ", assignments_text):
+                if name not in table.columns:
+                    raise issues.GenericError(f"No such column: {name} in {path}")
+                if name in table.primary_key:
+                    raise issues.GenericError(f"Cannot update primary key column: {name}")
+            self.db.execute(self._translate(statement, params), self._values(params))
+        elif found := re.fullmatch(r"DELETE FROM `([^`]+)` WHERE (.*)", statement, re.S):
+            self._table(found.group(1))
+            self.db.execute(self._translate(statement, params), self._values(params))
         elif found := re.fullmatch(
             r"UPDATE `([^`]+)` ON SELECT \* FROM AS_TABLE\((\$\w+)\)", statement
         ):

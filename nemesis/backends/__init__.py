@@ -46,7 +46,7 @@ from nemesis.backends.embedded import EMBEDDED
 from nemesis.backends.kafka import KAFKA
 from nemesis.backends.postgres import POSTGRES_DLQ, POSTGRES_STATE
 from nemesis.backends.sqlite import SQLITE, SQLITE_STATE
-from nemesis.backends.ydb import YDB, YDB_DLQ
+from nemesis.backends.ydb import YDB, YDB_DLQ, YDB_STATE
 from nemesis.clock import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:  # the configuration imports this module for its kinds
@@ -83,6 +83,7 @@ def default_backends() -> Backends:
     registry.register_dlq(POSTGRES_DLQ)
     registry.register_state(SQLITE_STATE)
     registry.register_state(POSTGRES_STATE)
+    registry.register_state(YDB_STATE)
     return registry
 
 

@@ -69,6 +69,9 @@ class StateModel(Model):
         """Where the store is, in words."""
         return self.kind
 
+    def check_backend(self, backend: BackendModel) -> None:
+        """Raises ValueError if the store cannot work with ``backend`` (see ``DlqModel``)."""
+
 
 BrokerFactory = Callable[["NemesisConfig", "Clock"], Awaitable["Broker"]]
 DlqFactory = Callable[["NemesisConfig", "Broker | None", "Clock"], Awaitable["DeadLetterStore"]]

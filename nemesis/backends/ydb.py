@@ -1,7 +1,7 @@
-"""The ``ydb`` kinds: YDB topics as the broker, YDB tables as the DLQ store.
+"""The ``ydb`` kinds: YDB topics as the broker, YDB tables as the DLQ and the state store.
 
 The SDK is imported only when a factory runs (``nemesis.broker.ydb``,
-``nemesis.dlq.ydb``): a process on the embedded broker never loads it.
+``nemesis.dlq.ydb``, ``nemesis.fleet.ydb``): a process on the embedded broker never loads it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from nemesis.backends.base import BackendModel, BrokerKind, DlqKind, DlqModel
+from nemesis.backends.base import (
+    BackendModel,
+    BrokerKind,
+    DlqKind,
+    DlqModel,
+    StateKind,
+    StateModel,
+)
 from nemesis.config_base import DurationS, Model
 
 if TYPE_CHECKING:
@@ -18,6 +25,7 @@ if TYPE_CHECKING:
     from nemesis.clock import Clock
     from nemesis.config.models import NemesisConfig
     from nemesis.dlq.port import DeadLetterStore
+    from nemesis.fleet.port import StateStore
 
 
 class YdbCredentialsConfig(Model):
@@ -117,5 +125,36 @@ async def open_ydb_store(
     return await open_ydb_dlq(dlq, connection=backend, clock=clock)
 
 
+class YdbStateConfig(StateModel):
+    """The fleet's state in YDB tables (``nemesis.fleet.ydb``): replicas on several hosts."""
+
+    kind: Literal["ydb"] = "ydb"
+    # The directory of the fleet's tables, relative to the database. One fleet per
+    # directory: two configurations on one would take each other for replicas.
+    path: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*$")] = "nemesis/fleet"
+    # None: the backend's connection (the backend must then be ydb).
+    connection: YdbConnectionConfig | None = None
+
+    def location(self, data_dir: str) -> str:
+        return f"ydb:{self.path}"
+
+    def check_backend(self, backend: BackendModel) -> None:
+        if self.connection is None and not isinstance(backend, YdbBackendConfig):
+            raise ValueError(
+                "state.kind ydb needs state.connection (endpoint, database)"
+                " unless the backend is ydb"
+            )
+
+
+async def open_ydb_state_store(config: NemesisConfig) -> StateStore:
+    """The YDB state store; without a connection of its own it reaches the backend's database."""
+    from nemesis.fleet.ydb import open_ydb_state
+
+    assert isinstance(config.state, YdbStateConfig)  # chosen by kind
+    backend = config.backend if isinstance(config.backend, YdbBackendConfig) else None
+    return await open_ydb_state(config.state, connection=backend)
+
+
 YDB = BrokerKind("ydb", YdbBackendConfig, open_ydb_backend)
 YDB_DLQ = DlqKind("ydb", YdbDlqConfig, open_ydb_store)
+YDB_STATE = StateKind("ydb", YdbStateConfig, open_ydb_state_store)

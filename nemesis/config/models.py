@@ -500,4 +500,5 @@ class NemesisConfig(Model):
     @model_validator(mode="after")
     def _dlq_works_with_the_backend(self) -> NemesisConfig:
         self.dlq.check_backend(self.backend)
+        self.state.check_backend(self.backend)
         return self
