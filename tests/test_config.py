@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
+from nemesis.backends.ydb import YdbStateConfig
 from nemesis.config import (
     IntegrationConfig,
     NemesisConfig,
@@ -760,10 +761,13 @@ def _commented_block(text: str, key: str) -> dict[str, Any]:
 def test_the_example_alternatives_validate_when_uncommented() -> None:
     text = EXAMPLE.read_text()
     backend, dlq = _commented_block(text, "backend"), _commented_block(text, "dlq")
-    config = NemesisConfig.model_validate({**backend, **dlq})
+    state = _commented_block(text, "state")
+    config = NemesisConfig.model_validate({**backend, **dlq, **state})
     assert isinstance(config.backend, YdbBackendConfig)
     assert isinstance(config.dlq, YdbDlqConfig)
     assert config.dlq.connection is not None
+    assert isinstance(config.state, YdbStateConfig)
+    assert config.state.connection is not None
 
 
 def test_the_example_key_check_sees_nesting_and_comments() -> None:
@@ -847,3 +851,12 @@ def test_a_target_port_out_of_range_is_refused(tmp_path: Path, url: str) -> None
 def test_a_disabled_viewer_needs_no_port(tmp_path: Path) -> None:
     path = write(tmp_path, "nemesis.yaml", "viewer: {enabled: false}\n")
     assert load_process_config(path).viewer.enabled is False
+
+
+def test_a_ydb_state_store_without_a_connection_needs_the_ydb_backend() -> None:
+    with pytest.raises(ValidationError, match=r"state\.kind ydb needs state\.connection"):
+        NemesisConfig.model_validate({"state": {"kind": "ydb"}})
+    backend = {"kind": "ydb", "endpoint": "grpc://localhost:2136", "database": "/local"}
+    config = NemesisConfig.model_validate({"backend": backend, "state": {"kind": "ydb"}})
+    assert isinstance(config.state, YdbStateConfig)
+    assert config.state.location("data") == "ydb:nemesis/fleet"
