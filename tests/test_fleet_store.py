@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import cast
 
 import pytest
+import ydb
 from ydb.aio.query.pool import QuerySessionPool
 
 from nemesis.backends.postgres import PostgresStateConfig
@@ -217,3 +218,22 @@ async def test_ydb_jobs_run_again_over_their_own_undetermined_commit() -> None:
         assert view.generation == version > joined
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize(
+    ("statement", "refusal"),
+    [
+        ("UPDATE `t` SET id = 2 WHERE id = 1;", "Cannot update primary key column: id"),
+        ("UPSERT INTO `t` (`id`) SELECT 1 AS id;", "Missing not null column in input: n"),
+        ("UPSERT INTO `t` (`id`, `n`) SELECT 1 AS id, NULL AS n;", "NULL in a not null"),
+    ],
+)
+def test_the_fake_ydb_refuses_what_a_server_refuses(statement: str, refusal: str) -> None:
+    database = FakeYdb()
+    database.run(
+        "CREATE TABLE IF NOT EXISTS `t` (\n`id` Int64 NOT NULL,\n"
+        "`n` Int64 NOT NULL,\nPRIMARY KEY (`id`)\n)",
+        None,
+    )
+    with pytest.raises(ydb.issues.GenericError, match=refusal):
+        database.run(statement, None)

@@ -7,6 +7,7 @@ nested directory that does not exist yet, and drops its topics at the end.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -15,9 +16,12 @@ import pytest
 import ydb
 import zstandard
 
+from nemesis.backends.ydb import YdbStateConfig
 from nemesis.broker.port import ConsumerSpec, Message, OutgoingMessage, WriteStatus
 from nemesis.broker.ydb import YdbBroker, open_ydb
 from nemesis.broker.ydb.reader import YdbReader
+from nemesis.fleet.port import MemberInfo
+from nemesis.fleet.ydb import open_ydb_state
 from nemesis.runtime.retries import tier_topic
 from tests.contract.conftest import needs_ydb, ydb_backend_config
 
@@ -146,3 +150,37 @@ async def _of_partition(reader: YdbReader, partition: int, count: int) -> list[M
         assert time.monotonic() < deadline, f"partition {partition} delivered {len(got)} of {count}"
         got.extend(m for m in await reader.receive(100, 0.5) if m.partition == partition)
     return got
+
+
+async def test_the_fleet_state_store_on_ydb_tables_and_two_writers_at_once() -> None:
+    """The YQL of ``nemesis.fleet.ydb`` as the server runs it, reads after writes in one
+    transaction included; two replicas writing at once conflict and are run again."""
+    config = YdbStateConfig(path=f"nemesis-server/{secrets.token_hex(4)}/fleet")
+    connection = ydb_backend_config("")
+    one = await open_ydb_state(config, connection=connection)
+    two = await open_ydb_state(config, connection=connection)
+    try:
+        a = MemberInfo("host-a-1-aaaaaa", "host-a", 1, started_at=1000.0)
+        joined = await one.heartbeat(a, now=1000.0, lease_s=10)
+        assert await two.generation() == joined
+        await one.assign("orders", a.member_id, now=1000.0)
+        await one.assign("orders", a.member_id, now=2000.0)  # exists: keeps its since
+        version = await two.set_overrides("orders", {"delivery.workers": 8}, set_by="b", now=1.0)
+        await asyncio.gather(
+            *(
+                store.assign(f"team-{n}", a.member_id, now=1.0)
+                for n in range(4)
+                for store in (one, two)
+            )
+        )
+        view = await one.view()
+        assert view.generation == version + 4
+        first = view.assignments[0]
+        assert (first.integration, first.since) == ("orders", 1000.0)
+        assert len(view.assignments) == 5
+        assert view.overrides_of("orders")["delivery.workers"].value == 8
+        await two.leave(a.member_id)
+        assert (await one.view()).assignments == ()
+    finally:
+        await one.close()
+        await two.close()
