@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import (
@@ -138,17 +138,19 @@ class LoopHistogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
-    def observe_many(self, values: list[float]) -> None:
+    def observe_many(self, values: Sequence[float]) -> None:
         """Observes each value; values that share one bucket (a batch's, mostly) cost one update."""
         if not values:
             return
-        bucket = bisect.bisect_left(self.bounds, min(values))
-        if bucket == bisect.bisect_left(self.bounds, max(values)):
-            self.counts[bucket] += len(values)
-            self.sum += sum(values)
-            return
-        for value in values:
-            self.observe(value)
+        bounds, counts = self.bounds, self.counts
+        bucket = bisect.bisect_left(bounds, min(values))
+        if bucket == bisect.bisect_left(bounds, max(values)):
+            counts[bucket] += len(values)
+        else:
+            bisect_left = bisect.bisect_left
+            for value in values:
+                counts[bisect_left(bounds, value)] += 1
+        self.sum += sum(values)
 
 
 Child = TypeVar("Child", LoopCounter, LoopHistogram)

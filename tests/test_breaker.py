@@ -545,6 +545,39 @@ def test_answers_recorded_without_a_permit_while_closed_count_like_permitted_one
     assert breaker.statistics().ignored_answers == 1
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from([0.0, 0.05, 0.4, 3.0]), st.integers(-3, 40)),
+        min_size=1,
+        max_size=60,
+    ),
+    min_requests=st.integers(1, 25),
+)
+def test_healthy_answers_recorded_together_count_as_recorded_one_by_one(
+    steps: list[tuple[float, int]], min_requests: int
+) -> None:
+    # The runner reports the healthy answers of a turn of the event loop at once.
+    # Negative: that many failures, recorded one by one on both breakers.
+    rigs = [rig(min_requests=min_requests, window_s=2.0, cooldown_s=1.0) for _ in range(2)]
+    one_by_one, together = (r.breaker for r in rigs)
+    for step_s, answers in steps:
+        for r in rigs:
+            r.clock.advance(step_s)
+        if answers < 0:
+            for _ in range(-answers):
+                one_by_one.record(False)
+                together.record(False)
+        else:
+            for _ in range(answers):
+                one_by_one.record(True)
+            together.record_healthy(answers)
+        assert together.statistics() == one_by_one.statistics()
+        assert together.recent_failure_rate == one_by_one.recent_failure_rate
+        assert together.last_healthy_at == one_by_one.last_healthy_at
+    assert rigs[1].path == rigs[0].path
+
+
 def recent_rate(breaker: CircuitBreaker) -> float | None:
     """Read afresh each time (an assert on the property would narrow its type for mypy)."""
     return breaker.recent_failure_rate

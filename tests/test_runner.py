@@ -24,6 +24,7 @@ from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
 from nemesis.delivery.http import http_transport
 from nemesis.delivery.port import DeliveryResult, Event, Outcome
 from nemesis.metrics import Metrics
+from nemesis.resilience.breaker import CircuitBreaker
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions
 from nemesis.testing import HandlerServer, LedgerEntry
 from nemesis.testing.clock import FakeClock
@@ -426,3 +427,59 @@ async def test_a_woken_worker_sends_before_the_intake_reads_again(
     for n in range(3):
         read = log.index(f"read {n}")
         assert log[read + 1 : read + 3] == [f"sent {n}", "receive"], log[read - 1 : read + 4]
+
+
+class _AnsweredTogether:
+    """Holds every request until ``release``, then answers them all in one turn of the loop."""
+
+    def __init__(self, failing_offset: int) -> None:
+        self.gate = asyncio.Event()
+        self.waiting = 0
+        self._failing = failing_offset
+
+    async def deliver(self, event: Event) -> DeliveryResult:
+        self.waiting += 1
+        await self.gate.wait()
+        if event.message.offset == self._failing:
+            return DeliveryResult(Outcome.RETRY, status=503)
+        return DeliveryResult(Outcome.DELIVERED, status=204)
+
+    async def deliver_batch(self, events: Sequence[Event]) -> DeliveryResult:
+        raise AssertionError("not batching")
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_the_breaker_hears_the_answers_of_a_turn_in_their_order(
+    broker: EmbeddedBroker,
+) -> None:
+    # Delivered answers are settled together once per turn of the loop; a failure in the
+    # same turn must still find the successes before it in the breaker's window (and the
+    # failure policy its view of the handler's health).
+    await publish(broker, 11, partitions=1)
+    cfg = config("http://127.0.0.1:9/", delivery={"workers": 16})
+    transport = _AnsweredTogether(failing_offset=10)
+    breaker = CircuitBreaker(cfg.breaker)
+    seen: list[tuple[int, int]] = []
+    record = breaker.record
+
+    def spied(healthy: bool) -> None:
+        stats = breaker.statistics()
+        seen.append((stats.window_requests, stats.window_failures))
+        record(healthy)
+
+    breaker.record = spied  # type: ignore[method-assign]
+    runner = IntegrationRunner(cfg, broker, transport, breaker=breaker, options=FAST)
+    task = asyncio.create_task(runner.run())
+    try:
+        await wait_until_true(lambda: transport.waiting == 11, timeout_s=10)
+        transport.gate.set()
+        await wait_until_true(lambda: bool(seen), timeout_s=10)
+        stats = runner.statistics()
+    finally:
+        runner.stop()
+        await task
+    assert seen[0] == (10, 0)
+    assert (stats.requests, stats.attempted) == (11, 11)
+    assert breaker.statistics().window_requests >= 11

@@ -170,18 +170,18 @@ class SlidingWindow:
         """The absolute number of the bucket that ``now`` falls in."""
         return _floor(now / self._bucket_s)
 
-    def add(self, now: float, failed: bool) -> None:
-        """Counts one answer at ``now``."""
-        # Once per answer on the delivery path: the same-bucket case stays inline.
+    def add(self, now: float, failed: bool, count: int = 1) -> None:
+        """Counts ``count`` answers at ``now``, all failed or all not."""
+        # On the delivery path: the same-bucket case stays inline.
         index = _floor(now / self._bucket_s)
         if index != self._head:
             self._move_to(index)
         slot = self._slot
-        self._requests[slot] += 1
-        self.requests += 1
+        self._requests[slot] += count
+        self.requests += count
         if failed:
-            self._failures[slot] += 1
-            self.failures += 1
+            self._failures[slot] += count
+            self.failures += count
 
     def expire(self, now: float) -> None:
         """Forgets the buckets that have left the window by ``now``."""
@@ -342,6 +342,29 @@ class CircuitBreaker:
         """Reports the answer to a request sent while closed (what a non-probe permit reports)."""
         self._record(self._epoch, False, healthy)
 
+    def record_healthy(self, count: int) -> None:
+        """Reports ``count`` healthy answers at once, as ``count`` calls of ``record(True)``."""
+        if count < 1:
+            return
+        if self._state is not _CLOSED:
+            for _ in range(count):
+                self._record(self._epoch, False, True)
+            return
+        now = self._clock.monotonic()
+        self._last_healthy_at = now
+        recent = self._recent
+        if self._recent_failures or self._recent_seen < len(recent):
+            for _ in range(min(count, len(recent))):
+                self._note_recent(0)
+        # else: the last answers were all healthy, and these change nothing there.
+        window = self._window
+        window.add(now, False, count)
+        requests = window.requests
+        if requests >= self._min_requests and window.failures / requests > self._open_above:
+            # Healthy answers can still bring the window to min_requests with a failure
+            # rate above the threshold.
+            self._transition(BreakerState.OPEN, now, requests, window.failures)
+
     def try_acquire(self) -> Permit | None:
         """A permit to send one request now, or None while open or with no probe slot free."""
         if self._state is _CLOSED:
@@ -382,15 +405,18 @@ class CircuitBreaker:
 
     # --- answers --------------------------------------------------------------
 
-    def _record(self, epoch: int, probe: bool, healthy: bool) -> None:
-        now = self._clock.monotonic()
+    def _note_recent(self, failed: int) -> None:
         recent, at = self._recent, self._recent_at
-        failed = 0 if healthy else 1
         self._recent_failures += failed - recent[at]
         recent[at] = failed
         self._recent_at = at + 1 if at + 1 < len(recent) else 0
         if self._recent_seen < len(recent):
             self._recent_seen += 1
+
+    def _record(self, epoch: int, probe: bool, healthy: bool) -> None:
+        now = self._clock.monotonic()
+        failed = 0 if healthy else 1
+        self._note_recent(failed)
         if healthy:
             self._last_healthy_at = now
         if self._state is _CLOSED:

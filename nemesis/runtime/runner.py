@@ -14,6 +14,10 @@
 A worker's dispatch delivers and measures; what becomes of a message that
 failed (a retry tier, the DLQ, a retry in place, a halted key) is decided by
 ``nemesis.runtime.policy`` alone and carried out by the flow's ``Settlement``.
+On an unordered flow, delivered answers are finished together, once per turn
+of the event loop (``_settle_delivered``): the breaker, the metrics and the
+acknowledgements take every answer of that turn in one step, and any other
+answer first settles those before it, so nothing sees them out of order.
 
 The commit rule: an offset is committed only when every message before it
 in its partition is done (``nemesis.runtime.acks``). Messages of a revoked
@@ -159,6 +163,8 @@ class IntegrationRunner:
         self._breaker = breaker
         self._limits = limits
         self._limit_flow = Flow(self.flow.limiter)
+        # The flow's own limiter: its rate changes in place (apply, set_runners).
+        self._limiter = None if limits is None else limits[self._limit_flow]
         # Messages of retry tiers and replays are shown to handlers at their source coordinates.
         self._view: Callable[[Message], Message] = _same if self.flow.name == "main" else origin
         self._broker = broker
@@ -177,6 +183,11 @@ class IntegrationRunner:
         self._log = logs.bind(log, integration=config.name, flow=self.flow.name)
         self._tracker = AckTracker()
         self._scheduler = Scheduler(config.delivery.ordering, clock)
+        self._unordered = self._scheduler.unordered
+        # Answers of the delivered path, settled together once per turn of the event loop
+        # (``_settle_delivered``); ``_call_soon`` is the running loop's, set by ``run``.
+        self._delivered: list[tuple[list[Work], DeliveryResult]] = []
+        self._call_soon: Callable[[Callable[[], object]], object] | None = None
         # Where failed messages go: the failure policy, carried out for this flow.
         self._settlement = Settlement(
             config,
@@ -285,6 +296,7 @@ class IntegrationRunner:
 
     def statistics(self) -> RunnerStats:
         """A snapshot of the queues, the workers and the counters."""
+        self._settle_delivered()
         pool, reader = self._pool, self._reader
         return RunnerStats(
             integration=self.name,
@@ -328,6 +340,7 @@ class IntegrationRunner:
                 self.flow.topic, self.flow.consumer, start_from=start_from
             )
         self._reader = reader
+        self._call_soon = asyncio.get_running_loop().call_soon
         if self._stopping.is_set():
             reader.interrupt()
         label = f"{self.name}:{self.flow.name}"
@@ -349,6 +362,7 @@ class IntegrationRunner:
                     task.cancel()
         finally:
             # Commit what finished, even when cancelled: it is only ever less redelivery.
+            self._settle_delivered()
             await asyncio.shield(self._commit(reader))
             self._reader = None
             await reader.close()
@@ -370,6 +384,7 @@ class IntegrationRunner:
                 pool.busy,
                 grace_s,
             )
+        self._settle_delivered()
         left = self._tracker.unfinished
         if left:
             self._log.info(
@@ -527,14 +542,14 @@ class IntegrationRunner:
             events = [make_event(view(work.message), work.attempt) for work in live]
         # Delivery is awaited here, not in a helper coroutine: every frame between the
         # worker's task and aiohttp is resumed again at each of a request's suspensions.
-        breaker, limits, count = self._breaker, self._limits, len(live)
+        breaker, limiter, count = self._breaker, self._limiter, len(live)
         permit = None
         if breaker is not None and not breaker.closed:
             # Half-open probes are counted out; while closed a request needs no permit.
             permit = breaker.try_acquire() or await breaker.acquire()
         try:
-            if limits is not None and not limits.try_acquire(self._limit_flow, count):
-                await limits.acquire(self._limit_flow, count)
+            if limiter is not None and not limiter.try_acquire(count):
+                await limiter.acquire(count)
             self._in_flight += count
             try:
                 # A batch integration sends the batch form even for one message: its
@@ -551,6 +566,16 @@ class IntegrationRunner:
             if permit is not None:
                 permit.release()  # no answer (cancelled): give the probe slot back
         outcome = result.outcome
+        if outcome is Outcome.DELIVERED and permit is None and self._unordered:
+            # The common case: finished, counted and told to the breaker with the other
+            # answers of this turn of the loop.
+            delivered = self._delivered
+            if not delivered and self._call_soon is not None:
+                self._call_soon(self._settle_delivered)
+            delivered.append((live, result))
+            return
+        # The breaker hears the answers in the order they came.
+        self._settle_delivered()
         if breaker is not None and permit is None:
             breaker.record(is_healthy(outcome))
         self._observe(result, count)
@@ -564,6 +589,51 @@ class IntegrationRunner:
         settle = self._settlement.settle
         for work in live:
             await settle(work, failure)
+
+    def _settle_delivered(self) -> None:
+        """Finishes the delivered answers that came since the last call, all at once.
+
+        What ``_dispatch`` would do for each (tell the breaker, count the request,
+        its duration and the messages' age, acknowledge the messages), once per
+        turn of the event loop for every answer of that turn: with 64 requests in
+        flight, a turn often brings several.
+        """
+        delivered = self._delivered
+        if not delivered:
+            return
+        self._delivered = []
+        if self._breaker is not None:
+            self._breaker.record_healthy(len(delivered))
+        requests, now = len(delivered), self._clock.time()
+        request_s = 0.0
+        durations: list[float] = []
+        sizes: list[int] = []
+        ages: list[float] = []
+        finished: list[Work] = []
+        answers: dict[tuple[int | None, str], int] = {}  # messages by (status, protocol)
+        for works, result in delivered:
+            duration = result.duration_s
+            request_s += duration
+            durations.append(duration)
+            sizes.append(len(works))
+            answer = (result.status, result.protocol)
+            answers[answer] = answers.get(answer, 0) + len(works)
+            for work in works:
+                written_at = work.message.written_at
+                if written_at > 0:  # 0: the backend did not say
+                    # Clamped: the broker's clock (YDB's) may run ahead of ours.
+                    age = now - written_at
+                    ages.append(age if age > 0 else 0.0)
+            finished += works
+        self._requests += requests
+        self._request_s += request_s
+        self._attempted += len(finished)
+        self._histogram(Outcome.DELIVERED).observe_many(durations)
+        self._m_batch.observe_many(sizes)
+        self._m_age.observe_many(ages)
+        for (status, protocol), count in answers.items():
+            self._counter(Outcome.DELIVERED, status, protocol).inc(count)
+        self._finish_all(finished)
 
     def _drop_stale(self, batch: list[Work]) -> list[Work]:
         live: list[Work] = []
@@ -624,20 +694,26 @@ class IntegrationRunner:
         self._requests += 1
         self._request_s += result.duration_s
         self._attempted += count
-        duration = self._m_duration.get(result.outcome)
-        if duration is None:
-            duration = self._m_duration[result.outcome] = self._metrics.delivery_duration.labels(
-                self.name, result.outcome.value
-            )
-        duration.observe(result.duration_s)
+        self._histogram(result.outcome).observe(result.duration_s)
         self._m_batch.observe(count)
-        key = (result.outcome, result.status)
+        self._counter(result.outcome, result.status, result.protocol).inc(count)
+
+    def _histogram(self, outcome: Outcome) -> LoopHistogram:
+        duration = self._m_duration.get(outcome)
+        if duration is None:
+            duration = self._m_duration[outcome] = self._metrics.delivery_duration.labels(
+                self.name, outcome.value
+            )
+        return duration
+
+    def _counter(self, outcome: Outcome, status: int | None, protocol: str) -> LoopCounter:
+        key = (outcome, status)
         counter = self._m_deliveries.get(key)
         if counter is None:
             counter = self._m_deliveries[key] = self._metrics.deliveries.labels(
-                self.name, result.outcome.value, status_class(result.status, result.protocol)
+                self.name, outcome.value, status_class(status, protocol)
             )
-        counter.inc(count)
+        return counter
 
     def _observe_age(self, works: list[Work]) -> None:
         now = self._clock.time()
