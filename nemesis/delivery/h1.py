@@ -79,12 +79,12 @@ from nemesis.delivery.contract import (
     timeout_after,
 )
 from nemesis.delivery.deadlines import Deadlines
-from nemesis.delivery.http import (
+from nemesis.delivery.http_common import (
     DRAIN_LIMIT_BYTES,
     KEEPALIVE_S,
     USER_AGENT,
-    _checked_headers,
-    _problem,
+    checked_headers,
+    config_problem,
 )
 from nemesis.delivery.port import DeliveryResult, Event
 from nemesis.errors import ConfigError
@@ -316,9 +316,9 @@ class _Target:
         try:
             port = parts.port
         except ValueError as exc:
-            raise ConfigError([_problem(integration, "target.url", str(exc))]) from None
+            raise ConfigError([config_problem(integration, "target.url", str(exc))]) from None
         if parts.hostname is None:
-            raise ConfigError([_problem(integration, "target.url", "names no host")])
+            raise ConfigError([config_problem(integration, "target.url", "names no host")])
         # user:password@ in the URL: sent as Basic credentials, as HTTP clients do.
         self.basic_credentials: str | None = None
         self.secrets: list[str] = []  # to be kept out of error text
@@ -333,7 +333,8 @@ class _Target:
         if parts.query:
             path += "?" + parts.query
         if _UNSAFE_IN_HEAD.search(path) or " " in path:
-            raise ConfigError([_problem(integration, "target.url", "blanks or CR/LF in the path")])
+            message = "blanks or CR/LF in the path"
+            raise ConfigError([config_problem(integration, "target.url", message)])
         try:
             self.address: str | None = str(ipaddress.ip_address(self.host))
         except ValueError:
@@ -528,7 +529,7 @@ class H1Transport:
     ) -> None:
         if target.scheme not in ("http", "https"):
             raise ConfigError(
-                [_problem(integration, "target.url", "the HTTP transport needs http(s)://")]
+                [config_problem(integration, "target.url", "the HTTP transport needs http(s)://")]
             )
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
@@ -538,15 +539,15 @@ class H1Transport:
         self._max_connections = max_connections
         self._clock = clock
         self._source = source_for(integration)
-        checked_headers = _checked_headers(target.headers, integration)
+        own_headers = checked_headers(target.headers, integration)
         credentials = self._target.basic_credentials
-        if credentials is not None and "authorization" not in checked_headers:
-            checked_headers["authorization"] = credentials
+        if credentials is not None and "authorization" not in own_headers:
+            own_headers["authorization"] = credentials
         self._contract = contract_for(
             target,
             integration=integration,
             clock=clock,
-            redact=[*checked_headers.values(), *self._target.secrets],
+            redact=[*own_headers.values(), *self._target.secrets],
         )
         self._signs = self._contract.signs
         extra = {
@@ -554,7 +555,7 @@ class H1Transport:
             "accept": "*/*",
             # The body is read only for error text: compression would be waste.
             "accept-encoding": "identity",
-            **checked_headers,
+            **own_headers,
         }
         self._extra_head = "".join(f"{name}: {value}\r\n" for name, value in extra.items())
         self._batch_head = (
