@@ -34,8 +34,10 @@ What it owns, which a client library would otherwise:
 - one deadline per request (``target.timeout_s``, from the wait for a
   connection to the end of the answer), kept by ``Deadlines``' single timer.
 - TLS through the loop's SSL support: certificates verified against the
-  system's CAs (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` name others), the host name
-  checked, SNI sent.
+  system's CAs (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` name others) or
+  ``target.tls.ca_file``'s, the host name (or ``target.tls.server_name``)
+  checked and sent as SNI, a client certificate presented when
+  ``target.tls.cert_file`` is set (``nemesis.delivery.tls``).
 - DNS: the host is resolved for each new connection, never cached, and the
   connections rotate over the addresses it resolves to, so a handler behind
   a service name spreads its load over all of them and follows their changes.
@@ -62,7 +64,7 @@ from urllib.parse import unquote, urlsplit
 import httptools
 
 from nemesis.clock import SYSTEM_CLOCK, Clock
-from nemesis.config.models import TargetConfig
+from nemesis.config.models import TargetConfig, TlsConfig
 from nemesis.delivery.cloudevents import (
     BATCH_CONTENT_TYPE,
     batch_body,
@@ -87,6 +89,7 @@ from nemesis.delivery.http_common import (
     config_problem,
 )
 from nemesis.delivery.port import DeliveryResult, Event
+from nemesis.delivery.tls import ssl_context
 from nemesis.errors import ConfigError
 
 # A status line and headers longer than this are not read: no handler needs them.
@@ -311,7 +314,7 @@ class _Connection(asyncio.Protocol):
 class _Target:
     """Where the requests go: host, port, TLS, and the start of every request head."""
 
-    def __init__(self, url: str, integration: str) -> None:
+    def __init__(self, url: str, integration: str, tls: TlsConfig | None = None) -> None:
         parts = urlsplit(url)
         try:
             port = parts.port
@@ -343,6 +346,11 @@ class _Target:
         if port is not None:
             host_header += f":{port}"
         self.request_line = f"POST {path} HTTP/1.1\r\nhost: {host_header}\r\n"
+        # Made now, so that a TLS file that does not load is a ConfigError, not a failed delivery.
+        self.ssl = ssl_context(tls, where=f"integration {integration}") if self.tls else None
+        # The name the certificate must hold; sent as SNI unless it is an address.
+        server_name = tls.server_name if tls is not None else None
+        self.server_hostname = (server_name or self.host) if self.tls else None
 
 
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
@@ -373,7 +381,6 @@ class _Pool:
         self._idle: collections.deque[_Connection] = collections.deque()  # oldest left
         self._busy = 0  # connections handed out, or being opened
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._ssl = ssl.create_default_context() if target.tls else None
         self._rotation = 0
         self._reaper: asyncio.TimerHandle | None = None
         self._closed = False
@@ -500,8 +507,8 @@ class _Pool:
                     lambda: _Connection(loop),
                     address,
                     target.port,
-                    ssl=self._ssl,
-                    server_hostname=target.host if self._ssl is not None else None,
+                    ssl=target.ssl,
+                    server_hostname=target.server_hostname,
                 )
             except ssl.SSLError:
                 raise  # the address answered: its certificate is what failed
@@ -533,7 +540,7 @@ class H1Transport:
             )
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
-        self._target = _Target(target.url, integration)
+        self._target = _Target(target.url, integration, target.tls)
         self._timeout_s = target.timeout_s
         self._deadlines = Deadlines(target.timeout_s)
         self._max_connections = max_connections

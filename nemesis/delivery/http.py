@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import ssl
 from collections.abc import Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -47,6 +48,7 @@ from nemesis.delivery.http_common import (
     config_problem,
 )
 from nemesis.delivery.port import DeliveryResult, Event
+from nemesis.delivery.tls import ssl_context
 from nemesis.errors import ConfigError
 
 # Sets of shared headers a transport keeps (one per event type and topic it delivers).
@@ -84,6 +86,13 @@ class HttpTransport:
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         self._url = target.url
+        # aiohttp's default (True): the system's CAs. Made now, so that a TLS file that
+        # does not load is a ConfigError, not a failed delivery.
+        self._ssl: ssl.SSLContext | bool = True
+        self._server_hostname: str | None = None  # None: the URL's host
+        if target.tls is not None and target.scheme == "https":
+            self._ssl = ssl_context(target.tls, where=f"integration {integration}")
+            self._server_hostname = target.tls.server_name
         self._timeout_s = target.timeout_s
         self._deadlines = Deadlines(target.timeout_s)
         self._max_connections = max_connections
@@ -168,7 +177,9 @@ class HttpTransport:
         )
 
     def _open_session(self) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEPALIVE_S)
+        connector = aiohttp.TCPConnector(
+            limit=self._max_connections, keepalive_timeout=KEEPALIVE_S, ssl=self._ssl
+        )
         return aiohttp.ClientSession(
             connector=connector,
             cookie_jar=aiohttp.DummyCookieJar(),
@@ -201,7 +212,11 @@ class HttpTransport:
                 self._requests += 1
                 try:
                     async with session.post(
-                        self._url, data=body, headers=headers, allow_redirects=False
+                        self._url,
+                        data=body,
+                        headers=headers,
+                        allow_redirects=False,
+                        server_hostname=self._server_hostname,
                     ) as response:
                         kept = await _drain(response)
                         return self._contract.http_answer(
