@@ -92,6 +92,7 @@ class HttpTransport:
         self._server_hostname: str | None = None  # None: the URL's host
         if target.tls is not None and target.scheme == "https":
             self._ssl = ssl_context(target.tls, where=f"integration {integration}")
+            self._ssl.set_alpn_protocols(["http/1.1"])  # as aiohttp's own default context
             self._server_hostname = target.tls.server_name
         self._timeout_s = target.timeout_s
         self._deadlines = Deadlines(target.timeout_s)
