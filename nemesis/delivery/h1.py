@@ -314,7 +314,7 @@ class _Connection(asyncio.Protocol):
 class _Target:
     """Where the requests go: host, port, TLS, and the start of every request head."""
 
-    def __init__(self, url: str, integration: str, tls: TlsConfig | None = None) -> None:
+    def __init__(self, url: str, integration: str, tls: TlsConfig | None) -> None:
         parts = urlsplit(url)
         try:
             port = parts.port
