@@ -470,7 +470,20 @@ class Proxy:
             )
             return
         try:
-            group.transport = factory(config.target, config.name, MAX_CONNECTIONS)
+            try:
+                group.transport = factory(config.target, config.name, MAX_CONNECTIONS)
+            except ConfigError as exc:
+                # Its checks refused the target (headers; TLS files gone or changed since the
+                # group was built): this integration waits for a fix, the others run on.
+                group.issues["main"] = f"cannot start: {exc}"
+                for problem in exc.problems:
+                    log.error(  # noqa: TRY400  (a configuration problem: no traceback)
+                        "%s (integration %s not started)",
+                        problem,
+                        config.name,
+                        extra={"integration": config.name},
+                    )
+                return
             async with asyncio.TaskGroup() as tasks:
                 main, *internal = self.flows(config)
                 tasks.create_task(self._supervise(group, main), name=f"{config.name}:main")

@@ -17,8 +17,9 @@ transport is made, and when ``nemesis run`` builds an integration.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 import grpc
 import pytest
 
-from nemesis.broker.embedded import open_embedded
+from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.broker.port import Message
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig, TargetConfig
 from nemesis.delivery.grpc import GrpcTransport
@@ -39,6 +40,7 @@ from nemesis.proto import SERVICE
 from nemesis.proto.nemesis.v1 import handler_pb2 as pb
 from nemesis.runtime.app import Proxy
 from tests.conformance.conftest import free_port, nginx
+from tests.operability import running, wait_until_true
 
 TRANSPORTS: dict[str, type[H1Transport | HttpTransport | GrpcTransport]] = {
     "h1": H1Transport,
@@ -414,48 +416,76 @@ def test_a_tls_file_that_does_not_load_is_refused_when_the_transport_is_made(
     assert problem.message.startswith(words), problem.message
 
 
+@pytest.fixture
+async def broker(tmp_path: Path) -> AsyncIterator[EmbeddedBroker]:
+    opened = await open_embedded(EmbeddedBackendConfig(path=str(tmp_path / "log.db")))
+    yield opened
+    await opened.close()
+
+
+def integration(name: str, url: str, tls: dict[str, str]) -> IntegrationConfig:
+    return IntegrationConfig.model_validate(
+        {
+            "name": name,
+            "owners": ["team-tls"],
+            "source": {"topic": "orders", "consumer": name},
+            "target": {"url": url, "tls": tls},
+        }
+    )
+
+
 async def test_nemesis_run_refuses_an_integration_whose_tls_files_do_not_load(
-    servers: TlsServers, tmp_path: Path
+    servers: TlsServers, broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
     """At start the integration is not started; on reload the running one stays."""
+    url = f"https://localhost:{servers.port}/ok"
     good = {"ca_file": servers.file("ca.pem")}
     mismatched = {
         "cert_file": servers.file("client.pem"),
         "key_file": servers.file("localhost.key"),
     }
-
-    def integration(name: str, tls: dict[str, str]) -> IntegrationConfig:
-        return IntegrationConfig.model_validate(
-            {
-                "name": name,
-                "owners": ["team-tls"],
-                "source": {"topic": "orders", "consumer": name},
-                "target": {"url": f"https://localhost:{servers.port}/ok", "tls": tls},
-            }
-        )
-
     files = {name: tmp_path / f"{name}.yaml" for name in ("alpha", "beta")}
-    broker = await open_embedded(EmbeddedBackendConfig(path=str(tmp_path / "log.db")))
-    try:
-        proxy = Proxy(
-            broker,
-            {"alpha": integration("alpha", good), "beta": integration("beta", mismatched)},
-            pipelines_dir=tmp_path / "pipelines",
-            integration_files=files,
-        )
-        assert sorted(proxy.groups) == ["alpha"]
 
-        running = proxy.groups["alpha"]
-        with pytest.raises(ConfigError) as refused:
-            await proxy.replace_integration(integration("alpha", mismatched), files["alpha"])
+    proxy = Proxy(
+        broker,
+        {"alpha": integration("alpha", url, good), "beta": integration("beta", url, mismatched)},
+        pipelines_dir=tmp_path / "pipelines",
+        integration_files=files,
+    )
+    assert sorted(proxy.groups) == ["alpha"]
 
-        assert proxy.groups["alpha"] is running
-        message = (
-            f"{mismatched['key_file']} is not the private key of the certificate in"
-            f" {mismatched['cert_file']}"
+    alpha = proxy.groups["alpha"]
+    with pytest.raises(ConfigError) as refused:
+        await proxy.replace_integration(integration("alpha", url, mismatched), files["alpha"])
+
+    assert proxy.groups["alpha"] is alpha
+    message = (
+        f"{mismatched['key_file']} is not the private key of the certificate in"
+        f" {mismatched['cert_file']}"
+    )
+    assert refused.value.problems == [
+        ConfigProblem(str(files["alpha"]), None, "target.tls.key_file", message)
+    ]
+
+
+async def test_a_tls_file_gone_when_the_integration_starts_stops_that_integration_alone(
+    servers: TlsServers, broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    ca_file = tmp_path / "ca.pem"
+    shutil.copy(servers.file("ca.pem"), ca_file)
+    url = f"https://localhost:{servers.port}/ok"
+    proxy = Proxy(
+        broker,
+        {"alpha": integration("alpha", url, {"ca_file": str(ca_file)})},
+        pipelines_dir=tmp_path / "pipelines",
+    )
+    ca_file.unlink()  # after the integration was built, before it starts (a fleet member's wait)
+
+    async with running(proxy):
+        await wait_until_true(lambda: "main" in proxy.groups["alpha"].issues)
+
+        assert proxy.running
+        assert proxy.groups["alpha"].issues["main"] == (
+            f"cannot start: integration alpha: target.tls.ca_file: cannot read {ca_file}:"
+            " No such file or directory"
         )
-        assert refused.value.problems == [
-            ConfigProblem(str(files["alpha"]), None, "target.tls.key_file", message)
-        ]
-    finally:
-        await broker.close()
