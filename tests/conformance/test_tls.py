@@ -356,56 +356,70 @@ async def test_mutual_tls_over_grpc(servers: TlsServers, no_ssl_cert_file: None)
 # --- files that do not load ----------------------------------------------------------
 
 
-def _broken_settings(directory: Path) -> list[tuple[dict[str, str], str, str]]:
-    """(target.tls, the field at fault, words of its problem)."""
-    missing = str(directory / "missing.pem")
-    ca, client, key = (str(directory / name) for name in ("ca.pem", "client.pem", "client.key"))
-    other_key = str(directory / "localhost.key")
-    encrypted = str(directory / "client-encrypted.key")
-    return [
-        ({"ca_file": missing}, "ca_file", f"cannot read {missing}: No such file or directory"),
-        ({"ca_file": key}, "ca_file", f"{key} holds no PEM certificate"),
-        ({"ca_file": str(directory)}, "ca_file", f"cannot read {directory}: Is a directory"),
-        (
-            {"cert_file": missing, "key_file": key},
-            "cert_file",
-            f"cannot read {missing}: No such file or directory",
-        ),
-        ({"cert_file": key, "key_file": key}, "cert_file", f"{key} holds no PEM certificate"),
-        (
-            {"cert_file": client, "key_file": missing},
-            "key_file",
-            f"cannot read {missing}: No such file or directory",
-        ),
-        ({"cert_file": client, "key_file": ca}, "key_file", f"{ca} holds no PEM private key"),
-        (
-            {"cert_file": client, "key_file": other_key},
-            "key_file",
-            f"{other_key} is not the private key of the certificate in {client}",
-        ),
-        ({"cert_file": client, "key_file": encrypted}, "key_file", f"{encrypted} is encrypted"),
-    ]
-
-
-BROKEN_CASES = [
-    "ca_file missing",
-    "ca_file holds a key",
-    "ca_file a directory",
-    "cert_file missing",
-    "cert_file holds a key",
-    "key_file missing",
-    "key_file holds a certificate",
-    "key_file of another certificate",
-    "key_file encrypted",
-]
+NO_FILE = "No such file or directory"
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
-@pytest.mark.parametrize("case", range(len(BROKEN_CASES)), ids=BROKEN_CASES)
+@pytest.mark.parametrize(
+    ("files", "field", "words"),
+    [
+        pytest.param(
+            {"ca_file": "missing.pem"},
+            "ca_file",
+            f"cannot read {{ca_file}}: {NO_FILE}",
+            id="ca_file missing",
+        ),
+        pytest.param(
+            {"ca_file": "client.key"},
+            "ca_file",
+            "{ca_file} holds no PEM certificate",
+            id="ca_file holds a key",
+        ),
+        pytest.param(
+            {"ca_file": "."}, "ca_file", "cannot read {ca_file}: Is a directory", id="ca_file a dir"
+        ),
+        pytest.param(
+            {"cert_file": "missing.pem", "key_file": "client.key"},
+            "cert_file",
+            f"cannot read {{cert_file}}: {NO_FILE}",
+            id="cert_file missing",
+        ),
+        pytest.param(
+            {"cert_file": "client.key", "key_file": "client.key"},
+            "cert_file",
+            "{cert_file} holds no PEM certificate",
+            id="cert_file holds a key",
+        ),
+        pytest.param(
+            {"cert_file": "client.pem", "key_file": "missing.key"},
+            "key_file",
+            f"cannot read {{key_file}}: {NO_FILE}",
+            id="key_file missing",
+        ),
+        pytest.param(
+            {"cert_file": "client.pem", "key_file": "ca.pem"},
+            "key_file",
+            "{key_file} holds no PEM private key",
+            id="key_file holds a certificate",
+        ),
+        pytest.param(
+            {"cert_file": "client.pem", "key_file": "localhost.key"},
+            "key_file",
+            "{key_file} is not the private key of the certificate in {cert_file}",
+            id="key_file of another certificate",
+        ),
+        pytest.param(
+            {"cert_file": "client.pem", "key_file": "client-encrypted.key"},
+            "key_file",
+            "{key_file} is encrypted",
+            id="key_file encrypted",
+        ),
+    ],
+)
 def test_a_tls_file_that_does_not_load_is_refused_when_the_transport_is_made(
-    servers: TlsServers, transport: str, case: int
+    servers: TlsServers, transport: str, files: dict[str, str], field: str, words: str
 ) -> None:
-    settings, field, words = _broken_settings(servers.directory)[case]
+    settings = {key: servers.file(name) for key, name in files.items()}
     url = "grpcs://localhost:1" if transport == "grpc" else "https://localhost:1/"
 
     with pytest.raises(ConfigError) as refused:
@@ -413,7 +427,7 @@ def test_a_tls_file_that_does_not_load_is_refused_when_the_transport_is_made(
 
     [problem] = refused.value.problems
     assert (problem.file, problem.field) == ("integration tls", f"target.tls.{field}")
-    assert problem.message.startswith(words), problem.message
+    assert problem.message.startswith(words.format(**settings)), problem.message
 
 
 @pytest.fixture
