@@ -212,6 +212,90 @@ def test_several_errors_in_one_file_are_all_reported_in_line_order(tmp_path: Pat
     ]
 
 
+# --- target.tls ---------------------------------------------------------------------
+
+TLS_TARGET = """
+name: orders
+owners: [team-orders]
+source: {topic: orders, consumer: loyalty}
+target:
+  url: https://10.0.0.7/events/order
+  tls:
+"""
+
+
+def test_target_tls_loads_with_variables_expanded(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "orders.yaml",
+        TLS_TARGET + "    ca_file: ${CERTS}/company-ca.pem\n"
+        "    cert_file: ${CERTS}/client.pem\n"
+        "    key_file: ${CERTS}/client.key\n"
+        "    server_name: loyalty.internal\n",
+    )
+
+    tls = load_integration_file(path, env={"CERTS": "/etc/nemesis"}).target.tls
+
+    assert tls is not None
+    assert (tls.ca_file, tls.cert_file, tls.key_file, tls.server_name) == (
+        "/etc/nemesis/company-ca.pem",
+        "/etc/nemesis/client.pem",
+        "/etc/nemesis/client.key",
+        "loyalty.internal",
+    )
+
+
+@pytest.mark.parametrize(
+    ("url", "scheme"), [("http://loyalty.svc/events", "http"), ("grpc://loyalty.svc:50051", "grpc")]
+)
+def test_target_tls_on_a_plain_url_is_refused(tmp_path: Path, url: str, scheme: str) -> None:
+    text = TLS_TARGET.replace("https://10.0.0.7/events/order", url) + "    ca_file: /ca.pem\n"
+    path = write(tmp_path, "orders.yaml", text)
+
+    assert one_problem(path) == ConfigProblem(
+        str(path),
+        6,
+        "target.tls",
+        f"{scheme}:// is plain text: TLS settings apply to https:// and grpcs:// targets"
+        f" (use {scheme}s://, or remove tls)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("settings", "field", "message"),
+    [
+        (
+            "cert_file: /client.pem",
+            "target.tls.cert_file",
+            "a client certificate needs its private key: set key_file too",
+        ),
+        (
+            "key_file: /client.key",
+            "target.tls.key_file",
+            "a private key needs its client certificate: set cert_file too",
+        ),
+        (
+            "server_name: 'loyalty internal'",
+            "target.tls.server_name",
+            "must be a DNS name, such as loyalty.internal: the one the certificate holds",
+        ),
+        ("ca_file: ''", "target.tls.ca_file", "String should have at least 1 character"),
+        # Deliberately no way to turn verification off.
+        ("verify: false", "target.tls.verify", "unknown field (expected one of: ca_file,"),
+        ("insecure_skip_verify: true", "target.tls.insecure_skip_verify", "unknown field"),
+    ],
+)
+def test_target_tls_settings_are_checked(
+    tmp_path: Path, settings: str, field: str, message: str
+) -> None:
+    path = write(tmp_path, "orders.yaml", TLS_TARGET + f"    {settings}\n")
+
+    problem = one_problem(path)
+
+    assert (problem.line, problem.field) == (7, field)
+    assert problem.message.startswith(message), problem.message
+
+
 # --- durations ------------------------------------------------------------------------
 
 

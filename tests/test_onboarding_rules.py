@@ -297,3 +297,16 @@ def test_secret_key_names() -> None:
     assert not is_secret_key("type_key")
     assert not is_secret_key("keyring")
     assert not is_secret_key(3)
+
+
+def test_tls_files_are_named_in_a_pull_request_and_read_where_nemesis_runs(tmp_path: Path) -> None:
+    # The certificates are mounted on the hosts that run Nemesis, not where CI validates.
+    tls = (
+        "  tls:\n"
+        "    ca_file: /etc/nemesis/company-ca.pem\n"
+        "    cert_file: /etc/nemesis/client.pem\n"
+        "    key_file: /etc/nemesis/client.key\n"
+        "    server_name: loyalty.internal\n"
+    )
+    for url in ("'https://10.0.0.7/events'", "'grpcs://10.0.0.7:443'"):
+        assert check(tmp_path, a=integration("a", url=url, extra=tls)) == []

@@ -153,6 +153,64 @@ class SigningConfig(Model):
         return names
 
 
+_DNS_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = re.compile(rf"(?=.{{1,253}}$){_DNS_LABEL}(?:\.{_DNS_LABEL})*")
+
+
+def _check_server_name(name: str) -> str:
+    if not _DNS_NAME.fullmatch(name):
+        raise ValueError(
+            "must be a DNS name, such as loyalty.internal: the one the certificate holds"
+        )
+    return name
+
+
+PemPath = Annotated[str, Field(min_length=1)]
+
+
+def _cert_and_key_together(tls: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    cert_file, key_file = get_path(tls, "cert_file"), get_path(tls, "key_file")
+    if cert_file is not None and key_file is None:
+        yield ("cert_file",), "a client certificate needs its private key: set key_file too"
+    if key_file is not None and cert_file is None:
+        yield ("key_file",), "a private key needs its client certificate: set cert_file too"
+
+
+class TlsConfig(Model):
+    """How an ``https://`` or ``grpcs://`` target's TLS is set up (``nemesis.delivery.tls``).
+
+    Without it, the handler's certificate is verified against the system's CA
+    store (``SSL_CERT_FILE`` names another for the whole process). There is
+    deliberately no way to skip verification. The files are read when the
+    transport is made (at start and on reload): one that is missing or does
+    not load stops that integration with an error naming the field and path.
+    """
+
+    # A PEM bundle the handler's certificate must chain to; replaces the system's CAs.
+    ca_file: PemPath | None = None
+    # A client certificate (PEM, with its chain) and its unencrypted key: mutual TLS.
+    cert_file: PemPath | None = None
+    key_file: PemPath | None = None
+    # The name checked against the handler's certificate and sent as SNI, instead of
+    # the URL's host (for a URL that holds an IP address).
+    server_name: Annotated[str, AfterValidator(_check_server_name)] | None = None
+
+    cross_rules = (_cert_and_key_together,)
+
+
+def _tls_needs_a_tls_url(target: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    url = get_path(target, "url")
+    if get_path(target, "tls") is None or not isinstance(url, str):
+        return
+    scheme = url.split("://", 1)[0]
+    if scheme in ("http", "grpc"):
+        yield (
+            ("tls",),
+            f"{scheme}:// is plain text: TLS settings apply to https:// and grpcs:// targets"
+            f" (use {scheme}s://, or remove tls)",
+        )
+
+
 class TargetConfig(Model):
     url: Annotated[str, AfterValidator(_check_target_url)]
     timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
@@ -164,6 +222,10 @@ class TargetConfig(Model):
     # The HTTP client of http(s):// targets: Nemesis' own HTTP/1.1 transport (h1), or
     # aiohttp's. gRPC targets ignore it.
     transport: Literal["h1", "aiohttp"] = "h1"
+    # None: the system's CAs, no client certificate, the URL's host as the name.
+    tls: TlsConfig | None = None
+
+    cross_rules = (_tls_needs_a_tls_url,)
 
     @property
     def scheme(self) -> str:

@@ -14,6 +14,11 @@ and shared by every call: gRPC multiplexes the calls over HTTP/2, so the
 worker count bounds the calls in flight, not connections. Every call has a
 deadline of ``target.timeout_s``. grpcio's errors are translated here and
 never reach the caller.
+
+A ``grpcs://`` channel verifies the handler against grpcio's default roots,
+or against ``target.tls.ca_file``; ``target.tls`` also gives the client
+certificate (mutual TLS) and the name to check instead of the URL's host
+(``nemesis.delivery.tls``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from nemesis.delivery.contract import (
 )
 from nemesis.delivery.port import DeliveryResult, Event, Outcome
 from nemesis.delivery.signing import grpc_batch_body
+from nemesis.delivery.tls import pem_files
 from nemesis.errors import ConfigError, ConfigProblem
 from nemesis.proto import SERVICE
 
@@ -136,7 +142,18 @@ class GrpcTransport:
     ) -> None:
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
-        self._address, self._secure = _address(target, integration)
+        self._address, secure = _address(target, integration)
+        self._credentials: grpc.ChannelCredentials | None = None
+        self._server_name: str | None = None
+        if secure:
+            # Read now, so that a TLS file that does not load is a ConfigError, not a failed call.
+            pems = pem_files(target.tls, where=f"integration {integration}")
+            self._credentials = grpc.ssl_channel_credentials(
+                root_certificates=pems.root_certificates,
+                private_key=pems.private_key,
+                certificate_chain=pems.certificate_chain,
+            )
+            self._server_name = target.tls.server_name if target.tls is not None else None
         self._timeout_s = target.timeout_s
         self._max_connections = max_connections
         self._clock = clock
@@ -207,7 +224,9 @@ class GrpcTransport:
 
     def _open(self) -> _Channel:
         if self._channel is None:
-            self._channel = _Channel.open(self._address, secure=self._secure)
+            self._channel = _Channel.open(
+                self._address, credentials=self._credentials, server_name=self._server_name
+            )
         return self._channel
 
     async def _call(
@@ -267,16 +286,25 @@ class _Channel:
     deliver_batch: aio.UnaryUnaryMultiCallable[pb.DeliverBatchRequest, pb.DeliverBatchResponse]
 
     @classmethod
-    def open(cls, address: str, *, secure: bool) -> _Channel:
-        options = [
+    def open(
+        cls,
+        address: str,
+        *,
+        credentials: grpc.ChannelCredentials | None,
+        server_name: str | None = None,
+    ) -> _Channel:
+        """A channel to ``address``: TLS with ``credentials``, plain text without."""
+        options: list[tuple[str, str | int]] = [
             ("grpc.primary_user_agent", f"nemesis/{__version__}"),
             # A DNS name with several addresses (a headless Kubernetes service) spreads
             # the calls over every handler pod instead of pinning one connection.
             ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}'),
             ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
         ]
-        if secure:
-            credentials = grpc.ssl_channel_credentials()
+        if server_name is not None:
+            # The name checked against the handler's certificate and sent as SNI.
+            options.append(("grpc.ssl_target_name_override", server_name))
+        if credentials is not None:
             channel = aio.secure_channel(address, credentials, options=options)
         else:
             channel = aio.insecure_channel(address, options=options)

@@ -34,8 +34,10 @@ What it owns, which a client library would otherwise:
 - one deadline per request (``target.timeout_s``, from the wait for a
   connection to the end of the answer), kept by ``Deadlines``' single timer.
 - TLS through the loop's SSL support: certificates verified against the
-  system's CAs (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` name others), the host name
-  checked, SNI sent.
+  system's CAs (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` name others) or
+  ``target.tls.ca_file``'s, the host name (or ``target.tls.server_name``)
+  checked and sent as SNI, a client certificate presented when
+  ``target.tls.cert_file`` is set (``nemesis.delivery.tls``).
 - DNS: the host is resolved for each new connection, never cached, and the
   connections rotate over the addresses it resolves to, so a handler behind
   a service name spreads its load over all of them and follows their changes.
@@ -62,7 +64,7 @@ from urllib.parse import unquote, urlsplit
 import httptools
 
 from nemesis.clock import SYSTEM_CLOCK, Clock
-from nemesis.config.models import TargetConfig
+from nemesis.config.models import TargetConfig, TlsConfig
 from nemesis.delivery.cloudevents import (
     BATCH_CONTENT_TYPE,
     batch_body,
@@ -79,14 +81,15 @@ from nemesis.delivery.contract import (
     timeout_after,
 )
 from nemesis.delivery.deadlines import Deadlines
-from nemesis.delivery.http import (
+from nemesis.delivery.http_common import (
     DRAIN_LIMIT_BYTES,
     KEEPALIVE_S,
     USER_AGENT,
-    _checked_headers,
-    _problem,
+    checked_headers,
+    config_problem,
 )
 from nemesis.delivery.port import DeliveryResult, Event
+from nemesis.delivery.tls import ssl_context
 from nemesis.errors import ConfigError
 
 # A status line and headers longer than this are not read: no handler needs them.
@@ -311,14 +314,14 @@ class _Connection(asyncio.Protocol):
 class _Target:
     """Where the requests go: host, port, TLS, and the start of every request head."""
 
-    def __init__(self, url: str, integration: str) -> None:
+    def __init__(self, url: str, integration: str, tls: TlsConfig | None) -> None:
         parts = urlsplit(url)
         try:
             port = parts.port
         except ValueError as exc:
-            raise ConfigError([_problem(integration, "target.url", str(exc))]) from None
+            raise ConfigError([config_problem(integration, "target.url", str(exc))]) from None
         if parts.hostname is None:
-            raise ConfigError([_problem(integration, "target.url", "names no host")])
+            raise ConfigError([config_problem(integration, "target.url", "names no host")])
         # user:password@ in the URL: sent as Basic credentials, as HTTP clients do.
         self.basic_credentials: str | None = None
         self.secrets: list[str] = []  # to be kept out of error text
@@ -333,7 +336,8 @@ class _Target:
         if parts.query:
             path += "?" + parts.query
         if _UNSAFE_IN_HEAD.search(path) or " " in path:
-            raise ConfigError([_problem(integration, "target.url", "blanks or CR/LF in the path")])
+            message = "blanks or CR/LF in the path"
+            raise ConfigError([config_problem(integration, "target.url", message)])
         try:
             self.address: str | None = str(ipaddress.ip_address(self.host))
         except ValueError:
@@ -342,6 +346,11 @@ class _Target:
         if port is not None:
             host_header += f":{port}"
         self.request_line = f"POST {path} HTTP/1.1\r\nhost: {host_header}\r\n"
+        # Made now, so that a TLS file that does not load is a ConfigError, not a failed delivery.
+        self.ssl = ssl_context(tls, where=f"integration {integration}") if self.tls else None
+        # The name the certificate must hold; sent as SNI unless it is an address.
+        server_name = tls.server_name if tls is not None else None
+        self.server_hostname = (server_name or self.host) if self.tls else None
 
 
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
@@ -372,7 +381,6 @@ class _Pool:
         self._idle: collections.deque[_Connection] = collections.deque()  # oldest left
         self._busy = 0  # connections handed out, or being opened
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._ssl = ssl.create_default_context() if target.tls else None
         self._rotation = 0
         self._reaper: asyncio.TimerHandle | None = None
         self._closed = False
@@ -499,8 +507,8 @@ class _Pool:
                     lambda: _Connection(loop),
                     address,
                     target.port,
-                    ssl=self._ssl,
-                    server_hostname=target.host if self._ssl is not None else None,
+                    ssl=target.ssl,
+                    server_hostname=target.server_hostname,
                 )
             except ssl.SSLError:
                 raise  # the address answered: its certificate is what failed
@@ -528,25 +536,25 @@ class H1Transport:
     ) -> None:
         if target.scheme not in ("http", "https"):
             raise ConfigError(
-                [_problem(integration, "target.url", "the HTTP transport needs http(s)://")]
+                [config_problem(integration, "target.url", "the HTTP transport needs http(s)://")]
             )
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
-        self._target = _Target(target.url, integration)
+        self._target = _Target(target.url, integration, target.tls)
         self._timeout_s = target.timeout_s
         self._deadlines = Deadlines(target.timeout_s)
         self._max_connections = max_connections
         self._clock = clock
         self._source = source_for(integration)
-        checked_headers = _checked_headers(target.headers, integration)
+        own_headers = checked_headers(target.headers, integration)
         credentials = self._target.basic_credentials
-        if credentials is not None and "authorization" not in checked_headers:
-            checked_headers["authorization"] = credentials
+        if credentials is not None and "authorization" not in own_headers:
+            own_headers["authorization"] = credentials
         self._contract = contract_for(
             target,
             integration=integration,
             clock=clock,
-            redact=[*checked_headers.values(), *self._target.secrets],
+            redact=[*own_headers.values(), *self._target.secrets],
         )
         self._signs = self._contract.signs
         extra = {
@@ -554,7 +562,7 @@ class H1Transport:
             "accept": "*/*",
             # The body is read only for error text: compression would be waste.
             "accept-encoding": "identity",
-            **checked_headers,
+            **own_headers,
         }
         self._extra_head = "".join(f"{name}: {value}\r\n" for name, value in extra.items())
         self._batch_head = (

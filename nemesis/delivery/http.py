@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import re
+import ssl
 from collections.abc import Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 import aiohttp
 
-from nemesis import __version__
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import TargetConfig
 from nemesis.delivery.cloudevents import (
@@ -41,16 +40,17 @@ from nemesis.delivery.contract import (
     timeout_after,
 )
 from nemesis.delivery.deadlines import Deadlines
+from nemesis.delivery.http_common import (
+    DRAIN_LIMIT_BYTES,
+    KEEPALIVE_S,
+    USER_AGENT,
+    checked_headers,
+    config_problem,
+)
 from nemesis.delivery.port import DeliveryResult, Event
-from nemesis.errors import ConfigError, ConfigProblem
+from nemesis.delivery.tls import ssl_context
+from nemesis.errors import ConfigError
 
-USER_AGENT: Final = f"nemesis/{__version__}"
-
-# A longer response body is not read to the end: closing the connection is cheaper.
-DRAIN_LIMIT_BYTES: Final = 256 * 1024
-# Below the idle timeout of common servers (uvicorn and Node 5 s), so a pooled
-# connection is rarely reused just as the handler closes it.
-KEEPALIVE_S: Final = 4.0
 # Sets of shared headers a transport keeps (one per event type and topic it delivers).
 _CONSTANT_HEADER_SETS: Final = 256
 _NO_TIMEOUT: Final = aiohttp.ClientTimeout(
@@ -68,12 +68,6 @@ class HttpTransportStatistics:
     max_connections: int
 
 
-# Header names that belong to the contract or to HTTP framing, not to target.headers.
-_RESERVED_HEADERS: Final = frozenset({"content-type", "content-length", "transfer-encoding"})
-_TOKEN: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_UNSAFE_VALUE_CHARS: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-
-
 class HttpTransport:
     """Delivers one integration's events to its HTTP handler over a pooled aiohttp session."""
 
@@ -87,19 +81,27 @@ class HttpTransport:
     ) -> None:
         if target.scheme not in ("http", "https"):
             raise ConfigError(
-                [_problem(integration, "target.url", "the HTTP transport needs http(s)://")]
+                [config_problem(integration, "target.url", "the HTTP transport needs http(s)://")]
             )
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         self._url = target.url
+        # aiohttp's default (True): the system's CAs. Made now, so that a TLS file that
+        # does not load is a ConfigError, not a failed delivery.
+        self._ssl: ssl.SSLContext | bool = True
+        self._server_hostname: str | None = None  # None: the URL's host
+        if target.tls is not None and target.scheme == "https":
+            self._ssl = ssl_context(target.tls, where=f"integration {integration}")
+            self._ssl.set_alpn_protocols(["http/1.1"])  # as aiohttp's own default context
+            self._server_hostname = target.tls.server_name
         self._timeout_s = target.timeout_s
         self._deadlines = Deadlines(target.timeout_s)
         self._max_connections = max_connections
         self._clock = clock
         self._source = source_for(integration)
-        checked_headers = _checked_headers(target.headers, integration)
+        own_headers = checked_headers(target.headers, integration)
         self._contract = contract_for(
-            target, integration=integration, clock=clock, redact=checked_headers.values()
+            target, integration=integration, clock=clock, redact=own_headers.values()
         )
         self._signs = self._contract.signs
         # Sent with every request, so that aiohttp adds none of its own: asking it to skip
@@ -109,7 +111,7 @@ class HttpTransport:
             "accept": "*/*",
             # The body is drained unread: asking for compression would be waste.
             "accept-encoding": "identity",
-            **checked_headers,
+            **own_headers,
         }
         self._batch_headers = {"content-type": BATCH_CONTENT_TYPE, **self._extra_headers}
         # Headers every event of a (type, topic, content type) shares, with the extra ones.
@@ -176,7 +178,9 @@ class HttpTransport:
         )
 
     def _open_session(self) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEPALIVE_S)
+        connector = aiohttp.TCPConnector(
+            limit=self._max_connections, keepalive_timeout=KEEPALIVE_S, ssl=self._ssl
+        )
         return aiohttp.ClientSession(
             connector=connector,
             cookie_jar=aiohttp.DummyCookieJar(),
@@ -209,7 +213,11 @@ class HttpTransport:
                 self._requests += 1
                 try:
                     async with session.post(
-                        self._url, data=body, headers=headers, allow_redirects=False
+                        self._url,
+                        data=body,
+                        headers=headers,
+                        allow_redirects=False,
+                        server_hostname=self._server_hostname,
                     ) as response:
                         kept = await _drain(response)
                         return self._contract.http_answer(
@@ -302,25 +310,3 @@ def wire_error(exc: aiohttp.ClientError | OSError) -> WireError:
             return WireError(WireFailure.RESET, exc.strerror or "connection reset")
         return WireError(WireFailure.CONNECT, exc.strerror or type(exc).__name__)
     return WireError(WireFailure.PROTOCOL, f"HTTP client error: {type(exc).__name__}")
-
-
-def _checked_headers(headers: Mapping[str, str], integration: str) -> dict[str, str]:
-    checked: dict[str, str] = {}
-    for name, value in headers.items():
-        field = f"target.headers.{name}"
-        lowered = name.lower()
-        if not _TOKEN.fullmatch(name):
-            raise ConfigError([_problem(integration, field, "not a valid HTTP header name")])
-        if lowered.startswith("ce-") or lowered in _RESERVED_HEADERS:
-            raise ConfigError([_problem(integration, field, "set by Nemesis (handler contract)")])
-        if lowered == SIGNATURE_HEADER:
-            message = "set by Nemesis when target.signing is configured"
-            raise ConfigError([_problem(integration, field, message)])
-        if _UNSAFE_VALUE_CHARS.search(value):
-            raise ConfigError([_problem(integration, field, "control characters in the value")])
-        checked[lowered] = value
-    return checked
-
-
-def _problem(integration: str, field: str, message: str) -> ConfigProblem:
-    return ConfigProblem(file=f"integration {integration}", line=None, field=field, message=message)

@@ -205,8 +205,9 @@ class IntegrationRulesChecker:
         try:
             # Building a transport opens nothing (connections open on first delivery):
             # it runs the transport's own checks of the URL and headers. The signing
-            # secrets are `nemesis run`'s to read: validating needs only their names.
-            factory(target.model_copy(update={"signing": None}), name, 1)
+            # secrets and the TLS files are `nemesis run`'s to read, on the host that
+            # has them: validating needs only their names.
+            factory(target.model_copy(update={"signing": None, "tls": None}), name, 1)
         except ConfigError as exc:
             for problem in exc.problems:
                 path = _path_of(problem.field)

@@ -45,6 +45,7 @@ from nemesis.config.models import IntegrationConfig, TargetConfig
 from nemesis.delivery.http_clients import http_transport_for
 from nemesis.delivery.port import Transport
 from nemesis.delivery.signing import secrets_from_environment
+from nemesis.delivery.tls import ssl_context
 from nemesis.dlq import DeadLetterStore
 from nemesis.errors import ConfigError, ConfigProblem, NemesisError, TopicNotFound
 from nemesis.metrics import Metrics
@@ -469,7 +470,20 @@ class Proxy:
             )
             return
         try:
-            group.transport = factory(config.target, config.name, MAX_CONNECTIONS)
+            try:
+                group.transport = factory(config.target, config.name, MAX_CONNECTIONS)
+            except ConfigError as exc:
+                # Its checks refused the target (headers; TLS files gone or changed since the
+                # group was built): this integration waits for a fix, the others run on.
+                group.issues["main"] = f"cannot start: {exc}"
+                for problem in exc.problems:
+                    log.error(  # noqa: TRY400  (a configuration problem: no traceback)
+                        "%s (integration %s not started)",
+                        problem,
+                        config.name,
+                        extra={"integration": config.name},
+                    )
+                return
             async with asyncio.TaskGroup() as tasks:
                 main, *internal = self.flows(config)
                 tasks.create_task(self._supervise(group, main), name=f"{config.name}:main")
@@ -730,10 +744,12 @@ class Proxy:
         """The parts of an integration, not started; raises ConfigError."""
         name = file_config.name
         config = self._with_overrides(file_config, overrides or {}, file)
+        where = str(file) if file is not None else f"integration {name}"
+        # Read again by the transport; checked here to refuse at once, naming the file.
         if config.target.signing is not None:
-            # Read again by the transport; checked here to refuse at once, naming the file.
-            where = str(file) if file is not None else f"integration {name}"
             secrets_from_environment(config.target.signing, os.environ, where=where)
+        if config.target.tls is not None:
+            ssl_context(config.target.tls, where=where)
         pipeline = build_integration_pipeline(
             config,
             pipelines_dir=self._pipelines_dir,

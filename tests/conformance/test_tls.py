@@ -1,39 +1,81 @@
-"""Nemesis' HTTP/1.1 transport over TLS to nginx: verification, custom CA, host name, SNI.
+"""The transports over TLS to real servers: verification, custom CA, host name, SNI, mutual TLS.
 
-nginx serves two certificates on one port, both signed by a CA made for the
-module: ``localhost``'s for requests that name it by SNI, and
-``default.invalid``'s for the others. A delivery to ``https://localhost``
-succeeds only if the transport sent SNI, trusted the CA (``SSL_CERT_FILE``)
-and checked the name.
+Everything is signed by a CA made for the module. nginx serves two
+certificates on one port: ``localhost``'s for requests that name it by SNI,
+and ``default.invalid``'s for the others; a delivery to ``https://localhost``
+succeeds only if the transport sent SNI, trusted the CA and checked the name.
+A second nginx port asks for a client certificate from that CA
+(``ssl_verify_client on``). Two grpcio servers (the sync server, which
+belongs to no event loop, so one serves the tests of both loops) do the same
+for ``grpcs://``: one with ``localhost``'s certificate, one that also
+requires a client certificate.
+
+``target.tls`` is tried with no ``SSL_CERT_FILE`` in the environment: its
+``ca_file`` alone makes the test CA trusted. Its files are checked when the
+transport is made, and when ``nemesis run`` builds an integration.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
+from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.broker.port import Message
-from nemesis.config.models import TargetConfig
+from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig, TargetConfig
+from nemesis.delivery.grpc import GrpcTransport
 from nemesis.delivery.h1 import H1Transport
-from nemesis.delivery.port import DeliveryResult, Event, Outcome
+from nemesis.delivery.http import HttpTransport
+from nemesis.delivery.port import DeliveryResult, Event, Outcome, Transport
+from nemesis.errors import ConfigError, ConfigProblem
+from nemesis.proto import SERVICE
+from nemesis.proto.nemesis.v1 import handler_pb2 as pb
+from nemesis.runtime.app import Proxy
 from tests.conformance.conftest import free_port, nginx
+from tests.operability import running, wait_until_true
+
+TRANSPORTS: dict[str, type[H1Transport | HttpTransport | GrpcTransport]] = {
+    "h1": H1Transport,
+    "aiohttp": HttpTransport,
+    "grpc": GrpcTransport,
+}
 
 
 @dataclass(frozen=True, slots=True)
-class TlsServer:
-    port: int
-    ca_file: Path
+class TlsServers:
+    directory: Path  # the CA, the certificates and keys
+    port: int  # nginx: localhost's certificate by SNI, default.invalid's otherwise
+    mtls_port: int  # nginx: localhost's certificate; a client certificate required
+    grpc_port: int  # grpcio: localhost's certificate
+    grpc_mtls_port: int  # grpcio: localhost's certificate; a client certificate required
+
+    def file(self, name: str) -> str:
+        return str(self.directory / name)
 
 
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def _certificate(directory: Path, name: str) -> None:
+def _ca(directory: Path, name: str) -> None:
+    _openssl(
+        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=directory,
+    )  # fmt: skip
+
+
+def _certificate(directory: Path, name: str, usage: str = "serverAuth") -> None:
     """``name.pem`` and ``name.key``, for DNS name ``name``, signed by ``ca.pem``."""
     _openssl(
         "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
@@ -42,7 +84,7 @@ def _certificate(directory: Path, name: str) -> None:
     )  # fmt: skip
     (directory / f"{name}.ext").write_text(
         f"subjectAltName=DNS:{name}\nbasicConstraints=CA:FALSE\n"
-        "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
+        f"keyUsage=critical,digitalSignature\nextendedKeyUsage={usage}\n"
         "authorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n"
     )
     _openssl(
@@ -52,19 +94,45 @@ def _certificate(directory: Path, name: str) -> None:
     )  # fmt: skip
 
 
+def _grpc_server(directory: Path, *, client_ca: bytes | None) -> tuple[grpc.Server, int]:
+    """A ``HandlerService`` answering OK over TLS; with ``client_ca``, mutual TLS."""
+
+    def ok(request: Any, context: grpc.ServicerContext) -> pb.DeliverResponse:
+        return pb.DeliverResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    handler = grpc.unary_unary_rpc_method_handler(
+        ok,
+        request_deserializer=pb.DeliverRequest.FromString,
+        response_serializer=pb.DeliverResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE, {"Deliver": handler}),)
+    )
+    credentials = grpc.ssl_server_credentials(
+        [((directory / "localhost.key").read_bytes(), (directory / "localhost.pem").read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+    port = server.add_secure_port("localhost:0", credentials)
+    server.start()
+    return server, port
+
+
 @pytest.fixture(scope="module")
-def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsServer]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsServers]:
     directory = tmp_path_factory.mktemp("tls")
-    _openssl(
-        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=Nemesis test CA",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-        cwd=directory,
-    )  # fmt: skip
+    _ca(directory, "ca")
+    _ca(directory, "other-ca")
     for name in ("localhost", "default.invalid"):
         _certificate(directory, name)
-    port, tls_port = free_port(), free_port()
+    _certificate(directory, "client", usage="clientAuth")
+    _openssl(
+        "pkey", "-in", "client.key", "-aes256", "-passout", "pass:secret",
+        "-out", "client-encrypted.key",
+        cwd=directory,
+    )  # fmt: skip
+    port, tls_port, mtls_port = free_port(), free_port(), free_port()
     tls_listen = (
         f"listen 127.0.0.1:{tls_port} ssl default_server;\n"
         f"ssl_certificate {directory}/default.invalid.pem;\n"
@@ -77,40 +145,77 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsServer]:
         f"    ssl_certificate {directory}/localhost.pem;\n"
         f"    ssl_certificate_key {directory}/localhost.key;\n"
         "    location = /ok { return 204; }\n"
+        "}\n"
+        "server {\n"
+        f"    listen 127.0.0.1:{mtls_port} ssl;\n"
+        f"    ssl_certificate {directory}/localhost.pem;\n"
+        f"    ssl_certificate_key {directory}/localhost.key;\n"
+        f"    ssl_client_certificate {directory}/ca.pem;\n"
+        "    ssl_verify_client on;\n"
+        "    location = /ok { return 204; }\n"
         "}"
     )
-    for _ in nginx(directory, port, tls_listen=tls_listen, tls_servers=named):
-        yield TlsServer(tls_port, directory / "ca.pem")
+    grpc_server, grpc_port = _grpc_server(directory, client_ca=None)
+    grpc_mtls_server, grpc_mtls_port = _grpc_server(
+        directory, client_ca=(directory / "ca.pem").read_bytes()
+    )
+    try:
+        for _ in nginx(directory, port, tls_listen=tls_listen, tls_servers=named):
+            yield TlsServers(directory, tls_port, mtls_port, grpc_port, grpc_mtls_port)
+    finally:
+        grpc_server.stop(None)
+        grpc_mtls_server.stop(None)
+
+
+@pytest.fixture
+def no_ssl_cert_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only target.tls names the test CA."""
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
 
 
 def event() -> Event:
     return Event(message=Message("orders", 0, 1, b"{}"), id="orders/0/1", type="order.created")
 
 
-async def deliver(url: str) -> DeliveryResult:
-    target = TargetConfig.model_validate({"url": url, "timeout_s": 5})
-    transport = H1Transport(target, integration="tls", max_connections=2)
+def target(url: str, **tls: str) -> TargetConfig:
+    settings: dict[str, Any] = {"url": url, "timeout_s": 5}
+    if tls:
+        settings["tls"] = tls
+    return TargetConfig.model_validate(settings)
+
+
+async def deliver(url: str, *, transport: str = "h1", **tls: str) -> DeliveryResult:
+    """Two deliveries (a new connection, then a reused one, or the same channel): one result."""
+    made: Transport = TRANSPORTS[transport](
+        target(url, **tls), integration="tls", max_connections=2
+    )
     try:
-        first = await transport.deliver(event())
-        second = await transport.deliver(event())
+        first = await made.deliver(event())
+        second = await made.deliver(event())
         assert (first.outcome, first.error) == (second.outcome, second.error)
         return first
     finally:
-        await transport.close()
+        await made.close()
+
+
+# --- the system's CAs, or SSL_CERT_FILE for the process ------------------------------
 
 
 async def test_a_certificate_from_a_trusted_ca_for_the_name_is_accepted(
-    tls_server: TlsServer, monkeypatch: pytest.MonkeyPatch
+    servers: TlsServers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("SSL_CERT_FILE", str(tls_server.ca_file))
+    monkeypatch.setenv("SSL_CERT_FILE", servers.file("ca.pem"))
 
-    result = await deliver(f"https://localhost:{tls_server.port}/ok")
+    result = await deliver(f"https://localhost:{servers.port}/ok")
 
     assert (result.outcome, result.status) == (Outcome.DELIVERED, 204)
 
 
-async def test_a_certificate_from_an_unknown_ca_is_refused(tls_server: TlsServer) -> None:
-    result = await deliver(f"https://localhost:{tls_server.port}/ok")
+async def test_a_certificate_from_an_unknown_ca_is_refused(
+    servers: TlsServers, no_ssl_cert_file: None
+) -> None:
+    result = await deliver(f"https://localhost:{servers.port}/ok")
 
     assert result.outcome is Outcome.RETRY
     assert result.error is not None
@@ -119,14 +224,282 @@ async def test_a_certificate_from_an_unknown_ca_is_refused(tls_server: TlsServer
 
 
 async def test_a_certificate_for_another_name_is_refused(
-    tls_server: TlsServer, monkeypatch: pytest.MonkeyPatch
+    servers: TlsServers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("SSL_CERT_FILE", str(tls_server.ca_file))
+    monkeypatch.setenv("SSL_CERT_FILE", servers.file("ca.pem"))
 
     # By address: no SNI, so nginx shows default.invalid's certificate.
-    result = await deliver(f"https://127.0.0.1:{tls_server.port}/ok")
+    result = await deliver(f"https://127.0.0.1:{servers.port}/ok")
 
     assert result.outcome is Outcome.RETRY
     assert result.error is not None
     assert "TLS error: " in result.error
     assert "mismatch" in result.error, result.error
+
+
+# --- target.tls ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["h1", "aiohttp"])
+async def test_tls_ca_file_makes_its_ca_trusted(
+    servers: TlsServers, no_ssl_cert_file: None, transport: str
+) -> None:
+    result = await deliver(
+        f"https://localhost:{servers.port}/ok", transport=transport, ca_file=servers.file("ca.pem")
+    )
+
+    assert (result.outcome, result.status) == (Outcome.DELIVERED, 204)
+
+
+async def test_tls_ca_file_makes_its_ca_trusted_over_grpc(
+    servers: TlsServers, no_ssl_cert_file: None
+) -> None:
+    result = await deliver(
+        f"grpcs://localhost:{servers.grpc_port}", transport="grpc", ca_file=servers.file("ca.pem")
+    )
+
+    assert (result.outcome, result.status, result.error) == (Outcome.DELIVERED, 0, None)
+
+
+@pytest.mark.parametrize("transport", ["h1", "aiohttp"])
+async def test_tls_ca_file_replaces_the_system_cas(
+    servers: TlsServers, monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
+    monkeypatch.setenv("SSL_CERT_FILE", servers.file("ca.pem"))
+
+    result = await deliver(
+        f"https://localhost:{servers.port}/ok",
+        transport=transport,
+        ca_file=servers.file("other-ca.pem"),
+    )
+
+    assert result.outcome is Outcome.RETRY
+    assert result.error is not None
+    assert "unable to get local issuer certificate" in result.error, result.error
+
+
+@pytest.mark.parametrize("transport", ["h1", "aiohttp"])
+async def test_tls_server_name_is_checked_and_sent_for_an_address(
+    servers: TlsServers, no_ssl_cert_file: None, transport: str
+) -> None:
+    # Without server_name this URL gets default.invalid's certificate (the test above).
+    result = await deliver(
+        f"https://127.0.0.1:{servers.port}/ok",
+        transport=transport,
+        ca_file=servers.file("ca.pem"),
+        server_name="localhost",
+    )
+
+    assert (result.outcome, result.status) == (Outcome.DELIVERED, 204)
+
+
+async def test_tls_server_name_over_grpc(servers: TlsServers, no_ssl_cert_file: None) -> None:
+    result = await deliver(
+        f"grpcs://127.0.0.1:{servers.grpc_port}",
+        transport="grpc",
+        ca_file=servers.file("ca.pem"),
+        server_name="localhost",
+    )
+
+    assert (result.outcome, result.status, result.error) == (Outcome.DELIVERED, 0, None)
+
+
+@pytest.mark.parametrize("transport", ["h1", "aiohttp"])
+async def test_mutual_tls_with_the_client_certificate_delivers(
+    servers: TlsServers, no_ssl_cert_file: None, transport: str
+) -> None:
+    result = await deliver(
+        f"https://localhost:{servers.mtls_port}/ok",
+        transport=transport,
+        ca_file=servers.file("ca.pem"),
+        cert_file=servers.file("client.pem"),
+        key_file=servers.file("client.key"),
+    )
+
+    assert (result.outcome, result.status) == (Outcome.DELIVERED, 204)
+
+
+@pytest.mark.parametrize("transport", ["h1", "aiohttp"])
+async def test_mutual_tls_without_a_client_certificate_is_nginx_s_400(
+    servers: TlsServers, no_ssl_cert_file: None, transport: str
+) -> None:
+    # nginx completes the handshake and answers 400 "No required SSL certificate was
+    # sent": an answer, so the contract's table decides (400: dead-lettered at once).
+    result = await deliver(
+        f"https://localhost:{servers.mtls_port}/ok",
+        transport=transport,
+        ca_file=servers.file("ca.pem"),
+    )
+
+    assert (result.outcome, result.status) == (Outcome.DEAD, 400)
+    assert result.error is not None
+    assert "No required SSL certificate was sent" in result.error, result.error
+
+
+async def test_mutual_tls_over_grpc(servers: TlsServers, no_ssl_cert_file: None) -> None:
+    url = f"grpcs://localhost:{servers.grpc_mtls_port}"
+    client = {"cert_file": servers.file("client.pem"), "key_file": servers.file("client.key")}
+
+    with_certificate = await deliver(
+        url, transport="grpc", ca_file=servers.file("ca.pem"), **client
+    )
+    without = await deliver(url, transport="grpc", ca_file=servers.file("ca.pem"))
+
+    assert with_certificate.outcome is Outcome.DELIVERED
+    # grpcio's server refuses the handshake itself: no answer, a retry.
+    assert (without.outcome, without.status) == (
+        Outcome.RETRY,
+        grpc.StatusCode.UNAVAILABLE.value[0],
+    )
+
+
+# --- files that do not load ----------------------------------------------------------
+
+
+NO_FILE = "No such file or directory"
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize(
+    ("files", "field", "words"),
+    [
+        pytest.param(
+            {"ca_file": "missing.pem"},
+            "ca_file",
+            f"cannot read {{ca_file}}: {NO_FILE}",
+            id="ca_file missing",
+        ),
+        pytest.param(
+            {"ca_file": "client.key"},
+            "ca_file",
+            "{ca_file} holds no PEM certificate",
+            id="ca_file holds a key",
+        ),
+        pytest.param(
+            {"ca_file": "."}, "ca_file", "cannot read {ca_file}: Is a directory", id="ca_file a dir"
+        ),
+        pytest.param(
+            {"cert_file": "missing.pem", "key_file": "client.key"},
+            "cert_file",
+            f"cannot read {{cert_file}}: {NO_FILE}",
+            id="cert_file missing",
+        ),
+        pytest.param(
+            {"cert_file": "client.key", "key_file": "client.key"},
+            "cert_file",
+            "{cert_file} holds no PEM certificate",
+            id="cert_file holds a key",
+        ),
+        pytest.param(
+            {"cert_file": "client.pem", "key_file": "missing.key"},
+            "key_file",
+            f"cannot read {{key_file}}: {NO_FILE}",
+            id="key_file missing",
+        ),
+        pytest.param(
+            {"cert_file": "client.pem", "key_file": "ca.pem"},
+            "key_file",
+            "{key_file} holds no PEM private key",
+            id="key_file holds a certificate",
+        ),
+        pytest.param(
+            {"cert_file": "client.pem", "key_file": "localhost.key"},
+            "key_file",
+            "{key_file} is not the private key of the certificate in {cert_file}",
+            id="key_file of another certificate",
+        ),
+        pytest.param(
+            {"cert_file": "client.pem", "key_file": "client-encrypted.key"},
+            "key_file",
+            "{key_file} is encrypted",
+            id="key_file encrypted",
+        ),
+    ],
+)
+def test_a_tls_file_that_does_not_load_is_refused_when_the_transport_is_made(
+    servers: TlsServers, transport: str, files: dict[str, str], field: str, words: str
+) -> None:
+    settings = {key: servers.file(name) for key, name in files.items()}
+    url = "grpcs://localhost:1" if transport == "grpc" else "https://localhost:1/"
+
+    with pytest.raises(ConfigError) as refused:
+        TRANSPORTS[transport](target(url, **settings), integration="tls", max_connections=1)
+
+    [problem] = refused.value.problems
+    assert (problem.file, problem.field) == ("integration tls", f"target.tls.{field}")
+    assert problem.message.startswith(words.format(**settings)), problem.message
+
+
+@pytest.fixture
+async def broker(tmp_path: Path) -> AsyncIterator[EmbeddedBroker]:
+    opened = await open_embedded(EmbeddedBackendConfig(path=str(tmp_path / "log.db")))
+    yield opened
+    await opened.close()
+
+
+def integration(name: str, url: str, tls: dict[str, str]) -> IntegrationConfig:
+    return IntegrationConfig.model_validate(
+        {
+            "name": name,
+            "owners": ["team-tls"],
+            "source": {"topic": "orders", "consumer": name},
+            "target": {"url": url, "tls": tls},
+        }
+    )
+
+
+async def test_nemesis_run_refuses_an_integration_whose_tls_files_do_not_load(
+    servers: TlsServers, broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """At start the integration is not started; on reload the running one stays."""
+    url = f"https://localhost:{servers.port}/ok"
+    good = {"ca_file": servers.file("ca.pem")}
+    mismatched = {
+        "cert_file": servers.file("client.pem"),
+        "key_file": servers.file("localhost.key"),
+    }
+    files = {name: tmp_path / f"{name}.yaml" for name in ("alpha", "beta")}
+
+    proxy = Proxy(
+        broker,
+        {"alpha": integration("alpha", url, good), "beta": integration("beta", url, mismatched)},
+        pipelines_dir=tmp_path / "pipelines",
+        integration_files=files,
+    )
+    assert sorted(proxy.groups) == ["alpha"]
+
+    alpha = proxy.groups["alpha"]
+    with pytest.raises(ConfigError) as refused:
+        await proxy.replace_integration(integration("alpha", url, mismatched), files["alpha"])
+
+    assert proxy.groups["alpha"] is alpha
+    message = (
+        f"{mismatched['key_file']} is not the private key of the certificate in"
+        f" {mismatched['cert_file']}"
+    )
+    assert refused.value.problems == [
+        ConfigProblem(str(files["alpha"]), None, "target.tls.key_file", message)
+    ]
+
+
+async def test_a_tls_file_gone_when_the_integration_starts_stops_that_integration_alone(
+    servers: TlsServers, broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    ca_file = tmp_path / "ca.pem"
+    shutil.copy(servers.file("ca.pem"), ca_file)
+    url = f"https://localhost:{servers.port}/ok"
+    proxy = Proxy(
+        broker,
+        {"alpha": integration("alpha", url, {"ca_file": str(ca_file)})},
+        pipelines_dir=tmp_path / "pipelines",
+    )
+    ca_file.unlink()  # after the integration was built, before it starts (a fleet member's wait)
+
+    async with running(proxy):
+        await wait_until_true(lambda: "main" in proxy.groups["alpha"].issues)
+
+        assert proxy.running
+        assert proxy.groups["alpha"].issues["main"] == (
+            f"cannot start: integration alpha: target.tls.ca_file: cannot read {ca_file}:"
+            " No such file or directory"
+        )

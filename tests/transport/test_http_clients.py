@@ -1,6 +1,9 @@
-"""Which HTTP transport a target gets: ``target.transport`` picks it, h1 by default."""
+"""Which HTTP transport a target gets (``target.transport``, h1 by default), and what they share."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -9,7 +12,10 @@ from nemesis.config.models import TargetConfig
 from nemesis.delivery.h1 import H1Transport
 from nemesis.delivery.http import HttpTransport
 from nemesis.delivery.http_clients import http_transport_for
+from nemesis.errors import ConfigError
 from nemesis.runtime.app import DEFAULT_TRANSPORTS
+
+DELIVERY_DIR = Path(__file__).parents[2] / "nemesis" / "delivery"
 
 
 @pytest.mark.parametrize(
@@ -38,3 +44,31 @@ async def test_target_transport_picks_the_client(settings: dict[str, str], expec
 def test_an_unknown_transport_is_refused_at_load() -> None:
     with pytest.raises(ValidationError, match="'h1' or 'aiohttp'"):
         TargetConfig.model_validate({"url": "http://127.0.0.1:9/", "transport": "httpx"})
+
+
+def test_the_transports_import_no_private_name_from_one_another() -> None:
+    """Shared pieces live in public modules (``http_common``), not behind an underscore."""
+    private: list[str] = []
+    for path in sorted(DELIVERY_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nemesis"):
+                private += [
+                    f"{path.name}: from {node.module} import {alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                ]
+    assert private == []
+
+
+@pytest.mark.parametrize("transport", [H1Transport, HttpTransport])
+def test_both_transports_refuse_a_header_in_the_same_words(transport: type) -> None:
+    target = TargetConfig.model_validate(
+        {"url": "http://127.0.0.1:9/", "headers": {"X-Token": "a\r\nX-Injected: 1"}}
+    )
+
+    with pytest.raises(ConfigError) as refused:
+        transport(target, integration="orders", max_connections=1)
+
+    assert [str(problem) for problem in refused.value.problems] == [
+        "integration orders: target.headers.X-Token: control characters in the value"
+    ]

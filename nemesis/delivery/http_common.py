@@ -1,0 +1,60 @@
+"""What the two HTTP transports share: their constants and the check of ``target.headers``.
+
+``nemesis.delivery.h1`` (Nemesis' own client) and ``nemesis.delivery.http``
+(aiohttp's) send the same extra headers, keep connections alive as long and
+read as much of an answer; this module holds those choices once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Final
+
+from nemesis import __version__
+from nemesis.delivery.contract import SIGNATURE_HEADER
+from nemesis.errors import ConfigError, ConfigProblem
+
+USER_AGENT: Final = f"nemesis/{__version__}"
+
+# A longer response body is not read to the end: closing the connection is cheaper.
+DRAIN_LIMIT_BYTES: Final = 256 * 1024
+# Below the idle timeout of common servers (uvicorn and Node 5 s), so a pooled
+# connection is rarely reused just as the handler closes it.
+KEEPALIVE_S: Final = 4.0
+
+# Header names that belong to the contract or to HTTP framing, not to target.headers.
+_RESERVED_HEADERS: Final = frozenset({"content-type", "content-length", "transfer-encoding"})
+_TOKEN: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_UNSAFE_VALUE_CHARS: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def checked_headers(headers: Mapping[str, str], integration: str) -> dict[str, str]:
+    """``target.headers`` with lowercased names; a ``ConfigError`` naming the first bad one.
+
+    Refused: a name that is not an HTTP token, a header the contract or the
+    framing sets (``ce-*``, ``content-type``, ``nemesis-signature``...), and a
+    value with control characters (a CR/LF would split the request).
+    """
+    checked: dict[str, str] = {}
+    for name, value in headers.items():
+        field = f"target.headers.{name}"
+        lowered = name.lower()
+        if not _TOKEN.fullmatch(name):
+            raise ConfigError([config_problem(integration, field, "not a valid HTTP header name")])
+        if lowered.startswith("ce-") or lowered in _RESERVED_HEADERS:
+            message = "set by Nemesis (handler contract)"
+            raise ConfigError([config_problem(integration, field, message)])
+        if lowered == SIGNATURE_HEADER:
+            message = "set by Nemesis when target.signing is configured"
+            raise ConfigError([config_problem(integration, field, message)])
+        if _UNSAFE_VALUE_CHARS.search(value):
+            message = "control characters in the value"
+            raise ConfigError([config_problem(integration, field, message)])
+        checked[lowered] = value
+    return checked
+
+
+def config_problem(integration: str, field: str, message: str) -> ConfigProblem:
+    """A problem with an integration's target, found when its transport is made."""
+    return ConfigProblem(file=f"integration {integration}", line=None, field=field, message=message)
