@@ -15,7 +15,7 @@ A worker's dispatch delivers and measures; what becomes of a message that
 failed (a retry tier, the DLQ, a retry in place, a halted key) is decided by
 ``nemesis.runtime.policy`` alone and carried out by the flow's ``Settlement``.
 On an unordered flow, delivered answers are finished together, once per turn
-of the event loop (``_settle_delivered``): the breaker, the metrics and the
+of the event loop (``_settle_turn``): the breaker, the metrics and the
 acknowledgements take every answer of that turn in one step, and any other
 answer first settles those before it, so nothing sees them out of order.
 
@@ -185,8 +185,10 @@ class IntegrationRunner:
         self._scheduler = Scheduler(config.delivery.ordering, clock)
         self._unordered = self._scheduler.unordered
         # Answers of the delivered path, settled together once per turn of the event loop
-        # (``_settle_delivered``); ``_call_soon`` is the running loop's, set by ``run``.
+        # (``_settle_turn``); ``_call_soon`` is the running loop's, set by ``run``.
         self._delivered: list[tuple[list[Work], DeliveryResult]] = []
+        self._filtered: list[Work] = []  # dropped by the pipeline, finished with them
+        self._settling = False  # a call of _settle_turn is scheduled
         self._call_soon: Callable[[Callable[[], object]], object] | None = None
         # Where failed messages go: the failure policy, carried out for this flow.
         self._settlement = Settlement(
@@ -296,7 +298,7 @@ class IntegrationRunner:
 
     def statistics(self) -> RunnerStats:
         """A snapshot of the queues, the workers and the counters."""
-        self._settle_delivered()
+        self._settle_turn()
         pool, reader = self._pool, self._reader
         return RunnerStats(
             integration=self.name,
@@ -362,7 +364,7 @@ class IntegrationRunner:
                     task.cancel()
         finally:
             # Commit what finished, even when cancelled: it is only ever less redelivery.
-            self._settle_delivered()
+            self._settle_turn()
             await asyncio.shield(self._commit(reader))
             self._reader = None
             await reader.close()
@@ -384,7 +386,7 @@ class IntegrationRunner:
                 pool.busy,
                 grace_s,
             )
-        self._settle_delivered()
+        self._settle_turn()
         left = self._tracker.unfinished
         if left:
             self._log.info(
@@ -569,13 +571,12 @@ class IntegrationRunner:
         if outcome is Outcome.DELIVERED and permit is None and self._unordered:
             # The common case: finished, counted and told to the breaker with the other
             # answers of this turn of the loop.
-            delivered = self._delivered
-            if not delivered and self._call_soon is not None:
-                self._call_soon(self._settle_delivered)
-            delivered.append((live, result))
+            self._delivered.append((live, result))
+            if not self._settling:
+                self._settle_later()
             return
         # The breaker hears the answers in the order they came.
-        self._settle_delivered()
+        self._settle_turn()
         if breaker is not None and permit is None:
             breaker.record(is_healthy(outcome))
         self._observe(result, count)
@@ -590,34 +591,43 @@ class IntegrationRunner:
         for work in live:
             await settle(work, failure)
 
-    def _settle_delivered(self) -> None:
-        """Finishes the delivered answers that came since the last call, all at once.
+    def _settle_later(self) -> None:
+        if self._call_soon is not None:
+            self._settling = True
+            self._call_soon(self._settle_turn)
 
-        What ``_dispatch`` would do for each (tell the breaker, count the request,
-        its duration and the messages' age, acknowledge the messages), once per
-        turn of the event loop for every answer of that turn: with 64 requests in
-        flight, a turn often brings several.
+    def _settle_turn(self) -> None:
+        """Finishes the delivered answers and filtered messages since the last call, at once.
+
+        What ``_dispatch`` would do for each answer (tell the breaker, count the
+        request, its duration and the messages' age, acknowledge the messages),
+        once per turn of the event loop for every answer of that turn: with 64
+        requests in flight, a turn often brings several.
         """
-        delivered = self._delivered
+        self._settling = False
+        delivered, finished = self._delivered, self._filtered
         if not delivered:
+            if finished:
+                self._filtered = []
+                self._finish_all(finished)
             return
-        self._delivered = []
+        self._delivered, self._filtered = [], []
         if self._breaker is not None:
             self._breaker.record_healthy(len(delivered))
-        requests, now = len(delivered), self._clock.time()
-        request_s = 0.0
+        now = self._clock.time()
+        attempted, request_s = 0, 0.0
         durations: list[float] = []
         sizes: list[int] = []
         ages: list[float] = []
-        finished: list[Work] = []
         answers: dict[tuple[int | None, str], int] = {}  # messages by (status, protocol)
         for works, result in delivered:
-            duration = result.duration_s
-            request_s += duration
-            durations.append(duration)
-            sizes.append(len(works))
+            count = len(works)
+            attempted += count
+            request_s += result.duration_s
+            durations.append(result.duration_s)
+            sizes.append(count)
             answer = (result.status, result.protocol)
-            answers[answer] = answers.get(answer, 0) + len(works)
+            answers[answer] = answers.get(answer, 0) + count
             for work in works:
                 written_at = work.message.written_at
                 if written_at > 0:  # 0: the backend did not say
@@ -625,9 +635,9 @@ class IntegrationRunner:
                     age = now - written_at
                     ages.append(age if age > 0 else 0.0)
             finished += works
-        self._requests += requests
+        self._requests += len(delivered)
         self._request_s += request_s
-        self._attempted += len(finished)
+        self._attempted += attempted
         self._histogram(Outcome.DELIVERED).observe_many(durations)
         self._m_batch.observe_many(sizes)
         self._m_age.observe_many(ages)
@@ -664,7 +674,13 @@ class IntegrationRunner:
                 events.append(make_event(view(message), work.attempt, payload, result.content_type))
                 passed.append(work)
             elif result.verdict is Verdict.FILTERED:
-                self._finish(work)  # acknowledged and committed like a delivered one
+                # Acknowledged and committed like a delivered one, with this turn's answers.
+                if self._unordered:
+                    self._filtered.append(work)
+                    if not self._settling:
+                        self._settle_later()
+                else:
+                    self._finish(work)
             else:
                 failure = pipeline_failure(result.reason, result.error, result.stage)
                 await self._settlement.settle(work, failure)
