@@ -25,7 +25,7 @@ from nemesis.delivery.http import http_transport
 from nemesis.delivery.port import DeliveryResult, Event, Outcome
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import CircuitBreaker
-from nemesis.runtime.runner import IntegrationRunner, RunnerOptions
+from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
 from nemesis.testing import HandlerServer, LedgerEntry
 from nemesis.testing.clock import FakeClock
 from tests.operability import wait_until_true
@@ -483,3 +483,34 @@ async def test_the_breaker_hears_the_answers_of_a_turn_in_their_order(
     assert seen[0] == (10, 0)
     assert (stats.requests, stats.attempted) == (11, 11)
     assert breaker.statistics().window_requests >= 11
+
+
+class _Delivers:
+    async def deliver(self, event: Event) -> DeliveryResult:
+        return DeliveryResult(Outcome.DELIVERED, status=204)
+
+    async def deliver_batch(self, events: Sequence[Event]) -> DeliveryResult:
+        return DeliveryResult(Outcome.DELIVERED, status=204)
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_failure_settling_a_turn_of_answers_fails_the_run_instead_of_stalling(
+    broker: EmbeddedBroker,
+) -> None:
+    # The delivered answers are settled by a callback of the loop, where an exception
+    # would only be logged and the messages left unacknowledged for ever.
+    await publish(broker, 20, partitions=1)
+    cfg = config("http://127.0.0.1:9/")
+    breaker = CircuitBreaker(cfg.breaker)
+
+    def broken(count: int) -> None:
+        raise RuntimeError("a listener failed")
+
+    breaker.record_healthy = broken  # type: ignore[method-assign]
+    runner = IntegrationRunner(cfg, broker, _Delivers(), breaker=breaker, options=FAST)
+    with pytest.raises(ExceptionGroup) as raised:
+        await asyncio.wait_for(runner.run(), timeout=10)
+    assert raised.group_contains(RuntimeError, match="a listener failed")
+    assert runner.state is RunnerState.STOPPED

@@ -190,6 +190,7 @@ class IntegrationRunner:
         self._filtered: list[Work] = []  # dropped by the pipeline, finished with them
         self._settling = False  # a call of _settle_turn is scheduled
         self._call_soon: Callable[[Callable[[], object]], object] | None = None
+        self._tasks: asyncio.TaskGroup | None = None  # the run's, while it runs
         # Where failed messages go: the failure policy, carried out for this flow.
         self._settlement = Settlement(
             config,
@@ -348,6 +349,7 @@ class IntegrationRunner:
         label = f"{self.name}:{self.flow.name}"
         try:
             async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
                 intake = tasks.create_task(self._intake(reader), name=f"{label}:intake")
                 helpers = [
                     tasks.create_task(self._commit_loop(reader), name=f"{label}:commit"),
@@ -363,14 +365,17 @@ class IntegrationRunner:
                 for task in helpers:
                     task.cancel()
         finally:
-            # Commit what finished, even when cancelled: it is only ever less redelivery.
-            self._settle_turn()
-            await asyncio.shield(self._commit(reader))
-            self._reader = None
-            await reader.close()
-            if self._owns_transport:
-                await self._transport.close()
-            self._state = RunnerState.STOPPED
+            self._tasks = None
+            try:
+                self._settle_turn()
+            finally:
+                # Commit what finished, even when cancelled: it is only ever less redelivery.
+                await asyncio.shield(self._commit(reader))
+                self._reader = None
+                await reader.close()
+                if self._owns_transport:
+                    await self._transport.close()
+                self._state = RunnerState.STOPPED
 
     async def _drain(self, pool: WorkerPool, grace_s: float) -> None:
         """Lets the deliveries in flight finish; workers leave instead of taking more."""
@@ -594,7 +599,18 @@ class IntegrationRunner:
     def _settle_later(self) -> None:
         if self._call_soon is not None:
             self._settling = True
-            self._call_soon(self._settle_turn)
+            self._call_soon(self._settle_scheduled)
+
+    def _settle_scheduled(self) -> None:
+        try:
+            self._settle_turn()
+        except Exception as exc:
+            # Called by the loop, not by a task: a failure here would only be logged, and
+            # its messages would stay unacknowledged in silence. The run fails instead, as
+            # it does when a worker raises, and the supervisor restarts the flow.
+            if self._tasks is None:
+                raise
+            self._tasks.create_task(_reraise(exc))
 
     def _settle_turn(self) -> None:
         """Finishes the delivered answers and filtered messages since the last call, at once.
@@ -820,6 +836,10 @@ class IntegrationRunner:
             self._m_commits.inc()
             self._m_committed.inc(len(run))
             self._last_commit_at = self._clock.monotonic()
+
+
+async def _reraise(exc: Exception) -> None:
+    raise exc
 
 
 def _same(message: Message) -> Message:
