@@ -170,3 +170,26 @@ async def test_a_handler_that_never_answers_fires_the_stuck_alert_while_lag_is_f
     )
     tested = run_promtool("test", "rules", str(test_file))
     assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+async def test_a_stalled_partition_shows_in_the_flow_status_its_issues_and_a_gauge(
+    broker: EmbeddedBroker,
+) -> None:
+    # The embedded log never stalls a partition; YDB parks one it cannot decode
+    # (tests/test_ydb_streams.py). Here its reader says so, and everything above shows it.
+    await publish(broker, 10, consumers=["orders"])
+    async with HandlerServer() as handler:
+        proxy = Proxy(broker, {"orders": integration("orders", handler.url)}, runner_options=FAST)
+        async with running(proxy), admin_client(proxy) as admin:
+            await wait_until_true(lambda: "orders" in proxy.runners)
+            await handler.ledger.wait_for(10, timeout_s=10)
+            reader = proxy.runners["orders"]._reader
+            assert reader is not None
+            why = "orders[2] offset 7 is compressed with LZOP: the partition is parked"
+            reader.stalled = lambda: {("orders", 2): why}  # type: ignore[method-assign]
+            status = (await admin.get("/integrations/orders")).json()
+            scrape = samples((await admin.get("/metrics")).text)
+    [main] = [flow for flow in status["flows"] if flow["flow"] == "main"]
+    assert main["stalled_partitions"] == [{"topic": "orders", "partition": 2, "reason": why}]
+    assert status["issues"] == {"main": why}
+    assert value_of(scrape, "nemesis_stalled_partitions", integration="orders", flow="main") == 1

@@ -678,6 +678,8 @@ async def test_a_codec_nemesis_cannot_decode_parks_its_partition_and_says_why(
         " (it reads RAW, GZIP and ZSTD): the partition is parked"
     }
     assert stats.sessions == 2  # still held: the committed offset stays before it
+    # What the runner, the admin API and nemesis_stalled_partitions show.
+    assert reader.stalled() == {("orders", 0): stats.parked[0]}
 
 
 async def test_an_unknown_codec_fails_the_reader_naming_it(reader: YdbReader, grpc: Grpc) -> None:

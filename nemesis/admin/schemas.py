@@ -101,6 +101,14 @@ class Setting(BaseModel):
     drift: bool
 
 
+class StalledPartition(BaseModel):
+    """A partition the flow holds and cannot deliver from until an operator acts."""
+
+    topic: str
+    partition: int
+    reason: str
+
+
 class FlowStatus(BaseModel):
     """One flow's runner: main, retry-<n> or replay."""
 
@@ -121,6 +129,7 @@ class FlowStatus(BaseModel):
     messages_read: int
     seconds_since_last_read: float
     seconds_since_last_commit: float | None
+    stalled_partitions: list[StalledPartition] = []
 
 
 class PartitionLagStatus(BaseModel):

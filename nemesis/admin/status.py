@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, Literal
 
 from nemesis.admin import schemas
@@ -11,6 +11,7 @@ from nemesis.resilience.breaker import BreakerState
 from nemesis.resilience.limits import Flow
 from nemesis.runtime import overrides as live
 from nemesis.runtime.reload import ReloadReport
+from nemesis.runtime.runner import RunnerStats
 from nemesis.runtime.sizing import DEFAULT_HEADROOM
 from nemesis.runtime.telemetry import IntegrationSnapshot, seconds_since_last_read
 
@@ -52,6 +53,10 @@ def integration_status(
             seconds_since_last_commit=None
             if stats.last_commit_at is None
             else max(now - stats.last_commit_at, 0.0),
+            stalled_partitions=[
+                schemas.StalledPartition(topic=topic, partition=partition, reason=reason)
+                for (topic, partition), reason in sorted(stats.stalled.items())
+            ],
         )
         for stats in snapshot.flows
     ]
@@ -96,7 +101,7 @@ def integration_status(
         paused=config.paused,
         file=None if snapshot.file is None else str(snapshot.file),
         flows=flows,
-        issues=dict(snapshot.issues),
+        issues=_with_stalled(snapshot.issues, snapshot.flows),
         breaker=schemas.BreakerStatus(
             state=_BREAKER_STATES[breaker.state],
             time_in_state_s=breaker.time_in_state_s,
@@ -155,3 +160,14 @@ def reload_result(report: ReloadReport) -> schemas.ReloadResult:
         kept=list(report.kept),
         problems=problems(report.problems),
     )
+
+
+def _with_stalled(issues: Mapping[str, str], flows: Sequence[RunnerStats]) -> dict[str, str]:
+    """The integration's issues, and for a flow without one, its stalled partitions."""
+    issues = dict(issues)
+    for stats in flows:
+        if stats.stalled and stats.flow not in issues:
+            reasons = sorted(stats.stalled.values())
+            more = f" (and {len(reasons) - 1} more partitions)" if len(reasons) > 1 else ""
+            issues[stats.flow] = reasons[0] + more
+    return issues

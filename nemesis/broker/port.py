@@ -273,6 +273,15 @@ class TopicReader(Protocol):
         """The partition sessions this reader holds now."""
         ...
 
+    def stalled(self) -> Mapping[tuple[str, int], str]:
+        """Partitions held and delivering nothing, by (topic, partition), with the reason.
+
+        A partition the reader cannot go past on its own (a batch in a codec
+        Nemesis cannot decode) stays assigned and sends nothing more until an
+        operator acts; its lag grows. Empty when every partition flows.
+        """
+        ...
+
     async def close(self, timeout_s: float = 5.0) -> None: ...
 
 

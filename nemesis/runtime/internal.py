@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from nemesis.broker.port import Message, PartitionSession, TopicReader
 
@@ -173,6 +173,10 @@ class FlowReader:
 
     def sessions(self) -> Sequence[PartitionSession]:
         return [s for s in self._share.reader.sessions() if s.topic == self.topic]
+
+    def stalled(self) -> Mapping[tuple[str, int], str]:
+        stalled = self._share.reader.stalled()
+        return {key: why for key, why in stalled.items() if key[0] == self.topic}
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """The flow is done with it; the shared reader is closed by whoever opened it."""

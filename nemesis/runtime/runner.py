@@ -47,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from nemesis import logs
@@ -134,6 +134,8 @@ class RunnerStats:
     attempted: int = 0  # messages those requests carried
     skipped: int = 0  # messages of disabled types, acknowledged without delivery
     halted: int = 0  # keys (or partitions) halted behind a message past its retries
+    # Partitions the reader holds and cannot deliver from, by (topic, partition): the reason.
+    stalled: Mapping[tuple[str, int], str] = field(default_factory=dict)
 
 
 class IntegrationRunner:
@@ -325,6 +327,7 @@ class IntegrationRunner:
             attempted=self._attempted,
             skipped=self._skipped,
             halted=len(self._halted),
+            stalled={} if reader is None else dict(reader.stalled()),
         )
 
     # --- the run ------------------------------------------------------------

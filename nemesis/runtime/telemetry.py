@@ -122,6 +122,12 @@ def _runner_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
         "assigned": _gauge(
             "nemesis_assigned_partitions", "Partition sessions this process holds.", labels
         ),
+        "stalled": _gauge(
+            "nemesis_stalled_partitions",
+            "Partitions held and delivering nothing until an operator acts (a codec Nemesis"
+            " cannot decode); the admin API's flow status says why.",
+            labels,
+        ),
         "since_read": _gauge(
             "nemesis_seconds_since_last_read",
             "Seconds since messages last arrived (since the flow started if none did yet);"
@@ -154,6 +160,7 @@ def _runner_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
                 "uncommitted": stats.outstanding,
                 "paused_partitions": stats.paused_partitions,
                 "assigned": stats.assigned_partitions,
+                "stalled": len(stats.stalled),
                 "since_read": seconds_since_last_read(stats, now),
                 "since_commit": max(
                     now - (committed if committed is not None else stats.started_at), 0.0

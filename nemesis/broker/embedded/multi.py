@@ -17,7 +17,7 @@ sessions go to the part of the session's topic.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from nemesis.broker.embedded.reader import EmbeddedReader, ReaderStatistics
 from nemesis.broker.port import Message, PartitionSession
@@ -99,6 +99,10 @@ class EmbeddedMultiReader:
     def interrupted(self) -> bool:
         """``interrupt`` (or ``close``) was called since the current ``receive`` began."""
         return self._interrupted or self._closed
+
+    def stalled(self) -> Mapping[tuple[str, int], str]:
+        """None here: every message of an assigned partition is read (see the broker port)."""
+        return {}
 
     def interrupt(self) -> None:
         """Makes a waiting ``receive`` return now (see the broker port)."""

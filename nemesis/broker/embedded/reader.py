@@ -499,6 +499,10 @@ class EmbeddedReader:
         """``interrupt`` was called since the current ``receive`` began."""
         return self._interrupted
 
+    def stalled(self) -> Mapping[tuple[str, int], str]:
+        """None here: every message of an assigned partition is read (see the broker port)."""
+        return {}
+
     def interrupt(self) -> None:
         """Makes a waiting ``receive`` return now (see the broker port)."""
         self._interrupted = True

@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -226,6 +226,10 @@ class KafkaReader:
         if not session.alive or self._sessions.get(session.partition) is not session:
             return None
         return session
+
+    def stalled(self) -> Mapping[tuple[str, int], str]:
+        """None here: every message of an assigned partition is read (see the broker port)."""
+        return {}
 
     def interrupt(self) -> None:
         """Makes a waiting ``receive`` return now, with nothing (see the broker port)."""

@@ -493,6 +493,14 @@ class YdbReader:
         self._sync_sessions()
         return sorted(self._sessions.values(), key=lambda s: (s.partition, s.id))
 
+    def stalled(self) -> Mapping[tuple[str, int], str]:
+        """The parked partitions (a codec Nemesis cannot decode), with the reason."""
+        return {
+            (s.topic, s.partition): s.parked
+            for s in self._sessions.values()
+            if s.alive and s.parked is not None
+        }
+
     def statistics(self) -> ReaderStatistics:
         """Sessions, paused, held and in-flight messages, for metrics and the admin API."""
         if not self._closed:
