@@ -2,7 +2,8 @@
 
 Families live on a ``Metrics`` object with its own registry (no module-level
 singleton: tests make their own). Labels are bounded: integration, topic,
-partition, stage, tier, outcome, status class, flow; never message ids or URLs.
+partition, stage, tier, outcome, status class, flow, the state store's
+operation; never message ids, member ids or URLs.
 Gauges that describe live state (lag, buffered, in flight, seconds since last
 read) are computed at scrape time from the runners' ``statistics()``
 snapshots, so a stuck runner cannot leave a stale value behind.

@@ -10,11 +10,13 @@ each ``tick()`` is one look at the store, as the member's loop makes every
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 
 from nemesis.admin import create_admin_app
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
@@ -27,11 +29,12 @@ from nemesis.metrics import Metrics
 from nemesis.runtime import overrides as live
 from nemesis.runtime.app import Proxy
 from nemesis.testing.clock import FakeClock
-from tests.operability import AUTH, TOKEN, integration
+from tests.operability import AUTH, TOKEN, integration, metric_names, run_promtool
 from tests.test_fleet_store import STORES
 
 NAMES = sorted(f"team-{n}" for n in range(12))
 OPTIONS = FleetOptions(lease_s=10, poll_s=1, handover_wait_s=60)
+FLEET_DOCS = Path(__file__).parents[1] / "docs" / "fleet.md"
 
 
 @pytest.fixture
@@ -412,3 +415,20 @@ async def test_handovers_are_counted_and_timed_on_the_new_owner(
     assert gauge(at_b, f"{duration}_count") == len(NAMES)
     assert gauge(at_b, f"{duration}_sum") == 3 * len(share)
     assert gauge(at_a, "nemesis_fleet_handovers_total") == 0
+
+
+async def test_the_fleet_docs_name_exported_metrics_in_valid_alert_rules(
+    broker: EmbeddedBroker, one_file: list[StateStore], tmp_path: Path
+) -> None:
+    metrics = Metrics()
+    configs = {name: integration(name, "http://127.0.0.1:9/") for name in NAMES}
+    here = Proxy(broker, configs, clock=FakeClock(), metrics=metrics)
+    await FleetMember(one_file[0], here, options=OPTIONS, metrics=metrics).join()
+    exported = metric_names(generate_latest(metrics.registry).decode())
+    docs = FLEET_DOCS.read_text()
+    assert set(re.findall(r"\bnemesis_fleet_[a-z_]+\b", docs)) <= exported
+    [rules] = re.findall(r"```yaml\n(groups:.*?)```", docs, re.DOTALL)
+    assert set(re.findall(r"\bnemesis_[a-z_]+\b", rules)) <= exported
+    (tmp_path / "rules.yaml").write_text(rules)
+    checked = run_promtool("check", "rules", str(tmp_path / "rules.yaml"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr

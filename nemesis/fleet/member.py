@@ -27,6 +27,14 @@ here (``runs_here``). The member:
 Shutting down (``proxy.stop()``), the member marks itself draining, so the
 others compute owners without it; once the proxy has drained it leaves
 (deletes its row and assignments), and the new owners start.
+
+What it knows goes to ``/metrics`` (``nemesis_fleet_*``, docs/fleet.md): the
+gauges are computed from ``statistics()`` when Prometheus scrapes, from the
+view the member already holds (no extra read of the store, no timer); the
+failed store calls and the handovers are counted where they happen. A
+handover is the start here of an integration that another member ran or
+was placed on, timed from the decision to run it here (the wait for the old
+owner included); the first start of an integration nobody ran is none.
 """
 
 from __future__ import annotations
