@@ -432,3 +432,25 @@ async def test_the_fleet_docs_name_exported_metrics_in_valid_alert_rules(
     (tmp_path / "rules.yaml").write_text(rules)
     checked = run_promtool("check", "rules", str(tmp_path / "rules.yaml"))
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+async def test_a_reload_that_removes_an_awaited_integration_ends_the_wait(
+    broker: EmbeddedBroker, one_file: list[StateStore]
+) -> None:
+    clock = FakeClock()
+    second = proxy(broker, clock)
+    metrics = Metrics()
+    a = FleetMember(one_file[0], proxy(broker, clock), options=OPTIONS, clock=clock, member_id="a")
+    b = FleetMember(
+        one_file[1], second, options=OPTIONS, clock=clock, member_id="b", metrics=metrics
+    )
+    await a.join()
+    await b.join()
+    [removed, *_] = b.statistics().waiting  # a runs it still
+    await second.remove_integration(removed)  # b's reload no longer has it
+    clock.advance(1)
+    await b.tick()
+    assert removed not in b.statistics().waiting
+    assert gauge(metrics, "nemesis_fleet_integrations", state="waiting") == len(
+        b.statistics().waiting
+    )

@@ -435,6 +435,10 @@ class FleetMember:
         for name in self._running - set(groups):  # removed by a reload
             self._running.discard(name)
             await self._stored("unassign", self.store.unassign(name, me))
+        for name in self._waiting_since.keys() - set(groups):  # removed while it waited
+            # A wait left behind would make every poll read the whole view, forever.
+            del self._waiting_since[name]
+            self._taking_over.discard(name)
         self._placed = set(groups)
 
     async def _release(self, name: str) -> None:
