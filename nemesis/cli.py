@@ -409,6 +409,7 @@ async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
                 poll_s=config.state.poll_s,
                 handover_wait_s=config.shutdown_grace_s + config.state.lease_s,
             ),
+            metrics=proxy.metrics,
         )
         reloader = ConfigReloader(
             proxy,

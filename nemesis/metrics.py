@@ -2,7 +2,8 @@
 
 Families live on a ``Metrics`` object with its own registry (no module-level
 singleton: tests make their own). Labels are bounded: integration, topic,
-partition, stage, tier, outcome, status class, flow; never message ids or URLs.
+partition, stage, tier, outcome, status class, flow, the state store's
+operation; never message ids, member ids or URLs.
 Gauges that describe live state (lag, buffered, in flight, seconds since last
 read) are computed at scrape time from the runners' ``statistics()``
 snapshots, so a stuck runner cannot leave a stale value behind.
@@ -52,6 +53,23 @@ RATE_LIMIT_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0,
 # The age of a message when its handler took it: a millisecond on a quiet
 # topic, up to a day for a backlog after an outage.
 AGE_BUCKETS_S = (*LATENCY_BUCKETS_S[1:], 60.0, 300.0, 900.0, 3600.0, 21600.0, 86400.0)
+
+# A handover waits for the old owner to drain: nothing, a poll, up to a shutdown grace and a lease.
+HANDOVER_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+# The state store's operations a fleet member calls (``nemesis.fleet.port.StateStore``).
+FLEET_STATE_OPERATIONS = (
+    "generation",
+    "heartbeat",
+    "view",
+    "forget",
+    "assign",
+    "unassign",
+    "leave",
+    "set_overrides",
+    "clear_overrides",
+    "drop_caught_up",
+)
 
 # Pipeline stages take microseconds, not the milliseconds of a delivery.
 STAGE_BUCKETS_S = (
@@ -328,6 +346,25 @@ class Metrics:
             "Messages acknowledged without delivery because their type was in"
             " flags.disabled_types.",
             ["integration", "type"],
+        )
+        # The fleet member's counts (``nemesis.fleet.member``); its gauges are computed at
+        # scrape time from its statistics(). Labels: the store's operation, nothing per member.
+        self.fleet_state_errors = self._loop_counter(
+            "nemesis_fleet_state_errors",
+            "Calls of the fleet's state store that failed, by operation (heartbeat, view, ...).",
+            ["operation"],
+        )
+        self.fleet_handovers = self._loop_counter(
+            "nemesis_fleet_handovers",
+            "Integrations this member started that another member ran or was placed on.",
+            [],
+        )
+        self.fleet_handover_duration = self._loop_histogram(
+            "nemesis_fleet_handover_duration_seconds",
+            "Time from this member's decision to run an integration another member ran until"
+            " it started it here: the wait for the old owner to drain included.",
+            [],
+            buckets=HANDOVER_BUCKETS_S,
         )
         # (integration, stage) -> meter; kept across pipeline reloads so counters stay monotonic.
         self._stage_meters: dict[tuple[str, str], StageMeter] = {}

@@ -20,6 +20,7 @@ import pytest
 
 from nemesis.testing import HandlerServer
 from tests.conftest import Workspace, integration_yaml, kill_hard, stop_gracefully
+from tests.operability import samples, value_of
 
 pytestmark = pytest.mark.slow
 
@@ -315,6 +316,22 @@ async def test_fleet_status_shows_members_and_assignments(
         ]
         text = workspace.cli("fleet", "status", "-c", "replica-0.yaml")
         assert f"pid {process.pid}  runs 2" in text.stdout
+
+        async with httpx.AsyncClient(timeout=5) as client:
+            scrape = samples((await client.get(fleet.url(0, "/metrics"))).text)
+        assert value_of(scrape, "nemesis_fleet_members", state="active") == 1
+        assert value_of(scrape, "nemesis_fleet_integrations", state="running") == 2
+        assert value_of(scrape, "nemesis_fleet_integrations", state="placed") == 2
+        assert value_of(scrape, "nemesis_fleet_unplaced_integrations") == 0
+        assert value_of(scrape, "nemesis_fleet_generation") == status["generation"]
+        errors = {labels["operation"] for labels, _ in scrape["nemesis_fleet_state_errors_total"]}
+        assert {"heartbeat", "generation", "view"} <= errors
+        assert value_of(scrape, "nemesis_fleet_handovers_total") == 0  # nothing moved
+        assert value_of(scrape, "nemesis_fleet_handover_duration_seconds_count") == 0
+        synced = value_of(scrape, "nemesis_fleet_last_sync_timestamp_seconds")
+        assert member["started_at"] <= synced
+        lease = value_of(scrape, "nemesis_fleet_lease_expiry_timestamp_seconds")
+        assert 0 < lease - synced <= LEASE_S
         assert await stop_gracefully(process) == 0
         left = json.loads(workspace.cli("fleet", "status", "-c", "replica-0.yaml", "--json").stdout)
         assert left["members"] == []  # a replica that stops leaves the fleet

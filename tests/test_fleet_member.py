@@ -9,25 +9,32 @@ each ``tick()`` is one look at the store, as the member's loop makes every
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 
 from nemesis.admin import create_admin_app
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.config.models import EmbeddedBackendConfig
+from nemesis.errors import StateError
 from nemesis.fleet.member import FleetMember, FleetOptions
 from nemesis.fleet.port import StateStore
+from nemesis.fleet.sqlite import open_sqlite_state
+from nemesis.metrics import Metrics
 from nemesis.runtime import overrides as live
 from nemesis.runtime.app import Proxy
 from nemesis.testing.clock import FakeClock
-from tests.operability import AUTH, TOKEN, integration
+from tests.operability import AUTH, TOKEN, integration, metric_names, run_promtool
 from tests.test_fleet_store import STORES
 
 NAMES = sorted(f"team-{n}" for n in range(12))
 OPTIONS = FleetOptions(lease_s=10, poll_s=1, handover_wait_s=60)
+FLEET_DOCS = Path(__file__).parents[1] / "docs" / "fleet.md"
 
 
 @pytest.fixture
@@ -246,3 +253,204 @@ async def test_a_change_of_replicas_places_the_integration_again_without_a_resta
     await b.tick()
     assert sorted(b.owners_of(name)) == ["a", "b"]
     assert name in b.statistics().running
+
+
+# --- what /metrics shows of the fleet -----------------------------------------------
+
+
+@pytest.fixture
+async def one_file(tmp_path: Path) -> AsyncIterator[list[StateStore]]:
+    """Three connections to one SQLite state file, as three replicas of one host have."""
+    opened: list[StateStore] = [await open_sqlite_state(tmp_path / "state.db") for _ in range(3)]
+    yield opened
+    for store in opened:
+        await store.close()
+
+
+def gauge(metrics: Metrics, name: str, **labels: str) -> float | None:
+    """One sample as a scrape of the member's registry shows it."""
+    return metrics.registry.get_sample_value(name, labels)
+
+
+async def test_the_fleet_gauges_of_each_member_agree_with_the_placement(
+    broker: EmbeddedBroker, one_file: list[StateStore]
+) -> None:
+    clock = FakeClock()
+    proxies = [proxy(broker, clock) for _ in range(3)]
+    registries = [Metrics() for _ in range(3)]
+    members = [
+        FleetMember(
+            one_file[n],
+            proxies[n],
+            options=OPTIONS,
+            clock=clock,
+            member_id=m,
+            pid=n + 1,
+            metrics=registries[n],
+        )
+        for n, m in enumerate("abc")
+    ]
+    for member in members:
+        await member.join()
+    for _ in range(2):  # the old owners let go, the new ones start, everyone sees it
+        for member in members:
+            await member.tick()
+    generation = await one_file[0].generation()
+    for member, metrics in zip(members, registries, strict=True):
+        placed = [name for name in NAMES if member.member_id in member.owners_of(name)]
+        assert member.statistics().running == placed
+        assert gauge(metrics, "nemesis_fleet_members", state="active") == 3
+        assert gauge(metrics, "nemesis_fleet_members", state="draining") == 0
+        assert gauge(metrics, "nemesis_fleet_integrations", state="placed") == len(placed)
+        assert gauge(metrics, "nemesis_fleet_integrations", state="running") == len(placed)
+        assert gauge(metrics, "nemesis_fleet_integrations", state="waiting") == 0
+        assert gauge(metrics, "nemesis_fleet_unplaced_integrations") == 0
+        assert gauge(metrics, "nemesis_fleet_underplaced_integrations") == 0
+        assert gauge(metrics, "nemesis_fleet_generation") == generation
+        assert gauge(metrics, "nemesis_fleet_last_sync_timestamp_seconds") == clock.time()
+        assert gauge(metrics, "nemesis_fleet_lease_expiry_timestamp_seconds") == (
+            clock.time() + OPTIONS.lease_s  # renewed at the join, the clock has not moved
+        )
+    running = [gauge(m, "nemesis_fleet_integrations", state="running") for m in registries]
+    assert sum(r or 0 for r in running) == len(NAMES)
+
+    proxies[2].stop()  # c shuts down: draining, it lets go of its integrations
+    clock.advance(1)
+    await members[2].tick()
+    a = registries[0]
+    assert gauge(a, "nemesis_fleet_members", state="active") == 3  # a has not looked yet
+    c_ran = len(NAMES) - sum(r or 0 for r in running[:2])
+    assert gauge(a, "nemesis_fleet_unplaced_integrations") == 0  # as a last read the store
+    await members[0].tick()
+    assert gauge(a, "nemesis_fleet_members", state="active") == 2
+    assert gauge(a, "nemesis_fleet_members", state="draining") == 1
+    # a started its part of c's; b's part runs nowhere until b looks.
+    b_takes = [n for n in NAMES if members[0].owners_of(n) == ("b",)]
+    unplaced = [n for n in b_takes if n not in members[1].statistics().running]
+    assert 0 < len(unplaced) < c_ran
+    assert gauge(a, "nemesis_fleet_unplaced_integrations") == len(unplaced)
+    assert gauge(a, "nemesis_fleet_underplaced_integrations") == len(unplaced)
+    await members[1].tick()
+    await members[0].tick()
+    assert gauge(a, "nemesis_fleet_unplaced_integrations") == 0
+
+
+async def test_a_failing_state_store_is_counted_and_the_sync_time_stops(
+    broker: EmbeddedBroker, one_file: list[StateStore]
+) -> None:
+    clock = FakeClock()
+    metrics = Metrics()
+    member = FleetMember(
+        one_file[0], proxy(broker, clock), options=OPTIONS, clock=clock, metrics=metrics
+    )
+    await member.join()
+    clock.advance(1)
+    await member.tick()
+    synced = clock.time()
+    assert gauge(metrics, "nemesis_fleet_last_sync_timestamp_seconds") == synced
+    assert gauge(metrics, "nemesis_fleet_state_errors_total", operation="generation") == 0
+    assert gauge(metrics, "nemesis_fleet_state_errors_total", operation="heartbeat") == 0
+
+    await one_file[0].close()  # the store goes away
+    clock.advance(1)
+    with pytest.raises(StateError):
+        await member.tick()  # the generation poll
+    clock.advance(OPTIONS.lease_s / 3)
+    with pytest.raises(StateError):
+        await member.tick()  # the lease renewal
+    with pytest.raises(StateError):
+        await member.set_overrides("team-1", {"delivery.workers": 4}, set_by="test")
+    assert gauge(metrics, "nemesis_fleet_state_errors_total", operation="generation") == 1
+    assert gauge(metrics, "nemesis_fleet_state_errors_total", operation="heartbeat") == 1
+    assert gauge(metrics, "nemesis_fleet_state_errors_total", operation="set_overrides") == 1
+    assert gauge(metrics, "nemesis_fleet_state_errors_total", operation="view") == 0
+    assert gauge(metrics, "nemesis_fleet_last_sync_timestamp_seconds") == synced
+    # Renewed at the join (time 0): the lease is at risk, and the gauge says so.
+    lease = gauge(metrics, "nemesis_fleet_lease_expiry_timestamp_seconds")
+    assert lease is not None
+    assert lease - clock.time() < OPTIONS.lease_s / 3 * 2
+    assert gauge(metrics, "nemesis_fleet_integrations", state="running") == len(NAMES)
+
+
+async def test_handovers_are_counted_and_timed_on_the_new_owner(
+    broker: EmbeddedBroker, one_file: list[StateStore]
+) -> None:
+    clock = FakeClock()
+    first, second = proxy(broker, clock), proxy(broker, clock)
+    at_a, at_b = Metrics(), Metrics()
+    options = dataclasses.replace(OPTIONS, lease_s=600)  # renewals are not what this is about
+    a = FleetMember(
+        one_file[0], first, options=options, clock=clock, member_id="a", pid=1, metrics=at_a
+    )
+    b = FleetMember(
+        one_file[1], second, options=options, clock=clock, member_id="b", pid=2, metrics=at_b
+    )
+    await a.join()  # alone: it starts everything, which is no handover
+    assert gauge(at_a, "nemesis_fleet_handovers_total") == 0
+    assert gauge(at_a, "nemesis_fleet_handover_duration_seconds_count") == 0
+
+    await b.join()  # b decides to take its share and waits for a to let go
+    share = b.statistics().waiting
+    assert gauge(at_b, "nemesis_fleet_integrations", state="waiting") == len(share)
+    assert gauge(at_b, "nemesis_fleet_underplaced_integrations") == len(share)
+    assert gauge(at_b, "nemesis_fleet_unplaced_integrations") == 0  # a runs them still
+    clock.advance(3)
+    await a.tick()
+    await b.tick()
+    assert b.statistics().running == share
+    assert gauge(at_b, "nemesis_fleet_handovers_total") == len(share)
+    duration = "nemesis_fleet_handover_duration_seconds"
+    assert gauge(at_b, f"{duration}_count") == len(share)
+    assert gauge(at_b, f"{duration}_sum") == 3 * len(share)
+    assert gauge(at_b, f"{duration}_bucket", le="2.5") == 0
+    assert gauge(at_b, f"{duration}_bucket", le="5.0") == len(share)
+
+    first.stop()  # a leaves: b takes the rest at once (nothing ran there to drain)
+    clock.advance(1)
+    await a.tick()
+    await a.leave()
+    await b.tick()
+    assert b.statistics().running == NAMES
+    assert gauge(at_b, "nemesis_fleet_handovers_total") == len(NAMES)
+    assert gauge(at_b, f"{duration}_count") == len(NAMES)
+    assert gauge(at_b, f"{duration}_sum") == 3 * len(share)
+    assert gauge(at_a, "nemesis_fleet_handovers_total") == 0
+
+
+async def test_the_fleet_docs_name_exported_metrics_in_valid_alert_rules(
+    broker: EmbeddedBroker, one_file: list[StateStore], tmp_path: Path
+) -> None:
+    metrics = Metrics()
+    configs = {name: integration(name, "http://127.0.0.1:9/") for name in NAMES}
+    here = Proxy(broker, configs, clock=FakeClock(), metrics=metrics)
+    await FleetMember(one_file[0], here, options=OPTIONS, metrics=metrics).join()
+    exported = metric_names(generate_latest(metrics.registry).decode())
+    docs = FLEET_DOCS.read_text()
+    assert set(re.findall(r"\bnemesis_fleet_[a-z_]+\b", docs)) <= exported
+    [rules] = re.findall(r"```yaml\n(groups:.*?)```", docs, re.DOTALL)
+    assert set(re.findall(r"\bnemesis_[a-z_]+\b", rules)) <= exported
+    (tmp_path / "rules.yaml").write_text(rules)
+    checked = run_promtool("check", "rules", str(tmp_path / "rules.yaml"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+async def test_a_reload_that_removes_an_awaited_integration_ends_the_wait(
+    broker: EmbeddedBroker, one_file: list[StateStore]
+) -> None:
+    clock = FakeClock()
+    second = proxy(broker, clock)
+    metrics = Metrics()
+    a = FleetMember(one_file[0], proxy(broker, clock), options=OPTIONS, clock=clock, member_id="a")
+    b = FleetMember(
+        one_file[1], second, options=OPTIONS, clock=clock, member_id="b", metrics=metrics
+    )
+    await a.join()
+    await b.join()
+    [removed, *_] = b.statistics().waiting  # a runs it still
+    await second.remove_integration(removed)  # b's reload no longer has it
+    clock.advance(1)
+    await b.tick()
+    assert removed not in b.statistics().waiting
+    assert gauge(metrics, "nemesis_fleet_integrations", state="waiting") == len(
+        b.statistics().waiting
+    )

@@ -27,6 +27,14 @@ here (``runs_here``). The member:
 Shutting down (``proxy.stop()``), the member marks itself draining, so the
 others compute owners without it; once the proxy has drained it leaves
 (deletes its row and assignments), and the new owners start.
+
+What it knows goes to ``/metrics`` (``nemesis_fleet_*``, docs/fleet.md): the
+gauges are computed from ``statistics()`` when Prometheus scrapes, from the
+view the member already holds (no extra read of the store, no timer); the
+failed store calls and the handovers are counted where they happen. A
+handover is the start here of an integration that another member ran or
+was placed on, timed from the decision to run it here (the wait for the old
+owner included); the first start of an integration nobody ran is none.
 """
 
 from __future__ import annotations
@@ -38,10 +46,11 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
+from prometheus_client.core import GaugeMetricFamily, Metric
 from pydantic import ValidationError
 
 from nemesis.clock import SYSTEM_CLOCK, Clock
@@ -49,9 +58,12 @@ from nemesis.config.models import IntegrationConfig
 from nemesis.errors import StateError
 from nemesis.fleet.placement import Replicas, assign
 from nemesis.fleet.port import FleetView, MemberInfo, StateStore
+from nemesis.metrics import FLEET_STATE_OPERATIONS, Metrics
 from nemesis.runtime import overrides as live
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class FleetGroup(Protocol):
@@ -107,6 +119,13 @@ class FleetStatistics:
     waiting: list[str]  # integrations it should run, waiting for the old owner
     releasing: list[str]
     last_error: str | None = None
+    members_active: int = 0  # live and not draining, as last read (this one included)
+    members_draining: int = 0
+    placed: int = 0  # integrations the placement gives this member
+    unplaced: int = 0  # integrations no live member runs
+    underplaced: int = 0  # integrations that fewer of their owners run than the placement says
+    synced_at: float | None = None  # the end of the last look at the store that succeeded
+    lease_until: float | None = None  # as last renewed
 
 
 def new_member_id(host: str, pid: int) -> str:
@@ -140,6 +159,7 @@ class FleetMember:
         host: str | None = None,
         pid: int | None = None,
         member_id: str | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.store = store
         self._proxy = proxy
@@ -164,6 +184,17 @@ class FleetMember:
         self._last_error: str | None = None
         self._placed: set[str] = set()  # the integrations the last placement saw
         self._tasks: asyncio.TaskGroup | None = None
+        self._live_others: frozenset[str] = frozenset()  # as last read
+        self._members_draining = 0
+        self._taking_over: set[str] = set()  # waiting ones that another member ran or owned
+        self._synced_at: float | None = None
+        self._lease_until: float | None = None
+        self._metrics = metrics if metrics is not None else Metrics()
+        for operation in FLEET_STATE_OPERATIONS:
+            self._metrics.fleet_state_errors.labels(operation)  # a zero to rise from
+        self._handovers = self._metrics.fleet_handovers.labels()
+        self._handover_duration = self._metrics.fleet_handover_duration.labels()
+        self._metrics.add_live_collector(self._metric_families)
         proxy.set_placement(self.runs_here)
 
     # --- reading ------------------------------------------------------------------
@@ -192,6 +223,20 @@ class FleetMember:
 
     def statistics(self) -> FleetStatistics:
         now = self._clock.time()
+        me = self.member_id
+        running = set(self._running)  # a copy: a release may end meanwhile
+        runners: dict[str, set[str]] = {name: {me} for name in running}
+        for assignment in self._view.assignments:
+            if assignment.member_id in self._live_others:
+                runners.setdefault(assignment.integration, set()).add(assignment.member_id)
+        groups = list(self._proxy.groups)
+        unplaced = underplaced = placed = 0
+        for name in groups:
+            wanted = self.owners_of(name)
+            runs = runners.get(name, set())
+            placed += me in wanted
+            unplaced += not runs
+            underplaced += not runs.issuperset(wanted)
         return FleetStatistics(
             member_id=self.member_id,
             generation=self._view.generation,
@@ -200,6 +245,13 @@ class FleetMember:
             waiting=sorted(n for n, t in self._waiting_since.items() if t <= now),
             releasing=sorted(self._releasing),
             last_error=self._last_error,
+            members_active=len(self._placement.active),
+            members_draining=self._members_draining,
+            placed=placed,
+            unplaced=unplaced,
+            underplaced=underplaced,
+            synced_at=self._synced_at,
+            lease_until=self._lease_until,
         )
 
     # --- the run ------------------------------------------------------------------
@@ -209,6 +261,7 @@ class FleetMember:
         await self._forget_dead_neighbours()
         await self._heartbeat()
         await self._refresh()
+        self._synced_at = self._clock.time()
 
     async def run(self) -> None:
         """Watches the store until cancelled, then leaves the fleet."""
@@ -227,7 +280,7 @@ class FleetMember:
         finally:
             self._tasks = None
             with contextlib.suppress(StateError, TimeoutError):
-                await asyncio.shield(self.store.leave(self.member_id))
+                await asyncio.shield(self._stored("leave", self.store.leave(self.member_id)))
 
     async def tick(self) -> None:
         """One look at the store; acts on what changed."""
@@ -238,7 +291,7 @@ class FleetMember:
         if now >= self._next_heartbeat:
             generation = await self._heartbeat()
         else:
-            generation = await self.store.generation()
+            generation = await self._stored("generation", self.store.generation())
         if (
             generation != self._view.generation
             or now >= self._next_expiry
@@ -247,10 +300,11 @@ class FleetMember:
         ):
             await self._refresh()
         self._last_error = None
+        self._synced_at = self._clock.time()
 
     async def leave(self) -> None:
         """Deletes this member's row and assignments (after the proxy has drained)."""
-        await self.store.leave(self.member_id)
+        await self._stored("leave", self.store.leave(self.member_id))
 
     # --- live overrides, fleet-wide ------------------------------------------------
 
@@ -266,7 +320,10 @@ class FleetMember:
         kept = live.caught_up(yaml, changes)
         cleared = [path for path in changes if path not in kept]
         now = self._clock.time()
-        await self.store.set_overrides(name, kept, cleared=cleared, set_by=set_by, now=now)
+        await self._stored(
+            "set_overrides",
+            self.store.set_overrides(name, kept, cleared=cleared, set_by=set_by, now=now),
+        )
         self._proxy.set_overrides(name, changes)
 
     async def clear_overrides(self, name: str, fields: Collection[str] | None = None) -> None:
@@ -274,20 +331,24 @@ class FleetMember:
         group = self._proxy.groups[name]
         kept = {} if fields is None else live.only(group.overrides, fields)
         live.apply_overrides(group.yaml, kept)
-        await self.store.clear_overrides(name, fields)
+        await self._stored("clear_overrides", self.store.clear_overrides(name, fields))
         self._proxy.clear_overrides(name, fields)
 
     # --- the parts ----------------------------------------------------------------
 
     async def _heartbeat(self) -> int:
         now = self._clock.time()
-        generation = await self.store.heartbeat(self._info, now=now, lease_s=self._options.lease_s)
+        generation = await self._stored(
+            "heartbeat",
+            self.store.heartbeat(self._info, now=now, lease_s=self._options.lease_s),
+        )
         self._next_heartbeat = now + self._options.lease_s / 3
+        self._lease_until = now + self._options.lease_s
         return generation
 
     async def _forget_dead_neighbours(self) -> None:
         """Forgets members of this host whose process is gone (no lease wait for a restart)."""
-        view = await self.store.view()
+        view = await self._stored("view", self.store.view())
         gone = [
             m.member_id
             for m in view.members
@@ -295,20 +356,22 @@ class FleetMember:
         ]
         if gone:
             log.info("fleet: forgetting members of this host that are gone: %s", ", ".join(gone))
-            await self.store.forget(gone)
+            await self._stored("forget", self.store.forget(gone))
 
     async def _refresh(self) -> None:
-        view = await self.store.view()
+        view = await self._stored("view", self.store.view())
         now = self._clock.time()
         expired = [m.member_id for m in view.members if not m.live(now)]
         if expired:
             log.warning("fleet: members whose lease ran out: %s", ", ".join(expired))
-            await self.store.forget(expired)
-            view = await self.store.view()
+            await self._stored("forget", self.store.forget(expired))
+            view = await self._stored("view", self.store.view())
         self._view = view
         others = [m for m in view.members if m.member_id != self.member_id and m.live(now)]
         self._next_expiry = min((m.lease_until for m in others), default=float("inf"))
+        self._live_others = frozenset(m.member_id for m in others)
         active = {m.member_id for m in others if not m.draining}
+        self._members_draining = len(others) - len(active) + self._info.draining
         if not self._info.draining:
             active.add(self.member_id)  # even before its row is read back
         ordered = tuple(sorted(active))
@@ -319,9 +382,11 @@ class FleetMember:
         if ordered != placement.active or placement.integrations != integrations.items():
             self._placement = _Placement.of(ordered, integrations)
         await self._apply_overrides(view)
-        await self._place(view, now)
+        await self._place(view, now, placement.owners)
 
-    async def _place(self, view: FleetView, now: float) -> None:
+    async def _place(
+        self, view: FleetView, now: float, owned_before: Mapping[str, tuple[str, ...]]
+    ) -> None:
         live_ids = {m.member_id for m in view.members if m.live(now)} | {self.member_id}
         runners: dict[str, set[str]] = {}
         for assignment in view.assignments:
@@ -336,21 +401,30 @@ class FleetMember:
                 running = running | {me}
             if me in wanted and name not in self._running:
                 blockers = running - set(wanted)
-                since = self._waiting_since.setdefault(name, now)
+                if name not in self._waiting_since:  # decided now
+                    self._waiting_since[name] = now
+                    if running - {me} or set(owned_before.get(name, ())) - {me}:
+                        self._taking_over.add(name)  # a handover, not a first start
+                since = self._waiting_since[name]
                 if blockers and now - since < self._options.handover_wait_s:
                     continue  # the old owner drains first
                 del self._waiting_since[name]
-                await self.store.assign(name, me, now=now)
+                await self._stored("assign", self.store.assign(name, me, now=now))
                 self._running.add(name)
                 self._proxy.set_runners(name, max(len(wanted), len(running | {me})))
                 self._proxy.start_integration(name)
+                if name in self._taking_over:
+                    self._taking_over.discard(name)
+                    self._handovers.inc()
+                    self._handover_duration.observe(now - since)
                 continue
             self._waiting_since.pop(name, None)
+            self._taking_over.discard(name)
             if name not in self._running:
                 continue
             if me not in runners.get(name, ()):
                 # Forgotten while this member could not renew its lease: it runs it still.
-                await self.store.assign(name, me, now=now)
+                await self._stored("assign", self.store.assign(name, me, now=now))
             self._proxy.set_runners(name, max(len(wanted), len(running)))
             if me not in wanted and name not in self._releasing:
                 self._releasing.add(name)
@@ -360,7 +434,11 @@ class FleetMember:
                     self._tasks.create_task(self._release(name), name=f"fleet:release:{name}")
         for name in self._running - set(groups):  # removed by a reload
             self._running.discard(name)
-            await self.store.unassign(name, me)
+            await self._stored("unassign", self.store.unassign(name, me))
+        for name in self._waiting_since.keys() - set(groups):  # removed while it waited
+            # A wait left behind would make every poll read the whole view, forever.
+            del self._waiting_since[name]
+            self._taking_over.discard(name)
         self._placed = set(groups)
 
     async def _release(self, name: str) -> None:
@@ -375,7 +453,7 @@ class FleetMember:
             self._running.discard(name)
             self._releasing.discard(name)
         try:
-            await self.store.unassign(name, self.member_id)
+            await self._stored("unassign", self.store.unassign(name, self.member_id))
         except StateError as exc:
             # The others start after handover_wait_s without this row's deletion.
             self._failed(exc)
@@ -386,7 +464,7 @@ class FleetMember:
             yaml = group.yaml
             said = {p: o.version for p, o in stored.items() if live.get_field(yaml, p) == o.value}
             if said:
-                await self.store.drop_caught_up(name, said)
+                await self._stored("drop_caught_up", self.store.drop_caught_up(name, said))
             wanted = {path: o.value for path, o in stored.items() if path not in said}
             if wanted == group.overrides:
                 continue
@@ -402,6 +480,67 @@ class FleetMember:
                         exc,
                         extra={"integration": name},
                     )
+
+    async def _stored(self, operation: str, call: Awaitable[T]) -> T:
+        """Awaits one call of the state store; a failure is counted by its operation."""
+        try:
+            return await call
+        except StateError:
+            self._metrics.fleet_state_errors.labels(operation).inc()
+            raise
+
+    def _metric_families(self) -> Iterator[Metric]:
+        """The ``nemesis_fleet_*`` gauges, from this member's statistics (at scrape time)."""
+        stats = self.statistics()
+        members = GaugeMetricFamily(
+            "nemesis_fleet_members",
+            "Live members of the fleet as this member last read the state store, by state:"
+            " active (takes integrations) or draining (shutting down).",
+            labels=["state"],
+        )
+        members.add_metric(["active"], stats.members_active)
+        members.add_metric(["draining"], stats.members_draining)
+        yield members
+        integrations = GaugeMetricFamily(
+            "nemesis_fleet_integrations",
+            "Integrations on this member by state: placed here, running here, waiting here for"
+            " the old owner to let go, releasing (draining before another member takes them).",
+            labels=["state"],
+        )
+        integrations.add_metric(["placed"], stats.placed)
+        integrations.add_metric(["running"], len(stats.running))
+        integrations.add_metric(["waiting"], len(stats.waiting))
+        integrations.add_metric(["releasing"], len(stats.releasing))
+        yield integrations
+        yield GaugeMetricFamily(
+            "nemesis_fleet_unplaced_integrations",
+            "Integrations no live member runs, as this member sees the fleet.",
+            value=stats.unplaced,
+        )
+        yield GaugeMetricFamily(
+            "nemesis_fleet_underplaced_integrations",
+            "Integrations that fewer of their owners run than the placement gives them (moving"
+            " ones included), as this member sees the fleet.",
+            value=stats.underplaced,
+        )
+        yield GaugeMetricFamily(
+            "nemesis_fleet_generation",
+            "The state store's change counter, as this member last read it.",
+            value=stats.generation,
+        )
+        if stats.synced_at is not None:
+            yield GaugeMetricFamily(
+                "nemesis_fleet_last_sync_timestamp_seconds",
+                "When this member last looked at the state store without a failure (Unix time).",
+                value=stats.synced_at,
+            )
+        if stats.lease_until is not None:
+            yield GaugeMetricFamily(
+                "nemesis_fleet_lease_expiry_timestamp_seconds",
+                "When this member's lease runs out unless renewed (Unix time); the others take"
+                " it for dead after that.",
+                value=stats.lease_until,
+            )
 
     def _failed(self, exc: StateError) -> None:
         message = str(exc)
