@@ -23,7 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from nemesis.broker.embedded import open_embedded
 from nemesis.config.models import EmbeddedBackendConfig
 from nemesis.dlq import open_sqlite_dlq
-from nemesis.metrics import Metrics
+from nemesis.fleet.member import FleetMember
+from nemesis.fleet.sqlite import open_sqlite_state
+from nemesis.metrics import FLEET_STATE_OPERATIONS, Metrics
 from nemesis.runtime.app import Proxy, SupervisorOptions
 from nemesis.runtime.reload import ConfigReloader
 from nemesis.testing import HandlerServer, LedgerEntry
@@ -144,8 +146,11 @@ async def _scrape_under_traffic(root: Path) -> tuple[str, str]:
                 runner_options=FAST,
                 supervisor_options=SupervisorOptions(lag_refresh_s=0.2),
             )
-            # As in `nemesis run`: its reload metrics are on the same registry.
+            # As in `nemesis run`: its reload and fleet metrics are on the same registry.
             reloader = ConfigReloader(proxy, root / "integrations", watch=False)
+            state = await open_sqlite_state(root / "state.db")
+            fleet = FleetMember(state, proxy, metrics=proxy.metrics)
+            await fleet.join()
             async with running(proxy), admin_client(proxy, reloader=reloader) as admin:
                 await handler.ledger.wait_until(lambda led: len(led) >= 300, timeout_s=30)
                 await proxy.lag_monitor.refresh()
@@ -157,6 +162,8 @@ async def _scrape_under_traffic(root: Path) -> tuple[str, str]:
                 await asyncio.sleep(0.5)
                 await proxy.lag_monitor.refresh()
                 after = (await admin.get("/metrics")).text
+            await fleet.leave()
+            await state.close()
         return flowing, after
     finally:
         await dlq.close()
@@ -299,11 +306,14 @@ def test_no_label_value_is_unbounded(scrapes: tuple[str, str]) -> None:
         "major",
         "minor",
         "patchlevel",
+        "operation",  # the fleet's state store calls: a fixed set
     }
     for text in scrapes:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 assert set(sample.labels) <= allowed, (sample.name, sample.labels)
+                if "operation" in sample.labels:
+                    assert sample.labels["operation"] in FLEET_STATE_OPERATIONS
                 # No message ids (topic:partition:offset) and no URLs in values.
                 for value in sample.labels.values():
                     assert "://" not in value
