@@ -18,7 +18,10 @@ own, so the newest revocation is always kept; the caller learns how many
 it pushed out (and logs it), so a forgotten revocation is never silent.
 
 The jobs run in one store transaction each; the statements here are each
-kind's own (``RevocationQueries``), the logic is once, below.
+kind's own (``RevocationQueries``), the logic is once, below. SQLite and
+PostgreSQL index the expiry; YDB scans the table (at most ``MAX_REVOKED_ROWS``
+rows, once per sign-out) rather than pay for a secondary index on every
+write. Checking a cookie is one read by primary key everywhere.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def _sql(table: str, *, text: str, real: str) -> RevocationQueries:
             f"CREATE TABLE IF NOT EXISTS {table} (\n"
             f"    session_id {text} PRIMARY KEY,\n"
             f"    expires_at {real} NOT NULL\n)",
+            f"CREATE INDEX IF NOT EXISTS {table}_expiry ON {table} (expires_at)",
         ),
         revoked_until=f"SELECT expires_at FROM {table} WHERE session_id = ? AND expires_at > ?",
         insert=f"INSERT INTO {table} (session_id, expires_at) VALUES (?, ?) ON CONFLICT DO NOTHING",
