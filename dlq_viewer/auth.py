@@ -64,6 +64,7 @@ FORGET_AFTER_S = 900.0
 _THROTTLE_KEYS = 10_000  # remembered keys; the least recently failed are forgotten first
 MAX_REVOKED = 100_000  # ended sessions remembered in memory until their cookies expire
 _SHARED_PER_CALL = 16  # sign-outs kept here during an outage, written to the store per call
+STORE_RETRY_S = 5.0  # after the state store failed a call, it is asked again this much later
 _CONCURRENT_HASHES = 2  # scrypt costs 32 MiB and tens of milliseconds each
 _WARNED_PEERS = 256
 
@@ -254,7 +255,9 @@ class SharedSessionRevocations:
     not answer (``StateError``):
 
     - ``is_revoked`` answers from memory (the sign-outs made on this
-      replica or seen here before) and logs one warning per outage. Refusing
+      replica or seen here before) and logs one warning per outage; the
+      store is asked again ``STORE_RETRY_S`` after it failed, so a store that
+      hangs slows one request now and then, not every one. Refusing
       every session instead would lock every password user out of the
       viewer for the outage, which is when they need it; the cost is that a
       copy of a cookie signed out on another replica works here until the
@@ -274,6 +277,7 @@ class SharedSessionRevocations:
         self._max_unshared = max_entries
         self._unshared: dict[str, float] = {}  # revoked here, not yet in the store
         self._store_down = False
+        self._retry_at = 0.0  # monotonic: when a store that failed is asked again
 
     async def revoke(self, session_id: str, expires_at: float) -> None:
         """Refuses ``session_id`` until ``expires_at`` here at once, and on every replica."""
@@ -296,7 +300,7 @@ class SharedSessionRevocations:
         """True when this process or the store knows ``session_id`` was revoked."""
         if await self._local.is_revoked(session_id):
             return True
-        if self._unshared and not await self._share():
+        if self._skip_store() or (self._unshared and not await self._share()):
             return False
         try:
             until = await self._store.session_revoked_until(session_id, now=self._clock.time())
@@ -317,6 +321,8 @@ class SharedSessionRevocations:
 
     async def _share(self) -> bool:
         """Writes the sign-outs only this process holds, the newest first; False: no answer."""
+        if self._skip_store():
+            return False
         now = self._clock.time()
         for session_id in list(reversed(self._unshared))[:_SHARED_PER_CALL]:
             expires_at = self._unshared.get(session_id)
@@ -338,7 +344,11 @@ class SharedSessionRevocations:
             self._unshared.pop(session_id, None)
         return True
 
+    def _skip_store(self) -> bool:
+        return self._store_down and self._clock.monotonic() < self._retry_at
+
     def _failed(self, exc: StateError) -> None:
+        self._retry_at = self._clock.monotonic() + STORE_RETRY_S
         if not self._store_down:
             self._store_down = True
             log.warning(

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from dlq_viewer.auth import SESSION_COOKIE, SharedSessionRevocations
+from dlq_viewer.auth import SESSION_COOKIE, STORE_RETRY_S, SharedSessionRevocations
 from dlq_viewer.passwords import hash_password
 from dlq_viewer.testing import STANDARD_ACCESS, TEST_SCRYPT_N, TEST_SECRET, Person, sign_in
 from nemesis.admin.server import plugin_services, serve_beside
@@ -32,6 +33,7 @@ from nemesis.backends.postgres import PostgresStateConfig
 from nemesis.config.loader import load_integrations, load_process_config
 from nemesis.fleet.postgres import PostgresStateStore, open_postgres_state
 from nemesis.runtime.app import Proxy
+from nemesis.testing.clock import FakeClock
 from tests.postgres_server import PostgresServer
 from tests.test_viewer_standalone import _viewer_url, integration_file
 
@@ -151,7 +153,11 @@ async def test_while_the_store_does_not_answer_sign_outs_hold_here_and_are_share
     postgres_config: PostgresStateConfig,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    here, there = (SharedSessionRevocations(store) for store in replicas)
+    clock = FakeClock(wall_start=time.time())
+    here, there = (
+        SharedSessionRevocations(replicas[0], clock),
+        SharedSessionRevocations(replicas[1]),
+    )
     far = 4_000_000_000.0  # the cookies' expiry: long after the test
     await there.revoke("signed-out-there", far)
     assert await here.is_revoked("signed-out-there")  # read from the store
@@ -178,7 +184,11 @@ async def test_while_the_store_does_not_answer_sign_outs_hold_here_and_are_share
         await outage.execute("ROLLBACK")
     finally:
         await outage.close()
-    # The store answers again: the next call shares what waited, and reads the store again.
+    # The store answers again; this replica asks it again once STORE_RETRY_S has passed.
+    assert not await here.is_revoked("never-signed-out")
+    assert here.statistics().unshared == 1
+    clock.advance(STORE_RETRY_S)
+    # The next call shares what waited, and reads the store again.
     assert not await here.is_revoked("never-signed-out")
     assert here.statistics().unshared == 0
     assert here.statistics().store_answering
