@@ -1,6 +1,7 @@
 """``python -m dlq_viewer -c nemesis.yaml``: the viewer alone, without the proxy.
 
-It opens the configured state store and broker, reads owners from the
+It opens the configured DLQ store, the fleet's state store (where sign-outs
+are shared with every replica) and the broker, reads owners from the
 integrations directory and serves ``viewer.host:viewer.port`` until SIGINT
 or SIGTERM: the same viewer ``nemesis run`` serves, on a host of its own.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dlq_viewer.server import ViewerStartError, viewer_server
-from nemesis.backends import open_backend, open_dlq
+from nemesis.backends import open_backend, open_dlq, open_state
 from nemesis.config.loader import DEFAULT_PROCESS_CONFIG, load_process_config
 from nemesis.config.models import NemesisConfig
 from nemesis.errors import ConfigError, NemesisError
@@ -53,31 +55,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def _serve(config: NemesisConfig) -> None:
     from dlq_viewer.service import viewer_app
 
-    broker = await open_backend(config)
-    try:
+    async with contextlib.AsyncExitStack() as opened:
+        # Each part is closed however the ones after it fail, the last opened first.
+        broker = await open_backend(config)
+        opened.push_async_callback(broker.close)
         dlq = await open_dlq(config, broker=broker)
+        opened.push_async_callback(dlq.close)
+        state = await open_state(config)
+        opened.push_async_callback(state.close)
+        server = viewer_server(
+            viewer_app(config, dlq, broker, state), config.viewer.host, config.viewer.port
+        )
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, server.stop)
+        # Bound here, so that the log names the port (the one a port of 0 got).
         try:
-            server = viewer_server(
-                viewer_app(config, dlq, broker), config.viewer.host, config.viewer.port
-            )
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, server.stop)
-            # Bound here, so that the log names the port (the one a port of 0 got).
-            try:
-                listener = server.config.bind_socket()
-            except SystemExit:  # uvicorn logged why (the address is taken)
-                raise ViewerStartError(
-                    f"the DLQ viewer could not listen on {config.viewer.host}:{config.viewer.port}"
-                ) from None
-            with listener:
-                port = listener.getsockname()[1]
-                log.info("DLQ viewer on http://%s:%d", config.viewer.host, port)
-                await server.serve([listener])
-        finally:
-            await dlq.close()
-    finally:
-        await broker.close()
+            listener = server.config.bind_socket()
+        except SystemExit:  # uvicorn logged why (the address is taken)
+            raise ViewerStartError(
+                f"the DLQ viewer could not listen on {config.viewer.host}:{config.viewer.port}"
+            ) from None
+        with listener:
+            port = listener.getsockname()[1]
+            log.info("DLQ viewer on http://%s:%d", config.viewer.host, port)
+            await server.serve([listener])
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 A browser signs in with a password and gets a session cookie: a payload
 (user, session id, expiry, password fingerprint) and its HMAC-SHA256 under
 the session secret. Signing out records the session id as revoked until the
-cookie would have expired (``SessionRevocations``: in memory here, a shared
-table for replicas), so a copy of the cookie is refused from then on.
+cookie would have expired (``SessionRevocations``: in memory for one process,
+``SharedSessionRevocations`` over the fleet's state store for replicas), so a
+copy of the cookie is refused from then on, by every replica.
 Changing a user's password or removing the user ends their sessions at once
 (the fingerprint no longer matches); teams and the admin flag are read from
 the configuration on every request, so they apply at once too.
@@ -44,6 +45,7 @@ from typing import Literal, Protocol
 from dlq_viewer.passwords import hash_password, hash_token, verify_password
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import AuthConfig, IntegrationConfig, UserConfig
+from nemesis.errors import StateError
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ MAX_DELAY_S = 30.0
 FORGET_AFTER_S = 900.0
 _THROTTLE_KEYS = 10_000  # remembered keys; the least recently failed are forgotten first
 MAX_REVOKED = 100_000  # ended sessions remembered in memory until their cookies expire
+_SHARED_PER_CALL = 16  # sign-outs kept here during an outage, written to the store per call
+STORE_RETRY_S = 5.0  # after the state store failed a call, it is asked again this much later
 _CONCURRENT_HASHES = 2  # scrypt costs 32 MiB and tens of milliseconds each
 _WARNED_PEERS = 256
 
@@ -171,7 +175,8 @@ class SessionRevocations(Protocol):
     """Ended sessions, remembered until their cookies would expire anyway.
 
     Every replica of the viewer must see the same revocations, so a shared
-    store can stand behind this; ``MemorySessionRevocations`` serves one process.
+    store stands behind this (``SharedSessionRevocations``);
+    ``MemorySessionRevocations`` serves one process.
     """
 
     async def revoke(self, session_id: str, expires_at: float) -> None:
@@ -218,6 +223,144 @@ class MemorySessionRevocations:
         while self._expiring and self._expiring[0][0] <= now:
             _, session_id = heapq.heappop(self._expiring)
             self._until.pop(session_id, None)
+
+
+class SessionStore(Protocol):
+    """Where replicas share revocations: the fleet's state store has these two calls."""
+
+    async def revoke_session(self, session_id: str, expires_at: float, *, now: float) -> int:
+        """Stores a revocation; returns how many others it pushed out (the store was full)."""
+        ...
+
+    async def session_revoked_until(self, session_id: str, *, now: float) -> float | None:
+        """Until when ``session_id`` is revoked, or None."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SharedRevocationStatistics:
+    """A snapshot of ``SharedSessionRevocations``."""
+
+    unshared: int  # sign-outs made here that the store does not hold yet
+    store_answering: bool  # False from a call the store failed to the next it answered
+
+
+class SharedSessionRevocations:
+    """Revocations every replica shares through a store, and remembers here too.
+
+    A sign-out is written to the store and to this process's memory; a
+    cookie is refused when either holds its session (a revocation read
+    from the store is remembered here too). The store is the shared
+    source; memory is what this replica still knows when the store does
+    not answer (``StateError``):
+
+    - ``is_revoked`` answers from memory (the sign-outs made on this
+      replica or seen here before) and logs one warning per outage; the
+      store is asked again ``STORE_RETRY_S`` after it failed, so a store that
+      hangs slows one request now and then, not every one. Refusing
+      every session instead would lock every password user out of the
+      viewer for the outage, which is when they need it; the cost is that a
+      copy of a cookie signed out on another replica works here until the
+      store answers again (or the cookie expires);
+    - ``revoke`` keeps the revocation here, refused at once on this replica,
+      and writes it to the store at a later call that finds it answering
+      (a few per call), so the others learn of it when the store is back. A
+      warning names each sign-out the others cannot see yet.
+    """
+
+    def __init__(
+        self, store: SessionStore, clock: Clock = SYSTEM_CLOCK, *, max_entries: int = MAX_REVOKED
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._local = MemorySessionRevocations(clock, max_entries=max_entries)
+        self._max_unshared = max_entries
+        self._unshared: dict[str, float] = {}  # revoked here, not yet in the store
+        self._store_down = False
+        self._retry_at = 0.0  # monotonic: when a store that failed is asked again
+
+    async def revoke(self, session_id: str, expires_at: float) -> None:
+        """Refuses ``session_id`` until ``expires_at`` here at once, and on every replica."""
+        await self._local.revoke(session_id, expires_at)
+        if len(self._unshared) >= self._max_unshared:
+            soonest = min(self._unshared, key=self._unshared.__getitem__)
+            del self._unshared[soonest]  # still refused here, while memory holds it
+            log.warning(
+                "over %d sign-outs wait for the state store: one stays in this process only",
+                self._max_unshared,
+            )
+        self._unshared[session_id] = expires_at
+        if not await self._share():
+            log.warning(
+                "a viewer session was signed out here while the state store does not answer:"
+                " other replicas accept its cookie until the store answers again"
+            )
+
+    async def is_revoked(self, session_id: str) -> bool:
+        """True when this process or the store knows ``session_id`` was revoked."""
+        if await self._local.is_revoked(session_id):
+            return True
+        if self._skip_store() or (self._unshared and not await self._share()):
+            return False
+        try:
+            until = await self._store.session_revoked_until(session_id, now=self._clock.time())
+        except StateError as exc:
+            self._failed(exc)
+            return False
+        self._answered()
+        if until is None:
+            return False
+        await self._local.revoke(session_id, until)
+        return True
+
+    def statistics(self) -> SharedRevocationStatistics:
+        """What waits for the store, and whether it answered last time."""
+        return SharedRevocationStatistics(
+            unshared=len(self._unshared), store_answering=not self._store_down
+        )
+
+    async def _share(self) -> bool:
+        """Writes the sign-outs only this process holds, the newest first; False: no answer."""
+        if self._skip_store():
+            return False
+        now = self._clock.time()
+        for session_id in list(reversed(self._unshared))[:_SHARED_PER_CALL]:
+            expires_at = self._unshared.get(session_id)
+            if expires_at is None:
+                continue  # another request shared it meanwhile
+            if expires_at > now:
+                try:
+                    pushed_out = await self._store.revoke_session(session_id, expires_at, now=now)
+                except StateError as exc:
+                    self._failed(exc)
+                    return False
+                self._answered()
+                if pushed_out:
+                    log.warning(
+                        "the state store holds its most revoked sessions: forgot the %d whose"
+                        " cookies expire soonest",
+                        pushed_out,
+                    )
+            self._unshared.pop(session_id, None)
+        return True
+
+    def _skip_store(self) -> bool:
+        return self._store_down and self._clock.monotonic() < self._retry_at
+
+    def _failed(self, exc: StateError) -> None:
+        self._retry_at = self._clock.monotonic() + STORE_RETRY_S
+        if not self._store_down:
+            self._store_down = True
+            log.warning(
+                "the state store does not answer (%s): viewer sessions are checked against the"
+                " sign-outs this process knows of until it does",
+                exc,
+            )
+
+    def _answered(self) -> None:
+        if self._store_down:
+            self._store_down = False
+            log.info("the state store answers again: viewer sign-outs are shared again")
 
 
 def client_address(
@@ -307,7 +450,9 @@ class Authenticator:
         self._proxies = (
             [] if config.trusted_header is None else list(config.trusted_header.trusted_proxies)
         )
-        self.revocations = revocations or MemorySessionRevocations(clock)
+        self.revocations: SessionRevocations = (
+            MemorySessionRevocations(clock) if revocations is None else revocations
+        )
         self.account_throttle = LoginThrottle(clock)  # per user name and client address
         self.address_throttle = LoginThrottle(clock, free_failures=FREE_ADDRESS_FAILURES)
         self._hashing = asyncio.Semaphore(_CONCURRENT_HASHES)

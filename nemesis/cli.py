@@ -437,7 +437,7 @@ async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
             failures = ServiceFailures()
             services = [
                 *_side_services(config, proxy, reloader, failures, fleet),
-                *plugin_services(config, proxy, dlq, broker),
+                *plugin_services(config, proxy, dlq, broker, state),
             ]
             settle_heap()
             await serve_beside(

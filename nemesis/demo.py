@@ -21,7 +21,7 @@ from pathlib import Path
 import orjson
 
 from nemesis.admin.server import plugin_services
-from nemesis.backends import open_backend, open_dlq
+from nemesis.backends import open_backend, open_dlq, open_state
 from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage
 from nemesis.config.loader import load_integrations, load_process_config
 from nemesis.config.passwords import hash_password
@@ -141,6 +141,7 @@ async def run_demo(
             return 1
         broker = await open_backend(config)
         dlq = await open_dlq(config, broker=broker)
+        state = await open_state(config)  # where the viewer keeps its sign-outs
         try:
             await broker.admin.create_topic(
                 TOPIC, partitions=4, consumers=[ConsumerSpec("demo-orders")], exist_ok=True
@@ -154,7 +155,7 @@ async def run_demo(
             )
             services = []
             viewer_lines = []
-            for service in plugin_services(config, proxy, dlq, broker):
+            for service in plugin_services(config, proxy, dlq, broker, state):
                 try:
                     service.bind()
                 except OSError as exc:
@@ -194,6 +195,7 @@ async def run_demo(
                 flush=True,
             )
         finally:
+            await state.close()
             await dlq.close()
             await broker.close()
     return 0

@@ -181,6 +181,47 @@ async def test_a_caught_up_override_is_dropped_only_at_the_version_seen(
     assert (await one.view()).overrides == ()
 
 
+async def test_a_revoked_session_is_seen_through_every_connection_until_it_expires(
+    stores: list[StateStore],
+) -> None:
+    one, two = stores
+    start = await one.generation()
+    assert await one.revoke_session("s-1", 1100.0, now=1000.0) == 0
+    assert await two.session_revoked_until("s-1", now=1000.0) == 1100.0
+    assert await two.session_revoked_until("s-2", now=1000.0) is None
+    assert await two.revoke_session("s-1", 1100.0, now=1001.0) == 0  # twice: one row
+    assert await one.generation() == start  # the members have nothing to re-read
+    assert await two.session_revoked_until("s-1", now=1100.0) is None  # its cookie expired
+
+
+async def test_expired_revocations_are_deleted_by_later_revokes(
+    stores: list[StateStore],
+) -> None:
+    one, two = stores
+    for n in range(3):
+        await one.revoke_session(f"old-{n}", 1010.0 + n, now=1000.0)
+    # The table holds 4 rows at most: the expired ones make room, no live one is pushed out.
+    assert await two.revoke_session("new-1", 2000.0, now=1500.0, max_rows=4) == 0
+    assert await two.revoke_session("new-2", 2000.0, now=1500.0, max_rows=4) == 0
+    assert await two.revoke_session("new-3", 2000.0, now=1500.0, max_rows=4) == 0
+    assert await two.revoke_session("new-4", 2000.0, now=1500.0, max_rows=4) == 0
+    for n in range(1, 5):
+        assert await one.session_revoked_until(f"new-{n}", now=1500.0) == 2000.0
+
+
+async def test_a_full_table_keeps_the_newest_revocation_and_says_what_it_forgot(
+    stores: list[StateStore],
+) -> None:
+    one, two = stores
+    await one.revoke_session("late", 1300.0, now=1000.0, max_rows=2)
+    await one.revoke_session("soon", 1100.0, now=1000.0, max_rows=2)
+    # Full: the revocation whose cookie expires soonest goes, the new one is stored.
+    assert await two.revoke_session("newest", 1050.0, now=1001.0, max_rows=2) == 1
+    assert await one.session_revoked_until("soon", now=1001.0) is None
+    assert await one.session_revoked_until("late", now=1001.0) == 1300.0
+    assert await one.session_revoked_until("newest", now=1001.0) == 1050.0
+
+
 async def test_a_closed_store_says_so(tmp_path: Path) -> None:
     store = await open_sqlite_state(tmp_path / "state.db")
     await store.close()

@@ -136,6 +136,29 @@ async def test_a_closed_store_says_so(two: list[PostgresStateStore]) -> None:
         await one.generation()
 
 
+async def test_a_schema_from_before_revocations_gets_their_table(
+    postgres_server: PostgresServer,
+) -> None:
+    config = PostgresStateConfig(dsn=postgres_server.dsn(), schema_name=f"f_{uuid.uuid4().hex}")
+    store = await open_postgres_state(config)
+    try:
+        await store.revoke_session("gone", 2000.0, now=1000.0)
+        admin = await postgres_server.admin()
+        try:
+            await admin.execute(f'DROP TABLE "{config.schema_name}".fleet_revoked_sessions')
+        finally:
+            await admin.close()
+    finally:
+        await store.close()
+    # The four older tables are there: opening must still add the missing one.
+    store = await open_postgres_state(config)
+    try:
+        assert await store.revoke_session("s-1", 2000.0, now=1000.0) == 0
+        assert await store.session_revoked_until("s-1", now=1000.0) == 2000.0
+    finally:
+        await store.close()
+
+
 # --- replicas as processes ------------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ from dlq_viewer.testing import (
     sign_in,
 )
 from nemesis.admin.server import plugin_services, serve_beside
-from nemesis.backends import open_backend, open_dlq
+from nemesis.backends import open_backend, open_dlq, open_state
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.config.loader import load_integrations, load_process_config
 from nemesis.config.models import EmbeddedBackendConfig
@@ -281,12 +281,13 @@ async def test_inside_nemesis_run_the_viewer_shows_every_configured_integration(
     config = load_process_config(_config_dir(tmp_path))
     broker = await open_backend(config)
     dlq = await open_dlq(config, broker=broker)
+    state = await open_state(config)
     try:
         await dlq.put([letter("orders-a", 1), letter("orders-b", 1)])
         # This process runs orders-a only (as one replica of a fleet would).
         only_a = {"orders-a": load_integrations(Path(config.integrations_dir))[0]["orders-a"]}
         proxy = Proxy(broker, only_a, dlq=dlq)
-        services = plugin_services(config, proxy, dlq, broker)
+        services = plugin_services(config, proxy, dlq, broker, state)
         assert [service.name for service in services] == ["DLQ viewer"]
         seen: dict[str, object] = {}
 
@@ -298,6 +299,7 @@ async def test_inside_nemesis_run_the_viewer_shows_every_configured_integration(
 
         await serve_beside(browse(), services)
     finally:
+        await state.close()
         await dlq.close()
         await broker.close()
     rows = seen["rows"]

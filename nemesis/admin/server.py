@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from nemesis.broker.port import Broker
     from nemesis.config.models import NemesisConfig
     from nemesis.dlq import DeadLetterStore
+    from nemesis.fleet.port import StateStore
     from nemesis.runtime.app import Proxy
 
 from nemesis.errors import NemesisError
@@ -238,12 +239,18 @@ async def serve_beside(
 
 
 def plugin_services(
-    config: NemesisConfig, proxy: Proxy, dlq: DeadLetterStore, broker: Broker
+    config: NemesisConfig,
+    proxy: Proxy,
+    dlq: DeadLetterStore,
+    broker: Broker,
+    state: StateStore,
 ) -> list[Service]:
     """Services other packages register (the DLQ viewer) under ``nemesis.services``.
 
     An entry point, so that ``nemesis`` never imports ``dlq_viewer``; a plugin
     that fails to load is logged and left out, the proxy runs without it.
+    Each factory is called with the configuration, the proxy, the DLQ store,
+    the broker and the fleet's state store.
     """
     services: list[Service] = []
     for entry in importlib.metadata.entry_points(group="nemesis.services"):
@@ -252,7 +259,7 @@ def plugin_services(
         except (ImportError, AttributeError):
             log.exception("service %s could not be loaded", entry.name)
             continue
-        service = factory(config, proxy, dlq, broker)
+        service = factory(config, proxy, dlq, broker, state)
         if service is not None:
             services.append(service)
     return services

@@ -8,7 +8,9 @@
   runner's share of a rate limit;
 - ``member``: one replica's part (lease, placement, shares, overrides),
   beside the proxy;
-- ``status``: what ``nemesis fleet status`` and ``GET /fleet`` show.
+- ``status``: what ``nemesis fleet status`` and ``GET /fleet`` show;
+- ``revocations``: the DLQ viewer's signed-out sessions, shared by every
+  replica through the store (each kind's statements, the logic once).
 
 Nothing here is imported by ``nemesis.config``; import the modules you need.
 """

@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 
+from nemesis.fleet import revocations
 from nemesis.fleet.port import Assignment, FleetView, Member, MemberInfo, StoredOverride
 
 T = TypeVar("T")
@@ -75,6 +76,7 @@ class SqlStateStore(abc.ABC):
     """The ``StateStore`` port over any SQL store that provides its queries and transactions."""
 
     queries: Queries
+    revocation_queries: revocations.RevocationQueries  # the viewer's signed-out sessions
 
     @property
     @abc.abstractmethod
@@ -90,7 +92,7 @@ class SqlStateStore(abc.ABC):
         """Closes the store's connection."""
 
     def _create_schema(self, tx: Tx) -> None:
-        for statement in self.queries.schema:
+        for statement in (*self.queries.schema, *self.revocation_queries.schema):
             tx.execute(statement)
 
     # --- the port -----------------------------------------------------------------
@@ -232,3 +234,28 @@ class SqlStateStore(abc.ABC):
             tx.execute(q.delete_member_assignments, (member_id,))
             gone += tx.execute(q.delete_member, (member_id,))
         return gone > 0
+
+    # --- the viewer's signed-out sessions (nemesis.fleet.revocations) ---------------
+
+    async def revoke_session(
+        self,
+        session_id: str,
+        expires_at: float,
+        *,
+        now: float,
+        max_rows: int = revocations.MAX_REVOKED_ROWS,
+    ) -> int:
+        q = self.revocation_queries
+
+        def job(tx: Tx) -> int:
+            return revocations.revoke(tx, q, session_id, expires_at, now=now, max_rows=max_rows)
+
+        return await self._transaction(job)
+
+    async def session_revoked_until(self, session_id: str, *, now: float) -> float | None:
+        q = self.revocation_queries
+
+        def job(tx: Tx) -> float | None:
+            return revocations.revoked_until(tx, q, session_id, now=now)
+
+        return await self._transaction(job, write=False)

@@ -21,6 +21,10 @@ holds, and what each part means:
 - **generation**: one counter bumped by every change above except a lease
   renewal, so a replica polls one small row to learn whether anything
   changed.
+- **revoked sessions**: the DLQ viewer's signed-out sessions, each until its
+  cookie would have expired, so that every replica refuses a copy of the
+  cookie (``nemesis.fleet.revocations``; they do not move the generation:
+  the viewer asks for one session id when a cookie arrives).
 
 Every call is one transaction. Times are wall-clock seconds of the member
 that writes them: the hosts of one fleet need clocks that agree well within
@@ -33,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from nemesis.fleet.revocations import MAX_REVOKED_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,4 +168,24 @@ class StateStore(Protocol):
 
     async def close(self) -> None:
         """Closes the connection."""
+        ...
+
+    async def revoke_session(
+        self,
+        session_id: str,
+        expires_at: float,
+        *,
+        now: float,
+        max_rows: int = MAX_REVOKED_ROWS,
+    ) -> int:
+        """Records a signed-out viewer session until ``expires_at``.
+
+        Expired rows go first; when ``max_rows`` are still stored, the rows
+        expiring soonest are deleted to make room (this one is always
+        kept). Returns how many live revocations were pushed out.
+        """
+        ...
+
+    async def session_revoked_until(self, session_id: str, *, now: float) -> float | None:
+        """Until when ``session_id`` is revoked; None when it is not (or no longer)."""
         ...

@@ -27,6 +27,7 @@ import asyncpg
 from nemesis.backends.postgres import PostgresStateConfig
 from nemesis.errors import StateError
 from nemesis.fleet.core import Queries, SqlStateStore, Tx
+from nemesis.fleet.revocations import TABLE, postgres_revocations
 from nemesis.fleet.sqlite import QUERIES as SQLITE_QUERIES
 from nemesis.postgres import Translated, close_pool, describe, open_pool
 
@@ -68,7 +69,13 @@ SCHEMA: Final = (
         PRIMARY KEY (integration, field)
     )""",
 )
-TABLES: Final = ("fleet_generation", "fleet_members", "fleet_assignments", "fleet_overrides")
+TABLES: Final = (
+    "fleet_generation",
+    "fleet_members",
+    "fleet_assignments",
+    "fleet_overrides",
+    TABLE,  # the viewer's signed-out sessions (nemesis.fleet.revocations)
+)
 
 
 def numbered(sql: str) -> str:
@@ -125,6 +132,7 @@ class PostgresStateStore(SqlStateStore):
     """The fleet's state in PostgreSQL tables."""
 
     queries = QUERIES
+    revocation_queries = postgres_revocations(numbered)
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ from typing import Any, Final, TypeVar
 
 from nemesis.errors import BrokerError, StateError
 from nemesis.fleet.core import Queries, SqlStateStore, Tx
+from nemesis.fleet.revocations import SQLITE_REVOCATIONS
 from nemesis.sqlite_thread import SqliteThread, read_transaction, write_transaction
 
 T = TypeVar("T")
@@ -100,6 +101,7 @@ class SqliteStateStore(SqlStateStore):
     """The fleet's state in one SQLite file."""
 
     queries = QUERIES
+    revocation_queries = SQLITE_REVOCATIONS
 
     def __init__(self, path: Path, *, timeout_s: float = TIMEOUT_S) -> None:
         self.path = path

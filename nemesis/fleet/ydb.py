@@ -42,6 +42,7 @@ from nemesis.broker.ydb.connection import open_driver
 from nemesis.broker.ydb.errors import table_call
 from nemesis.errors import BrokerError, DlqError, StateError
 from nemesis.fleet.core import Queries, SqlStateStore, Tx
+from nemesis.fleet.revocations import ydb_revocations
 
 T = TypeVar("T")
 
@@ -228,6 +229,7 @@ class YdbStateStore(SqlStateStore):
         retry_settings: ydb.RetrySettings | None = None,
     ) -> None:
         self.queries = queries(directory)
+        self.revocation_queries = ydb_revocations(directory)
         self._pool = pool
         self._directory = directory.strip("/")
         self._timeout_s = timeout_s
@@ -243,7 +245,8 @@ class YdbStateStore(SqlStateStore):
     async def open(self) -> None:
         """Creates the tables and the generation row if missing."""
         self._check_open()
-        for statement in self.queries.schema:  # YDB runs schema changes outside transactions
+        # YDB runs schema changes outside transactions.
+        for statement in (*self.queries.schema, *self.revocation_queries.schema):
             await self._call(
                 "create the fleet's tables", self._pool.execute_with_retries(statement)
             )
