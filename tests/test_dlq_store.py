@@ -511,6 +511,52 @@ async def test_text_search_takes_wildcards_and_quotes_literally(store: DeadLette
     assert await found("50") == {1, 5}
 
 
+HOSTILE_TEXTS = (
+    "%'; DROP TABLE x; --",
+    "'); DELETE FROM dlq_letters; --",
+    "' OR integration = 'beta' --",
+    '" OR ""="',
+    "%",
+    "_",
+    "\\",
+    "?",
+    "$1",
+    ":p0",
+    "$p0",
+    "*/ OR 1=1 /*",
+)
+
+
+async def test_hostile_search_text_is_data_and_never_widens_the_scope(
+    store: DeadLetterStore,
+) -> None:
+    # Each text stands literally in one payload of each team's integration, and
+    # in no other row: a search finds exactly alpha's row for it, never beta's.
+    letters = [
+        letter(n * 2 + side, integration=team, payload=f"<{text}>".encode(), error="boom")
+        for n, text in enumerate(HOSTILE_TEXTS)
+        for side, team in enumerate(("alpha", "beta"))
+    ]
+    letters.append(letter(1000, integration="alpha", payload=b"plain", error="plain"))
+    await store.put(letters)
+    alpha = frozenset({"alpha"})
+    for n, text in enumerate(HOSTILE_TEXTS):
+        # "%", "_" and "\\" stand inside other texts too: each finds the texts holding it.
+        holding = {m * 2 for m, other in enumerate(HOSTILE_TEXTS) if text.lower() in other.lower()}
+        where = DeadLetterFilter(integrations=alpha, text=text)
+        assert {r.source_offset for r in (await store.query(where)).rows} == holding, text
+        assert n * 2 in holding
+        assert await store.count(where) == len(holding), text
+        assert len(await store.select_ids(where, 100)) == len(holding), text
+        assert sum(g.count for g in await store.groups(where)) == len(holding), text
+        stats = await store.stats(where)
+        assert [s.integration for s in stats.by_integration] == ["alpha"], text
+        assert stats.total == len(holding), text
+    # Nothing ran: every row is still there.
+    assert await store.count(DeadLetterFilter()) == len(letters)
+    assert await store.count(DeadLetterFilter(integrations=alpha)) == len(HOSTILE_TEXTS) + 1
+
+
 def test_filters_and_pages_outside_the_limits_are_refused() -> None:
     with pytest.raises(InvalidQuery, match="longer than"):
         DeadLetterFilter(text="x" * (MAX_TEXT_CHARS + 1))
