@@ -557,6 +557,62 @@ async def test_hostile_search_text_is_data_and_never_widens_the_scope(
     assert await store.count(DeadLetterFilter(integrations=alpha)) == len(HOSTILE_TEXTS) + 1
 
 
+async def test_text_search_reads_the_payload_as_bytes_on_every_store(
+    store: DeadLetterStore,
+) -> None:
+    # The payload is any bytes: after a NUL, around bytes that are not UTF-8,
+    # the search text's own bytes are what is looked for, and nothing else.
+    payloads = {
+        1: b"head\x00tail needle",  # text after a NUL byte
+        2: b"caf\xc3\xa9\xa9 bytes",  # an "é" followed by a stray continuation byte
+        3: b"\xed\xa0\x80 surrogate",  # an encoded surrogate: no U+FFFD in these bytes
+        4: b"\xe0\x83\xa9 overlong",  # an overlong "é": not the bytes of "é"
+        5: b"\xc1 \\path STRA\xc3\x9fE \xc3\x89T\xc3\x89",
+    }
+    await store.put([letter(n, payload=p, error="boom") for n, p in payloads.items()])
+
+    async def found(text: str) -> set[int]:
+        page = await store.query(DeadLetterFilter(text=text))
+        assert await store.count(DeadLetterFilter(text=text)) == len(page.rows)
+        return {row.source_offset for row in page.rows}
+
+    assert await found("NEEDLE") == {1}
+    assert await found("tail") == {1}
+    assert await found("é") == {2}
+    assert await found("\ufffd") == set()
+    assert await found("\\PATH") == {5}
+    assert await found("straße") == {5}  # ASCII letters fold...
+    assert await found("été") == set()  # ...and only they: É is not é
+    assert await found("ÉTÉ") == {5}
+    assert await found("301") == set()  # byte 0xC1 is not the text "301" (its octal)
+
+
+async def test_a_nul_in_the_search_text_is_looked_for_as_each_column_keeps_it(
+    store: DeadLetterStore,
+) -> None:
+    # Stored text keeps each NUL as U+FFFD, and the search text is compared with
+    # it the same way; the payload keeps its bytes, NULs too, and so does the search.
+    await store.put(
+        [
+            letter(1, error="bad\x00answer", payload=b"{}"),
+            letter(2, error="boom", payload=b"raw\x00bytes"),
+            letter(3, error="boom", payload="raw\ufffdbytes".encode()),
+            letter(4, error="plain", payload=b"plain"),
+        ]
+    )
+
+    async def found(text: str) -> set[int]:
+        page = await store.query(DeadLetterFilter(text=text))
+        assert await store.count(DeadLetterFilter(text=text)) == len(page.rows)
+        return {row.source_offset for row in page.rows}
+
+    assert await found("d\x00a") == {1}
+    assert await found("d\ufffda") == {1}
+    assert await found("raw\x00bytes") == {2}
+    assert await found("RAW\ufffdBYTES") == {3}
+    assert await found("\x00") == {1, 2}
+
+
 def test_filters_and_pages_outside_the_limits_are_refused() -> None:
     with pytest.raises(InvalidQuery, match="longer than"):
         DeadLetterFilter(text="x" * (MAX_TEXT_CHARS + 1))

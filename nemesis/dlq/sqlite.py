@@ -20,7 +20,9 @@ leaves open (the status, or several integrations) becomes one branch per
 value, each branch limited to a page, merged by ``UNION ALL``; a list reads
 only (time, seq) pairs from covering indexes and then fetches its page's
 rows by seq. A text search has to read rows, so it examines at most
-``TEXT_SCAN_ROWS`` candidates per page and hands back a cursor to continue.
+``TEXT_SCAN_ROWS`` candidates per page and hands back a cursor to continue;
+it reads the payload as bytes, as every store does (LIKE would read it as
+text, which ends at a NUL).
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ _OPEN_COLUMNS = {"status": tuple(s.value for s in Status)}
 
 
 class SqliteDialect(Dialect):
-    """SQLite's spelling: ``?`` parameters in the order they stand, LIKE."""
+    """SQLite's spelling: ``?`` parameters in the order they stand, LIKE, the payload as bytes."""
 
     times = core.SIGNED
     tiebreak = "seq"  # the rowid
@@ -187,12 +189,14 @@ class SqliteDialect(Dialect):
         return f"{column} IN ({', '.join(bind(value, Kind.TEXT) for value in values)})"
 
     def contains(self, bind: Bind, in_error: str, in_payload: bytes) -> str:
-        # LIKE folds ASCII letters only; the text's wildcards are escaped. CAST:
-        # this SQLite is built with LIKE_DOESNT_MATCH_BLOBS, and the payload is a BLOB.
-        pattern = f"%{escape_like(in_payload.decode())}%"
+        # LIKE folds ASCII letters only; the text's wildcards are escaped. The
+        # payload is a BLOB of any bytes, which LIKE would read as text (up to a
+        # NUL, decoding what is not UTF-8): instr() of two BLOBs compares bytes,
+        # and lower() folds the ASCII letters of any bytes and keeps the rest.
+        pattern = bind(f"%{escape_like(in_error)}%", Kind.TEXT)
         return (
-            f"(error LIKE {bind(pattern, Kind.TEXT)} ESCAPE '\\'"
-            f" OR CAST(payload AS TEXT) LIKE {bind(pattern, Kind.TEXT)} ESCAPE '\\')"
+            f"(error LIKE {pattern} ESCAPE '\\'"
+            f" OR instr(CAST(lower(payload) AS BLOB), {bind(in_payload, Kind.BYTES)}) > 0)"
         )
 
 

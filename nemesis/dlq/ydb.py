@@ -241,10 +241,12 @@ class YqlDialect(Dialect):
 
     def contains(self, bind: Bind, in_error: str, in_payload: bytes) -> str:
         # A plain substring test: % _ \\ and quotes in the text mean themselves.
-        needle = bind(in_payload, Kind.BYTES)
+        error = bind(in_error.encode(), Kind.BYTES)
+        # Named parameters: one serves both places when the two needles agree (no NUL).
+        payload = error if in_payload == in_error.encode() else bind(in_payload, Kind.BYTES)
         return (
-            f"(String::Contains(String::AsciiToLower(error), {needle})"
-            f" OR String::Contains(String::AsciiToLower(payload), {needle}))"
+            f"(String::Contains(String::AsciiToLower(error), {error})"
+            f" OR String::Contains(String::AsciiToLower(payload), {payload}))"
         )
 
 
