@@ -557,6 +557,13 @@ async def test_hostile_search_text_is_data_and_never_widens_the_scope(
     assert await store.count(DeadLetterFilter(integrations=alpha)) == len(HOSTILE_TEXTS) + 1
 
 
+async def found_by_text(store: DeadLetterStore, text: str) -> set[int]:
+    """The source offsets of the rows a text search lists; it counts as many."""
+    page = await store.query(DeadLetterFilter(text=text))
+    assert await store.count(DeadLetterFilter(text=text)) == len(page.rows)
+    return {row.source_offset for row in page.rows}
+
+
 async def test_text_search_reads_the_payload_as_bytes_on_every_store(
     store: DeadLetterStore,
 ) -> None:
@@ -571,20 +578,15 @@ async def test_text_search_reads_the_payload_as_bytes_on_every_store(
     }
     await store.put([letter(n, payload=p, error="boom") for n, p in payloads.items()])
 
-    async def found(text: str) -> set[int]:
-        page = await store.query(DeadLetterFilter(text=text))
-        assert await store.count(DeadLetterFilter(text=text)) == len(page.rows)
-        return {row.source_offset for row in page.rows}
-
-    assert await found("NEEDLE") == {1}
-    assert await found("tail") == {1}
-    assert await found("é") == {2}
-    assert await found("\ufffd") == set()
-    assert await found("\\PATH") == {5}
-    assert await found("straße") == {5}  # ASCII letters fold...
-    assert await found("été") == set()  # ...and only they: É is not é
-    assert await found("ÉTÉ") == {5}
-    assert await found("301") == set()  # byte 0xC1 is not the text "301" (its octal)
+    assert await found_by_text(store, "NEEDLE") == {1}
+    assert await found_by_text(store, "tail") == {1}
+    assert await found_by_text(store, "é") == {2}
+    assert await found_by_text(store, "\ufffd") == set()
+    assert await found_by_text(store, "\\PATH") == {5}
+    assert await found_by_text(store, "straße") == {5}  # ASCII letters fold...
+    assert await found_by_text(store, "été") == set()  # ...and only they: É is not é
+    assert await found_by_text(store, "ÉTÉ") == {5}
+    assert await found_by_text(store, "301") == set()  # byte 0xC1 is not the text "301" (its octal)
 
 
 async def test_a_nul_in_the_search_text_is_looked_for_as_each_column_keeps_it(
@@ -601,16 +603,11 @@ async def test_a_nul_in_the_search_text_is_looked_for_as_each_column_keeps_it(
         ]
     )
 
-    async def found(text: str) -> set[int]:
-        page = await store.query(DeadLetterFilter(text=text))
-        assert await store.count(DeadLetterFilter(text=text)) == len(page.rows)
-        return {row.source_offset for row in page.rows}
-
-    assert await found("d\x00a") == {1}
-    assert await found("d\ufffda") == {1}
-    assert await found("raw\x00bytes") == {2}
-    assert await found("RAW\ufffdBYTES") == {3}
-    assert await found("\x00") == {1, 2}
+    assert await found_by_text(store, "d\x00a") == {1}
+    assert await found_by_text(store, "d\ufffda") == {1}
+    assert await found_by_text(store, "raw\x00bytes") == {2}
+    assert await found_by_text(store, "RAW\ufffdBYTES") == {3}
+    assert await found_by_text(store, "\x00") == {1, 2}
 
 
 def test_filters_and_pages_outside_the_limits_are_refused() -> None:
