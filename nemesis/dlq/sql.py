@@ -5,10 +5,10 @@ conditions joined by AND (``Dialect.conditions``), and a keyset position
 becomes "strictly after" or "up to and including" a key in (dead-letter
 time, tie-breaker) descending order (``Dialect.after``,
 ``Dialect.not_after``). What differs between stores is spelling, which a
-store's subclass of ``Dialect`` holds: how a value
-becomes a parameter (``?``, ``$n`` with a cast, a declared ``$name``), how a
-column is compared with a list, how text is searched, which times its time
-column holds and which column breaks ties.
+store's subclass of ``Dialect`` holds: how a value becomes a parameter
+(``?``, ``$n`` with a cast, a declared ``$name``), how a column is compared
+with a list, how text is searched, which times its time column holds and
+which column breaks ties.
 
 Every value reaches the database as a parameter, never in a statement's
 text: the list of integrations keeps one team out of another's rows, and the
@@ -126,7 +126,7 @@ class Dialect(abc.ABC):
         return self._from_key(bind, key, ">=", ">=", ">")
 
     def _from_key(
-        self, bind: Bind, key: Key, pair: str, time_range: str, earlier_time: str
+        self, bind: Bind, key: Key, pair: str, time_range: str, strict_time: str
     ) -> list[str]:
         """``(time, tie-breaker) <pair> key``, one row-value comparison or two conditions."""
         at, tie = key
@@ -138,7 +138,7 @@ class Dialect(abc.ABC):
         # The first condition bounds an index range; the second settles ties in time.
         return [
             f"dead_lettered_us {time_range} {bind(at, Kind.TIME)}",
-            f"(dead_lettered_us {earlier_time} {bind(at, Kind.TIME)}"
+            f"(dead_lettered_us {strict_time} {bind(at, Kind.TIME)}"
             f" OR {self.tiebreak} {pair} {bind(tie, Kind.TIEBREAK)})",
         ]
 
