@@ -511,6 +511,105 @@ async def test_text_search_takes_wildcards_and_quotes_literally(store: DeadLette
     assert await found("50") == {1, 5}
 
 
+HOSTILE_TEXTS = (
+    "%'; DROP TABLE x; --",
+    "'); DELETE FROM dlq_letters; --",
+    "' OR integration = 'beta' --",
+    '" OR ""="',
+    "%",
+    "_",
+    "\\",
+    "?",
+    "$1",
+    ":p0",
+    "$p0",
+    "*/ OR 1=1 /*",
+)
+
+
+async def test_hostile_search_text_is_data_and_never_widens_the_scope(
+    store: DeadLetterStore,
+) -> None:
+    # Each text stands literally in one payload of each team's integration, and
+    # in no other row: a search finds exactly alpha's row for it, never beta's.
+    letters = [
+        letter(n * 2 + side, integration=team, payload=f"<{text}>".encode(), error="boom")
+        for n, text in enumerate(HOSTILE_TEXTS)
+        for side, team in enumerate(("alpha", "beta"))
+    ]
+    letters.append(letter(1000, integration="alpha", payload=b"plain", error="plain"))
+    await store.put(letters)
+    alpha = frozenset({"alpha"})
+    for n, text in enumerate(HOSTILE_TEXTS):
+        # "%", "_" and "\\" stand inside other texts too: each finds the texts holding it.
+        holding = {m * 2 for m, other in enumerate(HOSTILE_TEXTS) if text.lower() in other.lower()}
+        where = DeadLetterFilter(integrations=alpha, text=text)
+        assert {r.source_offset for r in (await store.query(where)).rows} == holding, text
+        assert n * 2 in holding
+        assert await store.count(where) == len(holding), text
+        assert len(await store.select_ids(where, 100)) == len(holding), text
+        assert sum(g.count for g in await store.groups(where)) == len(holding), text
+        stats = await store.stats(where)
+        assert [s.integration for s in stats.by_integration] == ["alpha"], text
+        assert stats.total == len(holding), text
+    # Nothing ran: every row is still there.
+    assert await store.count(DeadLetterFilter()) == len(letters)
+    assert await store.count(DeadLetterFilter(integrations=alpha)) == len(HOSTILE_TEXTS) + 1
+
+
+async def found_by_text(store: DeadLetterStore, text: str) -> set[int]:
+    """The source offsets of the rows a text search lists; it counts as many."""
+    page = await store.query(DeadLetterFilter(text=text))
+    assert await store.count(DeadLetterFilter(text=text)) == len(page.rows)
+    return {row.source_offset for row in page.rows}
+
+
+async def test_text_search_reads_the_payload_as_bytes_on_every_store(
+    store: DeadLetterStore,
+) -> None:
+    # The payload is any bytes: after a NUL, around bytes that are not UTF-8,
+    # the search text's own bytes are what is looked for, and nothing else.
+    payloads = {
+        1: b"head\x00tail needle",  # text after a NUL byte
+        2: b"caf\xc3\xa9\xa9 bytes",  # an "é" followed by a stray continuation byte
+        3: b"\xed\xa0\x80 surrogate",  # an encoded surrogate: no U+FFFD in these bytes
+        4: b"\xe0\x83\xa9 overlong",  # an overlong "é": not the bytes of "é"
+        5: b"\xc1 \\path STRA\xc3\x9fE \xc3\x89T\xc3\x89",
+    }
+    await store.put([letter(n, payload=p, error="boom") for n, p in payloads.items()])
+
+    assert await found_by_text(store, "NEEDLE") == {1}
+    assert await found_by_text(store, "tail") == {1}
+    assert await found_by_text(store, "é") == {2}
+    assert await found_by_text(store, "\ufffd") == set()
+    assert await found_by_text(store, "\\PATH") == {5}
+    assert await found_by_text(store, "straße") == {5}  # ASCII letters fold...
+    assert await found_by_text(store, "été") == set()  # ...and only they: É is not é
+    assert await found_by_text(store, "ÉTÉ") == {5}
+    assert await found_by_text(store, "301") == set()  # byte 0xC1 is not the text "301" (its octal)
+
+
+async def test_a_nul_in_the_search_text_is_looked_for_as_each_column_keeps_it(
+    store: DeadLetterStore,
+) -> None:
+    # Stored text keeps each NUL as U+FFFD, and the search text is compared with
+    # it the same way; the payload keeps its bytes, NULs too, and so does the search.
+    await store.put(
+        [
+            letter(1, error="bad\x00answer", payload=b"{}"),
+            letter(2, error="boom", payload=b"raw\x00bytes"),
+            letter(3, error="boom", payload="raw\ufffdbytes".encode()),
+            letter(4, error="plain", payload=b"plain"),
+        ]
+    )
+
+    assert await found_by_text(store, "d\x00a") == {1}
+    assert await found_by_text(store, "d\ufffda") == {1}
+    assert await found_by_text(store, "raw\x00bytes") == {2}
+    assert await found_by_text(store, "RAW\ufffdBYTES") == {3}
+    assert await found_by_text(store, "\x00") == {1, 2}
+
+
 def test_filters_and_pages_outside_the_limits_are_refused() -> None:
     with pytest.raises(InvalidQuery, match="longer than"):
         DeadLetterFilter(text="x" * (MAX_TEXT_CHARS + 1))

@@ -9,7 +9,8 @@ runs bulk work in rounds. A store subclasses it and implements the
 ``_``-prefixed primitives below, each one query (or one transaction) in its
 dialect, handing rows back as mappings by column name. Each store
 (``nemesis.dlq.sqlite``, ``nemesis.dlq.ydb``, ``nemesis.dlq.postgres``) is a
-subclass holding its DDL and those queries.
+subclass holding its DDL and those queries; the conditions a filter puts in
+them are built once, by ``nemesis.dlq.sql``, in the store's spelling.
 
 Text is stored without NUL characters (``no_nul``: each becomes U+FFFD), as
 PostgreSQL's text columns require, so every store keeps the same values;

@@ -23,13 +23,13 @@ its index by integration), and ``meta`` (the schema version). Times are
 ``bigint`` microseconds (signed: times before 1970 too). ``nemesis init``
 and every open create what is missing.
 
-Text search is ASCII case-insensitive on the error and the payload's bytes,
-as in every store: ``lower()`` under the C collation folds ASCII letters
-only. The payload (``bytea``, any bytes, not always UTF-8) is compared as
-``encode(payload, 'escape')``, where each byte is itself or one escape
-token, against a pattern that matches only from a token's boundary (see
-``_escaped_pattern``). A search examines at most ``TEXT_SCAN_ROWS`` rows per
-page, as the core asks.
+Filters become conditions as in every store (``nemesis.dlq.sql``); this
+module spells them (``PostgresDialect``). Text search: ``lower()`` under the
+C collation folds ASCII letters only. The payload (``bytea``, any bytes, not
+always UTF-8) is compared as ``encode(payload, 'escape')``, where each byte
+is itself or one escape token, against a pattern that matches only from a
+token's boundary (see ``_escaped_pattern``). A search examines at most
+``TEXT_SCAN_ROWS`` rows per page, as the core asks.
 
 An audit entry equal to one of the newest (``same_action``) is a write
 retried after its commit went unanswered, and is not appended again.
@@ -61,7 +61,6 @@ from nemesis.dlq.core import (
     Row,
     StoreCore,
     Window,
-    ascii_lower,
     check_retention,
     check_schema_version,
     chunks,
@@ -70,6 +69,7 @@ from nemesis.dlq.core import (
     same_action,
 )
 from nemesis.dlq.port import DEFAULT_RETENTION_S, DeadLetter, DeadLetterFilter, PutResult
+from nemesis.dlq.sql import NOT_TEXT, Bind, Dialect, Kind
 from nemesis.errors import DlqError, DlqTimeout
 from nemesis.postgres import Translated, close_pool, describe, open_pool
 
@@ -180,15 +180,46 @@ class Sql:
         ]
 
 
+class PostgresDialect(Dialect):
+    """PostgreSQL's spelling: ``$n`` parameters cast to their column's type, arrays, row values."""
+
+    times = core.SIGNED
+    tiebreak = "seq"
+    row_values = True  # (dead_lettered_us, seq) < ($1, $2) walks the index from there
+
+    def one_of(self, bind: Bind, column: str, values: Sequence[str]) -> str:
+        return f"{column} = ANY({bind(list(values), Kind.TEXTS)})"
+
+    def contains(self, bind: Bind, in_error: str, in_payload: bytes) -> str:
+        # lower() under the C collation folds ASCII letters only, as every store does
+        # (and, unlike translate(), costs about what reading the value does).
+        error = bind(in_error, Kind.TEXT)
+        pattern = bind(_escaped_pattern(in_payload), Kind.TEXT)
+        return (
+            f'(strpos(lower(error COLLATE "C"), {error}) > 0'
+            f""" OR lower(encode(payload, 'escape') COLLATE "C") ~ {pattern})"""
+        )
+
+
+POSTGRES = PostgresDialect()
+_CASTS = {
+    Kind.TEXTS: "::text[]",
+    Kind.HTTP_STATUS: "::integer",
+    Kind.TIME: "::bigint",
+    Kind.TIEBREAK: "::bigint",
+}
+
+
 class _Params:
     """Positional parameters ($1, $2, ...) collected as a statement is built."""
 
     def __init__(self) -> None:
         self.values: list[Any] = []
 
-    def __call__(self, value: Any) -> str:
+    def __call__(self, value: Any, kind: Kind | None = None) -> str:
+        """The next parameter, cast to the type of a ``kind`` that needs one."""
         self.values.append(_safe(value))
-        return f"${len(self.values)}"
+        return f"${len(self.values)}{'' if kind is None else _CASTS.get(kind, '')}"
 
 
 def _safe(value: Any) -> Any:
@@ -200,36 +231,8 @@ def _safe(value: Any) -> Any:
     return value
 
 
-def _conditions(where: DeadLetterFilter, p: _Params, *, text: bool = True) -> list[str]:
-    """The filter as conditions joined by AND."""
-    conditions: list[str] = []
-    if where.integrations is not None:
-        conditions.append(f"integration = ANY({p(sorted(where.integrations))}::text[])")
-    if where.reason is not None:
-        conditions.append(f"reason = {p(where.reason.value)}")
-    if where.status is not None:
-        conditions.append(f"status = {p(where.status.value)}")
-    if where.http_status is not None:
-        conditions.append(f"http_status = {p(where.http_status)}::integer")
-    if where.signature is not None:
-        conditions.append(f"signature = {p(where.signature)}")
-    if where.since is not None:
-        conditions.append(f"dead_lettered_us >= {p(core.to_us(where.since))}::bigint")
-    if where.until is not None:
-        conditions.append(f"dead_lettered_us < {p(core.to_us(where.until))}::bigint")
-    if text and where.text:
-        # lower() under the C collation folds ASCII letters only, as every store does
-        # (and, unlike translate(), costs about what reading the value does).
-        needle = ascii_lower(where.text)
-        conditions.append(
-            f'(strpos(lower(error COLLATE "C"), {p(needle)}) > 0'
-            f""" OR lower(encode(payload, 'escape') COLLATE "C") ~ {p(_escaped_pattern(needle))})"""
-        )
-    return conditions
-
-
-def _escaped_pattern(needle: str) -> str:
-    """A regular expression finding ``needle``'s bytes in ``encode(payload, 'escape')``.
+def _escaped_pattern(needle: bytes) -> str:
+    """A regular expression finding ``needle`` in ``encode(payload, 'escape')``.
 
     That encoding writes a NUL or a byte from 0x80 as ``\\nnn`` (octal) and a
     backslash as ``\\\\``; every other byte is itself. The needle is encoded
@@ -238,26 +241,10 @@ def _escaped_pattern(needle: str) -> str:
     """
     escaped = "".join(
         "\\\\" if byte == 0x5C else f"\\{byte:03o}" if byte == 0 or byte >= 0x80 else chr(byte)
-        for byte in needle.encode()
+        for byte in needle
     )
     literal = re.sub(r"([^A-Za-z0-9])", r"\\\1", escaped)
     return r"^(?:[^\\]|\\\\|\\[0-7]{3})*" + literal
-
-
-def _after(key: Key | None, p: _Params) -> list[str]:
-    """Rows strictly after ``key`` in (time desc, seq desc) order."""
-    if key is None:
-        return []
-    return [f"(dead_lettered_us, seq) < ({p(key[0])}::bigint, {p(key[1])}::bigint)"]
-
-
-def _not_after(key: Key, p: _Params) -> list[str]:
-    """Rows up to and including ``key`` in (time desc, seq desc) order."""
-    return [f"(dead_lettered_us, seq) >= ({p(key[0])}::bigint, {p(key[1])}::bigint)"]
-
-
-def _joined(conditions: Sequence[str]) -> str:
-    return " AND ".join(conditions) or "TRUE"
 
 
 _ORDER = "ORDER BY dead_lettered_us DESC, seq DESC"
@@ -275,7 +262,7 @@ def _dicts(records: Sequence[asyncpg.Record]) -> list[dict[str, Any]]:
 class PostgresDeadLetterStore(StoreCore):
     """The DLQ in PostgreSQL tables; see the module docstring."""
 
-    tiebreak_column = "seq"
+    tiebreak_column = POSTGRES.tiebreak  # its times are the core's: signed
 
     def __init__(
         self,
@@ -427,15 +414,15 @@ class PostgresDeadLetterStore(StoreCore):
     async def _mark(self, letter_ids: Sequence[str], mark: Mark) -> int:
         sql = self._sql
         p = _Params()
-        conditions = [f"id = ANY({p(list(letter_ids))}::text[])", "status = 'dead'"]
+        conditions = [POSTGRES.one_of(p, "id", letter_ids), "status = 'dead'"]
         if mark.integrations is not None:
-            conditions.append(f"integration = ANY({p(sorted(mark.integrations))}::text[])")
+            conditions.append(POSTGRES.one_of(p, "integration", sorted(mark.integrations)))
         query = (
             f"WITH changed AS (UPDATE {sql.letters} SET status = {p(mark.status.value)},"
             f" requeue_count = requeue_count + {p(mark.requeued)}::integer,"
             f" last_action = {p(mark.action.value)}, last_action_by = {p(mark.by)},"
-            f" last_action_us = {p(mark.at_us)}::bigint"
-            f" WHERE {_joined(conditions)} RETURNING 1) SELECT count(*) FROM changed"
+            f" last_action_us = {p(mark.at_us, Kind.TIME)}"
+            f" WHERE {POSTGRES.joined(conditions)} RETURNING 1) SELECT count(*) FROM changed"
         )
 
         async def work(conn: Conn) -> int:
@@ -514,23 +501,24 @@ class PostgresDeadLetterStore(StoreCore):
         if where.text:
             # Where the scan stops: the TEXT_SCAN_ROWS-th candidate without the text test.
             p = _Params()
-            conditions = _conditions(where, p, text=False) + _after(after, p)
+            conditions = POSTGRES.conditions(where, p, NOT_TEXT) + POSTGRES.after(p, after)
             found = await self._fetch(
                 "bound a text search",
-                f"SELECT dead_lettered_us, seq FROM {letters} WHERE {_joined(conditions)}"
+                f"SELECT dead_lettered_us, seq FROM {letters} WHERE {POSTGRES.joined(conditions)}"
                 f" {_ORDER} LIMIT 1 OFFSET {p(TEXT_SCAN_ROWS - 1)}",
                 *p.values,
             )
             if found:
                 bound = (found[0]["dead_lettered_us"], found[0]["seq"])
         p = _Params()
-        conditions = _conditions(where, p) + _after(after, p)
+        conditions = POSTGRES.conditions(where, p) + POSTGRES.after(p, after)
         if bound is not None:
-            conditions += _not_after(bound, p)
+            conditions += POSTGRES.not_after(p, bound)
         rows = await self._fetch(
             "list dead letters",
             f"SELECT {_ROW_COLUMNS}, substring(payload FROM 1 FOR {p(preview_bytes)}::integer)"
-            f" AS payload FROM {letters} WHERE {_joined(conditions)} {_ORDER} LIMIT {p(limit)}",
+            f" AS payload FROM {letters} WHERE {POSTGRES.joined(conditions)}"
+            f" {_ORDER} LIMIT {p(limit)}",
             *p.values,
         )
         return rows, bound
@@ -539,11 +527,11 @@ class PostgresDeadLetterStore(StoreCore):
         self, where: DeadLetterFilter, after: Key | None, limit: int
     ) -> tuple[Sequence[str], Key | None]:
         p = _Params()
-        conditions = _conditions(where, p) + _after(after, p)
+        conditions = POSTGRES.conditions(where, p) + POSTGRES.after(p, after)
         rows = await self._fetch(
             "select dead letter ids",
             f"SELECT id, dead_lettered_us, seq FROM {self._sql.letters}"
-            f" WHERE {_joined(conditions)} {_ORDER} LIMIT {p(limit)}",
+            f" WHERE {POSTGRES.joined(conditions)} {_ORDER} LIMIT {p(limit)}",
             *p.values,
         )
         last = (rows[-1]["dead_lettered_us"], rows[-1]["seq"]) if rows else None
@@ -551,7 +539,7 @@ class PostgresDeadLetterStore(StoreCore):
 
     async def _count(self, where: DeadLetterFilter, limit: int | None) -> int:
         p = _Params()
-        source = f"{self._sql.letters} WHERE {_joined(_conditions(where, p))}"
+        source = f"{self._sql.letters} WHERE {POSTGRES.joined(POSTGRES.conditions(where, p))}"
         if limit is None:
             query = f"SELECT count(*) AS n FROM {source}"
         else:
@@ -562,7 +550,7 @@ class PostgresDeadLetterStore(StoreCore):
     async def _groups(self, where: DeadLetterFilter, limit: int) -> Sequence[Row]:
         sql = self._sql
         p = _Params()
-        conditions = _joined(_conditions(where, p))
+        conditions = POSTGRES.joined(POSTGRES.conditions(where, p))
         # COLLATE "C": ties in size are broken as the core sorts them (by code point).
         return await self._fetch(
             "group dead letters",
@@ -580,24 +568,24 @@ class PostgresDeadLetterStore(StoreCore):
     ) -> tuple[Sequence[Row], Mapping[int, int]]:
         letters = self._sql.letters
         p = _Params()
-        conditions = _joined(_conditions(where, p))
+        conditions = POSTGRES.joined(POSTGRES.conditions(where, p))
         pairs_query = (
             "SELECT integration, reason, count(*) AS total,"
-            f" count(*) FILTER (WHERE dead_lettered_us >= {p(window.hour_ago_us)}::bigint)"
+            f" count(*) FILTER (WHERE dead_lettered_us >= {p(window.hour_ago_us, Kind.TIME)})"
             " AS recent, min(dead_lettered_us) AS oldest, max(dead_lettered_us) AS newest"
             f" FROM {letters} WHERE {conditions} GROUP BY integration, reason"
         )
         pairs_args = p.values
         b = _Params()
-        bucket_conditions = _conditions(where, b)
-        start = b(window.first_us)
+        bucket_conditions = POSTGRES.conditions(where, b)
+        start = b(window.first_us, Kind.TIME)
         bucket_conditions.append(
-            f"dead_lettered_us >= {start}::bigint AND dead_lettered_us < {b(window.end_us)}::bigint"
+            f"dead_lettered_us >= {start} AND dead_lettered_us < {b(window.end_us, Kind.TIME)}"
         )
         buckets_query = (
-            f"SELECT (dead_lettered_us - {start}::bigint) / {b(window.bucket_us)}::bigint"
+            f"SELECT (dead_lettered_us - {start}) / {b(window.bucket_us)}::bigint"
             f" AS bucket, count(*) AS n FROM {letters}"
-            f" WHERE {_joined(bucket_conditions)} GROUP BY 1"
+            f" WHERE {POSTGRES.joined(bucket_conditions)} GROUP BY 1"
         )
 
         async def work(conn: Conn) -> tuple[list[dict[str, Any]], dict[int, int]]:
@@ -622,12 +610,12 @@ class PostgresDeadLetterStore(StoreCore):
         if integrations is not None:
             conditions.append(
                 f"seq IN (SELECT action_seq FROM {sql.action_integrations}"
-                f" WHERE integration = ANY({p(sorted(integrations))}::text[]))"
+                f" WHERE {POSTGRES.one_of(p, 'integration', sorted(integrations))})"
             )
         return await self._fetch(
             "read the audit log",
             f"SELECT {', '.join(AUDIT_COLUMNS)} FROM {sql.actions}"
-            f" WHERE {_joined(conditions)} ORDER BY seq DESC LIMIT {p(limit)}",
+            f" WHERE {POSTGRES.joined(conditions)} ORDER BY seq DESC LIMIT {p(limit)}",
             *p.values,
         )
 

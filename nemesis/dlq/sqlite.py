@@ -1,7 +1,8 @@
 """The ``sqlite`` DLQ store: one SQLite file (WAL), every statement on a worker thread.
 
 What a DLQ store does is ``nemesis.dlq.core``; this module holds only the
-SQLite side of it: the schema, the index plans and the queries.
+SQLite side of it: the schema, the index plans, the queries and how SQLite
+spells a filter's conditions (``SqliteDialect``, for ``nemesis.dlq.sql``).
 
 Two connections, each owned by its own thread (``nemesis.sqlite_thread``,
 shared with the embedded broker): writes (``put``, status changes,
@@ -19,7 +20,9 @@ leaves open (the status, or several integrations) becomes one branch per
 value, each branch limited to a page, merged by ``UNION ALL``; a list reads
 only (time, seq) pairs from covering indexes and then fetches its page's
 rows by seq. A text search has to read rows, so it examines at most
-``TEXT_SCAN_ROWS`` candidates per page and hands back a cursor to continue.
+``TEXT_SCAN_ROWS`` candidates per page and hands back a cursor to continue;
+it reads the payload as bytes, as every store does (LIKE would read it as
+text, which ends at a NUL).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any, TypeVar
 import orjson
 
 from nemesis.clock import SYSTEM_CLOCK, Clock
+from nemesis.dlq import core
 from nemesis.dlq.core import (
     AUDIT_COLUMNS,
     FAILURE_COLUMNS,
@@ -54,10 +58,21 @@ from nemesis.dlq.core import (
     check_schema_version,
     chunks,
     fold_failures,
-    to_us,
 )
 from nemesis.dlq.port import DEFAULT_RETENTION_S, DeadLetter, DeadLetterFilter, PutResult, Status
 from nemesis.dlq.signature import escape_like
+from nemesis.dlq.sql import (
+    HTTP_STATUS,
+    INTEGRATION,
+    NOT_TEXT,
+    REASON,
+    SIGNATURE,
+    TEXT,
+    TIME,
+    Bind,
+    Dialect,
+    Kind,
+)
 from nemesis.errors import BrokerError, BrokerTimeout, DlqError, DlqTimeout
 from nemesis.sqlite_thread import SqliteThread, read_transaction, write_transaction
 
@@ -161,12 +176,51 @@ _OPEN_COLUMNS = {"status": tuple(s.value for s in Status)}
 # --- filters to SQL -----------------------------------------------------------
 
 
+class SqliteDialect(Dialect):
+    """SQLite's spelling: ``?`` parameters in the order they stand, LIKE, the payload as bytes."""
+
+    times = core.SIGNED
+    tiebreak = "seq"  # the rowid
+    true = "1"
+
+    def one_of(self, bind: Bind, column: str, values: Sequence[str]) -> str:
+        if len(values) == 1:
+            return f"{column} = {bind(values[0], Kind.TEXT)}"
+        return f"{column} IN ({', '.join(bind(value, Kind.TEXT) for value in values)})"
+
+    def contains(self, bind: Bind, in_error: str, in_payload: bytes) -> str:
+        # LIKE folds ASCII letters only; the text's wildcards are escaped. The
+        # payload is a BLOB of any bytes, which LIKE would read as text (up to a
+        # NUL, decoding what is not UTF-8): instr() of two BLOBs compares bytes,
+        # and lower() folds the ASCII letters of any bytes and keeps the rest.
+        pattern = bind(f"%{escape_like(in_error)}%", Kind.TEXT)
+        return (
+            f"(error LIKE {pattern} ESCAPE '\\'"
+            f" OR instr(CAST(lower(payload) AS BLOB), {bind(in_payload, Kind.BYTES)}) > 0)"
+        )
+
+
+SQLITE = SqliteDialect()
+
+
 @dataclass
 class _Where:
     """Conditions joined by AND, with their parameters in order."""
 
     parts: list[str] = field(default_factory=list)
     params: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def built(cls, build: Callable[[Bind], Sequence[str]]) -> _Where:
+        """The conditions ``build`` returns, their values bound in the order they stand."""
+        found = cls()
+
+        def bind(value: Any, kind: Kind) -> str:
+            found.params.append(value)
+            return "?"
+
+        found.parts.extend(build(bind))
+        return found
 
     def add(self, sql: str, *params: Any) -> _Where:
         self.parts.append(sql)
@@ -178,7 +232,26 @@ class _Where:
 
     @property
     def sql(self) -> str:
-        return " AND ".join(self.parts) or "1"
+        return SQLITE.joined(self.parts)
+
+
+def _filter(where: DeadLetterFilter, parts: Collection[str]) -> _Where:
+    """The filter's conditions of ``parts`` (the names of ``nemesis.dlq.sql``)."""
+    return _Where.built(lambda bind: SQLITE.conditions(where, bind, parts))
+
+
+def _in(column: str, values: Sequence[str]) -> _Where:
+    return _Where.built(lambda bind: [SQLITE.one_of(bind, column, values)])
+
+
+def _after(key: Key | None) -> _Where:
+    """Rows strictly after ``key`` in (time desc, seq desc) order."""
+    return _Where.built(lambda bind: SQLITE.after(bind, key))
+
+
+def _not_after(key: Key) -> _Where:
+    """Rows up to and including ``key`` in (time desc, seq desc) order."""
+    return _Where.built(lambda bind: SQLITE.not_after(bind, key))
 
 
 def _pinned(where: DeadLetterFilter) -> dict[str, tuple[str, ...]]:
@@ -212,59 +285,9 @@ def _choose_index(
     return _BY_TIME, []
 
 
-def _in(column: str, values: Collection[Any]) -> _Where:
-    if len(values) == 1:
-        return _Where().add(f"{column} = ?", *values)
-    return _Where().add(f"{column} IN ({_marks(len(values))})", *values)
-
-
-def _unindexed(
-    where: DeadLetterFilter, pinned: Mapping[str, tuple[str, ...]], index: _Index
-) -> _Where:
+def _unindexed(where: DeadLetterFilter, index: _Index) -> _Where:
     """Conditions of the filter that the index's columns do not settle (text aside)."""
-    conditions = _Where()
-    for column, values in pinned.items():
-        if column not in index.columns:
-            conditions += _in(column, values)
-    if where.http_status is not None:
-        conditions.add("http_status = ?", where.http_status)
-    return conditions + _time_range(where)
-
-
-def _time_range(where: DeadLetterFilter) -> _Where:
-    conditions = _Where()
-    if where.since is not None:
-        conditions.add("dead_lettered_us >= ?", to_us(where.since))
-    if where.until is not None:
-        conditions.add("dead_lettered_us < ?", to_us(where.until))
-    return conditions
-
-
-def _text(where: DeadLetterFilter, payload: str = "payload", error: str = "error") -> _Where:
-    if not where.text:
-        return _Where()
-    pattern = f"%{escape_like(where.text)}%"
-    # CAST: this SQLite is built with LIKE_DOESNT_MATCH_BLOBS, and the payload is a BLOB.
-    return _Where().add(
-        f"({error} LIKE ? ESCAPE '\\' OR CAST({payload} AS TEXT) LIKE ? ESCAPE '\\')",
-        pattern,
-        pattern,
-    )
-
-
-def _after(key: tuple[int, int] | None) -> _Where:
-    """Rows strictly after ``key`` in (time desc, seq desc) order."""
-    if key is None:
-        return _Where()
-    at, seq = key
-    # The first condition bounds the index range; the second settles ties in time.
-    return _Where().add("dead_lettered_us <= ? AND (dead_lettered_us < ? OR seq < ?)", at, at, seq)
-
-
-def _not_after(key: tuple[int, int]) -> _Where:
-    """Rows up to and including ``key`` in (time desc, seq desc) order."""
-    at, seq = key
-    return _Where().add("dead_lettered_us >= ? AND (dead_lettered_us > ? OR seq >= ?)", at, at, seq)
+    return _filter(where, NOT_TEXT - set(index.columns))
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +307,7 @@ class _OrderedPlan:
             _Where([f"{column} = ?" for column in index.columns], list(combination))
             for combination in itertools.product(*values)
         ]
-        return cls(index, branches, _unindexed(where, pinned, index), _text(where))
+        return cls(index, branches, _unindexed(where, index), _filter(where, {TEXT}))
 
     def keys_sql(self, extra: _Where, limit: int, offset: int = 0) -> tuple[str, list[Any]]:
         """(time, seq) of the matching rows, newest first: ``limit`` of them after ``offset``."""
@@ -314,7 +337,7 @@ def _counting(where: DeadLetterFilter, extra: _Where | None = None) -> tuple[_In
     # SQLite can then seek each (..., status) prefix and range over the time.
     for column, column_values in zip(index.columns, values, strict=True):
         conditions += _in(column, column_values)
-    conditions += _unindexed(where, pinned, index) + _text(where)
+    conditions += _unindexed(where, index) + _filter(where, {TEXT})
     if extra is not None:
         conditions += extra
     return index, conditions
@@ -500,17 +523,9 @@ def _groups_job(
     # on the (signature, status, time) index without reading them, and only
     # the groups shown look up their first and last times (one seek each).
     # MATERIALIZED: a sub-select named again in WHERE or ORDER BY would run twice.
-    chosen = _Where()
-    if where.integrations is not None:
-        chosen += _in("integration", sorted(where.integrations))
-    if where.reason is not None:
-        chosen.add("reason = ?", where.reason.value)
-    if where.http_status is not None:
-        chosen.add("http_status = ?", where.http_status)
-    if where.signature is not None:
-        chosen.add("signature = ?", where.signature)
+    chosen = _filter(where, {INTEGRATION, REASON, HTTP_STATUS, SIGNATURE})
     statuses = _statuses(where)
-    conditions = _time_range(where) + _text(where)
+    conditions = _filter(where, {TIME, TEXT})
     key = "signature = s.signature"
     count = _count_of(_BY_SIGNATURE, key, statuses, conditions)
     first = _extreme_of("min", _BY_SIGNATURE, key, statuses, conditions)
@@ -536,17 +551,9 @@ def _stats_job(
     # come from the signatures table, the counts from the covering
     # (integration, reason, status, time) index, the oldest and newest from
     # one seek each.
-    pairs = _Where()
-    if where.integrations is not None:
-        pairs += _in("integration", sorted(where.integrations))
-    if where.reason is not None:
-        pairs.add("reason = ?", where.reason.value)
+    pairs = _filter(where, {INTEGRATION, REASON})
     statuses = _statuses(where)
-    conditions = _time_range(where) + _text(where)
-    if where.http_status is not None:
-        conditions.add("http_status = ?", where.http_status)
-    if where.signature is not None:
-        conditions.add("signature = ?", where.signature)
+    conditions = _filter(where, {HTTP_STATUS, SIGNATURE, TIME, TEXT})
     index = _BY_INTEGRATION_REASON
     key = "integration = p.integration AND reason = p.reason"
     count = _count_of(index, key, statuses, conditions)
@@ -666,7 +673,7 @@ def _prune_signatures_job(conn: sqlite3.Connection) -> int:
 class SqliteDeadLetterStore(StoreCore):
     """The DLQ in one SQLite file; see the module docstring for how it stays fast."""
 
-    tiebreak_column = "seq"
+    tiebreak_column = SQLITE.tiebreak  # its times are the core's: signed
 
     def __init__(
         self,

@@ -1,7 +1,8 @@
 """The ``ydb`` DLQ store: ``nemesis.dlq.core`` on YDB tables, with a TTL.
 
 What a DLQ store does is the core's; this module holds the YDB side: the
-tables, and every statement as YQL with typed, declared parameters.
+tables, and every statement as YQL with typed, declared parameters (a
+filter's conditions in the spelling of ``YqlDialect``, for ``nemesis.dlq.sql``).
 
 Tables (under ``YdbDlqConfig.path``, relative to the database), each
 declared once in ``TABLES``, from which the DDL is generated:
@@ -67,7 +68,6 @@ from nemesis.dlq.core import (
     Key,
     Row,
     StoreCore,
-    ascii_lower,
     check_retention,
     check_schema_version,
     chunks,
@@ -76,6 +76,7 @@ from nemesis.dlq.core import (
     signature_of,
 )
 from nemesis.dlq.port import DEFAULT_RETENTION_S, DeadLetter, DeadLetterFilter, PutResult
+from nemesis.dlq.sql import NOT_TEXT, Bind, Dialect, Kind
 from nemesis.errors import BrokerError, DlqError
 
 T = TypeVar("T")
@@ -232,11 +233,43 @@ class Query:
         return declares + self.body
 
 
+class YqlDialect(Dialect):
+    """YQL's spelling: typed, declared ``$pN`` parameters, ``IN`` a list, ``String::`` functions."""
+
+    times = core.UNSIGNED  # Uint64 times start in 1970 (the TTL needs an unsigned column)
+    tiebreak = "tiebreak"
+
+    def contains(self, bind: Bind, in_error: str, in_payload: bytes) -> str:
+        # A plain substring test: % _ \\ and quotes in the text mean themselves.
+        error = bind(in_error.encode(), Kind.BYTES)
+        # Named parameters: one serves both places when the two needles agree (no NUL).
+        payload = error if in_payload == in_error.encode() else bind(in_payload, Kind.BYTES)
+        return (
+            f"(String::Contains(String::AsciiToLower(error), {error})"
+            f" OR String::Contains(String::AsciiToLower(payload), {payload}))"
+        )
+
+
+YQL = YqlDialect()
+_TYPES: dict[Kind, ColumnType] = {
+    Kind.TEXT: _UTF8,
+    Kind.TEXTS: ydb.ListType(_UTF8),
+    Kind.HTTP_STATUS: P.Int32,
+    Kind.TIME: P.Uint64,
+    Kind.TIEBREAK: P.Int64,
+    Kind.BYTES: P.String,
+}
+
+
 class _Params:
     """Collects typed parameters and hands out their names."""
 
     def __init__(self) -> None:
         self.values: dict[str, ydb.TypedValue] = {}
+
+    def __call__(self, value: Any, kind: Kind) -> str:
+        """A filter's value, typed as its kind is in YQL."""
+        return self.add(value, _TYPES[kind])
 
     def add(self, value: object, value_type: ColumnType) -> str:
         name = f"$p{len(self.values)}"
@@ -330,7 +363,7 @@ class Yql:
         params = _Params()
         conditions = [f"id IN {params.ids(ids)}"]
         if integrations is not None:
-            conditions.append(f"integration IN {params.ids(sorted(integrations))}")
+            conditions.append(YQL.one_of(params, "integration", sorted(integrations)))
         return params.query(
             f"SELECT {', '.join(core.ACTION_COLUMNS)} FROM {self.table('letters')}"
             f" WHERE {' AND '.join(conditions)};",
@@ -393,44 +426,43 @@ class Yql:
     ) -> Query:
         """Up to ``limit`` rows after ``after``, newest first, not past ``bound``."""
         params = _Params()
-        conditions = _conditions(where, params) + _after(after, params)
+        conditions = YQL.conditions(where, params) + YQL.after(params, after)
         if bound is not None:
-            conditions += _not_after(bound, params)
+            conditions += YQL.not_after(params, bound)
         preview = params.add(preview_bytes, P.Uint32)
         count = params.add(limit, P.Uint64)
         return params.query(
             f"SELECT {_ROW_COLUMNS}, Substring(payload, 0, {preview}) AS payload"
             f" FROM {self.table('letters')}{_view(where)}"
-            f" WHERE {_joined(conditions)} {_ORDER} LIMIT {count};",
+            f" WHERE {YQL.joined(conditions)} {_ORDER} LIMIT {count};",
             selects=1,
         )
 
     def scan_bound(self, where: DeadLetterFilter, after: Key | None) -> Query:
         """The key of the ``core.TEXT_SCAN_ROWS``-th candidate of a text search, text aside."""
         params = _Params()
-        conditions = _conditions(where, params, text=False) + _after(after, params)
+        conditions = YQL.conditions(where, params, NOT_TEXT) + YQL.after(params, after)
         offset = params.add(core.TEXT_SCAN_ROWS - 1, P.Uint64)
         return params.query(
             f"SELECT dead_lettered_us, tiebreak FROM {self.table('letters')}{_view(where)}"
-            f" WHERE {_joined(conditions)} {_ORDER} LIMIT 1 OFFSET {offset};",
+            f" WHERE {YQL.joined(conditions)} {_ORDER} LIMIT 1 OFFSET {offset};",
             selects=1,
         )
 
     def ids_page(self, where: DeadLetterFilter, after: Key | None, limit: int) -> Query:
         params = _Params()
-        conditions = _conditions(where, params) + _after(after, params)
+        conditions = YQL.conditions(where, params) + YQL.after(params, after)
         count = params.add(limit, P.Uint64)
         return params.query(
             f"SELECT id, dead_lettered_us, tiebreak FROM {self.table('letters')}{_view(where)}"
-            f" WHERE {_joined(conditions)} {_ORDER} LIMIT {count};",
+            f" WHERE {YQL.joined(conditions)} {_ORDER} LIMIT {count};",
             selects=1,
         )
 
     def count(self, where: DeadLetterFilter, limit: int | None) -> Query:
         params = _Params()
-        source = (
-            f"{self.table('letters')}{_view(where)} WHERE {_joined(_conditions(where, params))}"
-        )
+        conditions = YQL.joined(YQL.conditions(where, params))
+        source = f"{self.table('letters')}{_view(where)} WHERE {conditions}"
         if limit is None:
             return params.query(f"SELECT COUNT(*) AS n FROM {source};", selects=1)
         bound = params.add(limit, P.Uint64)
@@ -440,7 +472,7 @@ class Yql:
 
     def groups(self, where: DeadLetterFilter, limit: int) -> Query:
         params = _Params()
-        conditions = _joined(_conditions(where, params))
+        conditions = YQL.joined(YQL.conditions(where, params))
         top = params.add(limit, P.Uint64)
         return params.query(
             "$counted = SELECT signature, COUNT(*) AS n, MIN(dead_lettered_us) AS first_us,"
@@ -458,7 +490,7 @@ class Yql:
     def stats(self, where: DeadLetterFilter, window: core.Window) -> Query:
         """Two result sets: counts per (integration, reason), then counts per time bucket."""
         params = _Params()
-        conditions = _joined(_conditions(where, params))
+        conditions = YQL.joined(YQL.conditions(where, params))
         recent = params.add(window.hour_ago_us, P.Uint64)
         start, end = params.add(window.first_us, P.Uint64), params.add(window.end_us, P.Uint64)
         step = params.add(window.bucket_us, P.Uint64)
@@ -506,12 +538,12 @@ class Yql:
                 f" WHERE seq < {before} ORDER BY seq DESC LIMIT {count};",
                 selects=1,
             )
-        scope = params.ids(sorted(integrations))
+        scope = YQL.one_of(params, "integration", sorted(integrations))
         selected = ", ".join(f"a.{c} AS {c}" for c, _ in ACTIONS.columns)
         return params.query(
             "$seqs = SELECT DISTINCT action_seq AS seq"
             f" FROM {self.table('action_integrations')}"
-            f" WHERE integration IN {scope} AND action_seq < {before};\n"
+            f" WHERE {scope} AND action_seq < {before};\n"
             f"$top = SELECT seq FROM $seqs ORDER BY seq DESC LIMIT {count};\n"
             f"SELECT {selected} FROM $top AS t"
             f" INNER JOIN {self.table('actions')} AS a ON a.seq = t.seq;",
@@ -522,58 +554,6 @@ class Yql:
 _AUDIT_COLUMNS = ", ".join(name for name, _ in ACTIONS.columns)
 
 
-def _conditions(where: DeadLetterFilter, params: _Params, *, text: bool = True) -> list[str]:
-    """The filter as YQL conditions (joined by AND)."""
-    conditions: list[str] = []
-    if where.integrations is not None:
-        conditions.append(f"integration IN {params.ids(sorted(where.integrations))}")
-    if where.reason is not None:
-        conditions.append(f"reason = {params.add(where.reason.value, _UTF8)}")
-    if where.status is not None:
-        conditions.append(f"status = {params.add(where.status.value, _UTF8)}")
-    if where.http_status is not None:
-        conditions.append(f"http_status = {params.add(where.http_status, P.Int32)}")
-    if where.signature is not None:
-        conditions.append(f"signature = {params.add(where.signature, _UTF8)}")
-    if where.since is not None:
-        conditions.append(
-            f"dead_lettered_us >= {params.add(core.UNSIGNED.to_us(where.since), P.Uint64)}"
-        )
-    if where.until is not None:
-        conditions.append(
-            f"dead_lettered_us < {params.add(core.UNSIGNED.to_us(where.until), P.Uint64)}"
-        )
-    if text and where.text:
-        # ASCII case-insensitive, like the sqlite store's LIKE; a plain substring
-        # test, so % _ \\ and quotes in the text mean themselves.
-        needle = params.add(ascii_lower(where.text).encode(), P.String)
-        conditions.append(
-            f"(String::Contains(String::AsciiToLower(error), {needle})"
-            f" OR String::Contains(String::AsciiToLower(payload), {needle}))"
-        )
-    return conditions
-
-
-def _after(key: Key | None, params: _Params) -> list[str]:
-    """Rows strictly after ``key`` in (time desc, tiebreak desc) order."""
-    if key is None:
-        return []
-    at, tiebreak = params.add(key[0], P.Uint64), params.add(key[1], P.Int64)
-    return [
-        f"dead_lettered_us <= {at}",
-        f"(dead_lettered_us < {at} OR tiebreak < {tiebreak})",
-    ]
-
-
-def _not_after(key: Key, params: _Params) -> list[str]:
-    """Rows up to and including ``key`` in (time desc, tiebreak desc) order."""
-    at, tiebreak = params.add(key[0], P.Uint64), params.add(key[1], P.Int64)
-    return [
-        f"dead_lettered_us >= {at}",
-        f"(dead_lettered_us > {at} OR tiebreak >= {tiebreak})",
-    ]
-
-
 def _view(where: DeadLetterFilter) -> str:
     """The secondary index that serves a filter's list (YDB uses one only when named)."""
     if where.signature is not None:
@@ -581,10 +561,6 @@ def _view(where: DeadLetterFilter) -> str:
     if where.integrations is not None:
         return " VIEW by_integration"
     return " VIEW by_time"
-
-
-def _joined(conditions: Sequence[str]) -> str:
-    return " AND ".join(conditions) or "TRUE"
 
 
 def tiebreak(letter_id: str) -> int:
@@ -630,8 +606,8 @@ def _audit_row(row: Row) -> dict[str, Any]:
 class YdbDeadLetterStore(StoreCore):
     """The DLQ in YDB tables; see the module docstring."""
 
-    tiebreak_column = "tiebreak"
-    times = core.UNSIGNED  # Uint64 times start in 1970 (the TTL needs an unsigned column)
+    tiebreak_column = YQL.tiebreak
+    times = YQL.times
 
     def __init__(
         self,
