@@ -85,7 +85,8 @@ def form_time(seconds: float) -> str:
 def search_text(text: str) -> str:
     """A text to search for, else ``InvalidQuery`` (control characters never match on purpose)."""
     if any(ord(char) < 0x20 or ord(char) == 0x7F for char in text):
-        # SQLite ends a LIKE pattern at NUL: "a\0" would match every row containing "a".
+        # Nobody types them, and the stores keep a NUL differently in the error text (as
+        # U+FFFD) and in the payload (as is): refused rather than half found.
         raise InvalidQuery("the search text has control characters")
     return text
 
