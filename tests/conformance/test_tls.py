@@ -5,18 +5,25 @@ certificates on one port: ``localhost``'s for requests that name it by SNI,
 and ``default.invalid``'s for the others; a delivery to ``https://localhost``
 succeeds only if the transport sent SNI, trusted the CA and checked the name.
 A second nginx port asks for a client certificate from that CA
-(``ssl_verify_client on``). Two grpcio servers (the sync server, which
+(``ssl_verify_client on``); its requests under ``/logged/`` are written to
+``access.log`` with the client certificate's subject, so a test sees which
+certificate a proxy presented. Two grpcio servers (the sync server, which
 belongs to no event loop, so one serves the tests of both loops) do the same
 for ``grpcs://``: one with ``localhost``'s certificate, one that also
 requires a client certificate.
 
 ``target.tls`` is tried with no ``SSL_CERT_FILE`` in the environment: its
 ``ca_file`` alone makes the test CA trusted. Its files are checked when the
-transport is made, and when ``nemesis run`` builds an integration.
+transport is made, and when ``nemesis run`` builds an integration. The last
+tests run integrations from a folder of YAML files as ``nemesis run`` does
+(``load_integrations``, ``Proxy``, ``ConfigReloader`` watching it), each
+with a path of its own under ``/logged/`` (every test runs once per event
+loop against the one nginx).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -30,6 +37,7 @@ import pytest
 
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.broker.port import Message
+from nemesis.config.loader import load_integrations
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig, TargetConfig
 from nemesis.delivery.grpc import GrpcTransport
 from nemesis.delivery.h1 import H1Transport
@@ -39,8 +47,17 @@ from nemesis.errors import ConfigError, ConfigProblem
 from nemesis.proto import SERVICE
 from nemesis.proto.nemesis.v1 import handler_pb2 as pb
 from nemesis.runtime.app import Proxy
+from nemesis.runtime.reload import ConfigReloader
 from tests.conformance.conftest import free_port, nginx
-from tests.operability import running, wait_until_true
+from tests.operability import (
+    AUTH,
+    FAST,
+    admin_client,
+    committed,
+    publish,
+    running,
+    wait_until_true,
+)
 
 TRANSPORTS: dict[str, type[H1Transport | HttpTransport | GrpcTransport]] = {
     "h1": H1Transport,
@@ -59,6 +76,16 @@ class TlsServers:
 
     def file(self, name: str) -> str:
         return str(self.directory / name)
+
+    def clients(self, path: str) -> list[str]:
+        """The client certificate's subject of each request to ``/logged/<path>``, in order."""
+        log = self.directory / "access.log"
+        lines = log.read_text().splitlines() if log.exists() else []
+        return [
+            subject
+            for uri, subject, _ in (line.split(" ") for line in lines)
+            if uri == f"/logged/{path}"
+        ]
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -126,7 +153,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsServers]:
     _ca(directory, "other-ca")
     for name in ("localhost", "default.invalid"):
         _certificate(directory, name)
-    _certificate(directory, "client", usage="clientAuth")
+    for client in ("client", "client-renewed"):
+        _certificate(directory, client, usage="clientAuth")
     _openssl(
         "pkey", "-in", "client.key", "-aes256", "-passout", "pass:secret",
         "-out", "client-encrypted.key",
@@ -139,6 +167,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsServers]:
         f"ssl_certificate_key {directory}/default.invalid.key;"
     )
     named = (
+        "log_format clients '$request_uri $ssl_client_s_dn $status';\n"
         "server {\n"
         f"    listen 127.0.0.1:{tls_port} ssl;\n"
         "    server_name localhost;\n"
@@ -153,6 +182,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsServers]:
         f"    ssl_client_certificate {directory}/ca.pem;\n"
         "    ssl_verify_client on;\n"
         "    location = /ok { return 204; }\n"
+        f"    location /logged/ {{ access_log {directory}/access.log clients; return 204; }}\n"
         "}"
     )
     grpc_server, grpc_port = _grpc_server(directory, client_ca=None)
@@ -503,3 +533,84 @@ async def test_a_tls_file_gone_when_the_integration_starts_stops_that_integratio
             f"cannot start: integration alpha: target.tls.ca_file: cannot read {ca_file}:"
             " No such file or directory"
         )
+
+
+# --- integrations run from a directory ----------------------------------------------
+
+
+def client_tls(
+    folder: Path, *, cert: str = "client.pem", key: str = "client.key"
+) -> dict[str, str]:
+    """``target.tls`` trusting the test CA and presenting a client certificate, from ``folder``."""
+    return {
+        "ca_file": str(folder / "ca.pem"),
+        "cert_file": str(folder / cert),
+        "key_file": str(folder / key),
+    }
+
+
+def write_integration(
+    directory: Path,
+    name: str,
+    url: str,
+    tls: dict[str, str],
+    *,
+    headers: dict[str, str] | None = None,
+) -> None:
+    document = {
+        "name": name,
+        "owners": ["team-tls"],
+        "source": {"topic": "orders", "consumer": name},
+        "target": {"url": url, "timeout_s": 5, "headers": headers or {}, "tls": tls},
+        "delivery": {"workers": 4, "buffer": 100},
+    }
+    (directory / f"{name}.yaml").write_text(json.dumps(document))  # JSON is YAML
+
+
+def proxy_from(
+    broker: EmbeddedBroker, directory: Path, env: dict[str, str] | None = None
+) -> tuple[Proxy, ConfigReloader]:
+    """A proxy started from ``directory`` as ``nemesis run`` starts it, and its reloader."""
+    integrations, problems = load_integrations(directory, env)
+    assert problems == []
+    proxy = Proxy(
+        broker,
+        integrations,
+        pipelines_dir=directory.parent / "pipelines",
+        integration_files={name: directory / f"{name}.yaml" for name in integrations},
+        runner_options=FAST,
+    )
+    return proxy, ConfigReloader(proxy, directory, env=env, watch=True, debounce_ms=50)
+
+
+# --- a target the transport refuses ---------------------------------------------------
+
+
+async def test_a_header_value_the_transport_refuses_stops_that_integration_alone(
+    servers: TlsServers, broker: EmbeddedBroker, tmp_path: Path, no_ssl_cert_file: None
+) -> None:
+    """A CR/LF that reaches a header value from the environment: alpha waits, beta delivers."""
+    await publish(broker, 10, consumers=["alpha", "beta"])
+    directory = tmp_path / "integrations"
+    directory.mkdir()
+    url = f"https://localhost:{servers.mtls_port}/logged/{tmp_path.name}"
+    for name in ("alpha", "beta"):
+        headers = {"x-token": "${TOKEN}"} if name == "alpha" else {}
+        write_integration(directory, name, url, client_tls(servers.directory), headers=headers)
+    proxy, reloader = proxy_from(broker, directory, env={"TOKEN": "t0ken\r\nx-admin: yes"})
+
+    async with running(proxy), admin_client(proxy, reloader=reloader) as admin:
+        await wait_until_true(lambda: len(servers.clients(tmp_path.name)) == 10)
+        await wait_until_true(lambda: "main" in proxy.groups["alpha"].issues)
+
+        assert proxy.running
+        assert proxy.groups["beta"].issues == {}
+        answer = await admin.get("/integrations/alpha", headers=AUTH)
+        assert answer.status_code == 200
+        assert answer.json()["issues"] == {
+            "main": "cannot start: integration alpha: target.headers.x-token:"
+            " control characters in the value"
+        }
+    assert "alpha" not in proxy.runners
+    assert await committed(broker, "alpha") == 0
+    assert await committed(broker, "beta") == 10
