@@ -117,6 +117,20 @@ async def running(proxy: Proxy) -> AsyncIterator[Proxy]:
         await task
 
 
+async def watch_sees(reloader: ConfigReloader, folder: Path) -> None:
+    """Returns once the running reloader's watcher sees a change in ``folder`` (a probe file)."""
+    probe = folder / ".watch-probe"
+    for attempt in range(100):
+        seen = reloader.last
+        probe.write_text(str(attempt))
+        for _ in range(10):
+            await asyncio.sleep(0.02)
+            last = reloader.last
+            if last is not seen and last is not None and last.trigger == "watch":
+                return
+    pytest.fail(f"the reloader's watcher never saw a change in {folder}")
+
+
 @contextlib.asynccontextmanager
 async def reloading(
     reloader: ConfigReloader, watched: Path | None = None
@@ -129,18 +143,7 @@ async def reloading(
     task = asyncio.create_task(reloader.run(), name="reloader under test")
     try:
         if watched is not None:
-            probe = watched / ".watch-probe"
-            for attempt in range(100):
-                probe.write_text(str(attempt))
-                for _ in range(10):
-                    await asyncio.sleep(0.02)
-                    if reloader.last is not None and reloader.last.trigger == "watch":
-                        break
-                else:
-                    continue
-                break
-            else:
-                pytest.fail(f"the reloader's watcher never saw a change in {watched}")
+            await watch_sees(reloader, watched)
         yield reloader
     finally:
         task.cancel()

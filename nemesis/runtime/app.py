@@ -45,11 +45,11 @@ from nemesis.config.models import IntegrationConfig, TargetConfig
 from nemesis.delivery.http_clients import http_transport_for
 from nemesis.delivery.port import Transport
 from nemesis.delivery.signing import secrets_from_environment
-from nemesis.delivery.tls import ssl_context
+from nemesis.delivery.tls import ssl_context, tls_files
 from nemesis.dlq import DeadLetterStore
 from nemesis.errors import ConfigError, ConfigProblem, NemesisError, TopicNotFound
 from nemesis.metrics import Metrics
-from nemesis.pipeline import Pipeline, build_integration_pipeline
+from nemesis.pipeline import Pipeline, build_integration_pipeline, file_digests
 from nemesis.resilience.breaker import BreakerListener, CircuitBreaker, bind_breaker_metrics
 from nemesis.resilience.limits import FlowLimits, wait_recorder
 from nemesis.runtime import overrides as live
@@ -121,6 +121,9 @@ class IntegrationGroup:
     # Problems of its file at the last reload (the group runs the last good YAML).
     problems: list[ConfigProblem] = field(default_factory=list)
     sizing: LiveSizing = field(default_factory=LiveSizing)
+    # The target.tls files it was built from, with their digests then (None: unreadable):
+    # the reload restarts it when one changes on disk (a rotated certificate).
+    tls_sources: dict[Path, str | None] = field(default_factory=dict)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     breaker_listener: BreakerListener | None = None
@@ -748,6 +751,8 @@ class Proxy:
         # Read again by the transport; checked here to refuse at once, naming the file.
         if config.target.signing is not None:
             secrets_from_environment(config.target.signing, os.environ, where=where)
+        # Digested before they are loaded: a file replaced after this is seen as changed.
+        tls_sources = file_digests(tls_files(config.target.tls))
         if config.target.tls is not None:
             ssl_context(config.target.tls, where=where)
         pipeline = build_integration_pipeline(
@@ -772,6 +777,7 @@ class Proxy:
             file_config=file_config,
             file=file,
             overrides=dict(overrides or {}),
+            tls_sources=tls_sources,
         )
 
     def _with_overrides(

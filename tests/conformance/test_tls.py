@@ -18,12 +18,15 @@ transport is made, and when ``nemesis run`` builds an integration. The last
 tests run integrations from a folder of YAML files as ``nemesis run`` does
 (``load_integrations``, ``Proxy``, ``ConfigReloader`` watching it), each
 with a path of its own under ``/logged/`` (every test runs once per event
-loop against the one nginx).
+loop against the one nginx). Certificates renewed on disk (a Secret's
+folder swapped, a key rewritten in place) are picked up by the reload's
+watch.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -55,8 +58,10 @@ from tests.operability import (
     admin_client,
     committed,
     publish,
+    reloading,
     running,
     wait_until_true,
+    watch_sees,
 )
 
 TRANSPORTS: dict[str, type[H1Transport | HttpTransport | GrpcTransport]] = {
@@ -614,3 +619,175 @@ async def test_a_header_value_the_transport_refuses_stops_that_integration_alone
     assert "alpha" not in proxy.runners
     assert await committed(broker, "alpha") == 0
     assert await committed(broker, "beta") == 10
+
+
+# --- certificates renewed on disk while running ---------------------------------------
+
+
+def copy_tls(servers: TlsServers, folder: Path, names: tuple[str, ...]) -> Path:
+    folder.mkdir()
+    for name in names:
+        shutil.copy(servers.file(name), folder / name)
+    return folder
+
+
+def mount_secret(servers: TlsServers, secret: Path, version: str, client: str) -> None:
+    """Lays out ``secret`` as Kubernetes mounts a Secret, or swaps in a new version of it.
+
+    The names (``ca.pem``, ``tls.crt``, ``tls.key``) link through ``..data``
+    to a folder of the version; a new version is written beside the old one,
+    then ``..data`` is swapped to it by one rename, and the old one removed.
+    """
+    secret.mkdir(exist_ok=True)
+    data = secret / "..data"
+    old = data.resolve() if data.is_symlink() else None
+    files = secret / f"..{version}"
+    files.mkdir()
+    shutil.copy(servers.file("ca.pem"), files / "ca.pem")
+    shutil.copy(servers.file(f"{client}.pem"), files / "tls.crt")
+    shutil.copy(servers.file(f"{client}.key"), files / "tls.key")
+    (secret / "..data_tmp").symlink_to(files.name)
+    (secret / "..data_tmp").rename(data)
+    for name in ("ca.pem", "tls.crt", "tls.key"):
+        if not (secret / name).is_symlink():
+            (secret / name).symlink_to(f"..data/{name}")
+    if old is not None:
+        shutil.rmtree(old)
+
+
+async def test_a_client_certificate_renewed_on_disk_restarts_the_integration_with_it(
+    servers: TlsServers,
+    broker: EmbeddedBroker,
+    tmp_path: Path,
+    no_ssl_cert_file: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    await publish(broker, 20, consumers=["alpha"])
+    secret = tmp_path / "secret"
+    mount_secret(servers, secret, "v1", "client")
+    directory = tmp_path / "integrations"
+    directory.mkdir()
+    url = f"https://localhost:{servers.mtls_port}/logged/{tmp_path.name}"
+    write_integration(directory, "alpha", url, client_tls(secret, cert="tls.crt", key="tls.key"))
+    proxy, reloader = proxy_from(broker, directory)
+
+    with caplog.at_level(logging.INFO, logger="nemesis.runtime.reload"):
+        async with running(proxy), reloading(reloader, watched=directory):
+            await wait_until_true(lambda: len(servers.clients(tmp_path.name)) == 20)
+            running_version = proxy.groups["alpha"]
+            await wait_until_true(
+                lambda: running_version.runners["main"].statistics().unfinished == 0
+            )
+
+            # The watch sees the secret's folder: the renewal alone restarts alpha.
+            mount_secret(servers, secret, "v2", "client-renewed")
+            await wait_until_true(lambda: proxy.groups["alpha"] is not running_version)
+            await publish(broker, 20, start=20)
+            await wait_until_true(lambda: len(servers.clients(tmp_path.name)) >= 40)
+
+            assert proxy.groups["alpha"].problems == []
+    assert servers.clients(tmp_path.name) == ["CN=client"] * 20 + ["CN=client-renewed"] * 20
+    assert "configuration reload (watch): restarted alpha" in caplog.messages
+    assert await committed(broker, "alpha") == 40
+
+
+async def test_a_certificate_renewed_before_its_key_keeps_the_running_version_until_it_loads(
+    servers: TlsServers, broker: EmbeddedBroker, tmp_path: Path, no_ssl_cert_file: None
+) -> None:
+    """Files rewritten in place one by one: in between, the pair does not load and is reported."""
+    await publish(broker, 10, consumers=["alpha"])
+    folder = copy_tls(servers, tmp_path / "tls", ("ca.pem", "client.pem", "client.key"))
+    directory = tmp_path / "integrations"
+    directory.mkdir()
+    url = f"https://localhost:{servers.mtls_port}/logged/{tmp_path.name}"
+    write_integration(directory, "alpha", url, client_tls(folder))
+    proxy, reloader = proxy_from(broker, directory)
+
+    async with (
+        running(proxy),
+        reloading(reloader, watched=directory),
+        admin_client(proxy, reloader=reloader) as admin,
+    ):
+        await wait_until_true(lambda: len(servers.clients(tmp_path.name)) == 10)
+        running_version = proxy.groups["alpha"]
+
+        # The renewed certificate first (the same file, truncated and written), its key later.
+        shutil.copyfile(servers.file("client-renewed.pem"), folder / "client.pem")
+        problem = ConfigProblem(
+            str(directory / "alpha.yaml"),
+            None,
+            "target.tls.key_file",
+            f"{folder / 'client.key'} is not the private key of the certificate in"
+            f" {folder / 'client.pem'}",
+        )
+        await wait_until_true(lambda: running_version.problems == [problem])
+
+        assert proxy.groups["alpha"] is running_version
+        status = (await admin.get("/config", headers=AUTH)).json()
+        assert status["last_reload"]["kept"] == ["alpha"]
+        assert status["last_reload"]["problems"] == [
+            {"file": problem.file, "line": None, "field": problem.field, "message": problem.message}
+        ]
+        # The running version delivers on, with the certificate it loaded.
+        await publish(broker, 10, start=10)
+        await wait_until_true(lambda: len(servers.clients(tmp_path.name)) == 20)
+
+        # The key arrives: alpha restarts on the pair, the problem is gone.
+        shutil.copyfile(servers.file("client-renewed.key"), folder / "client.key")
+        await wait_until_true(lambda: proxy.groups["alpha"] is not running_version)
+        assert proxy.groups["alpha"].problems == []
+        await publish(broker, 10, start=20)
+        await wait_until_true(lambda: len(servers.clients(tmp_path.name)) == 30)
+    assert servers.clients(tmp_path.name) == ["CN=client"] * 20 + ["CN=client-renewed"] * 10
+
+
+async def test_an_integration_whose_key_is_written_after_the_start_starts_then(
+    servers: TlsServers, broker: EmbeddedBroker, tmp_path: Path, no_ssl_cert_file: None
+) -> None:
+    """An agent beside the proxy writes the key late: nothing but the watch is needed."""
+    await publish(broker, 10, consumers=["alpha"])
+    folder = copy_tls(servers, tmp_path / "tls", ("ca.pem", "client.pem"))
+    directory = tmp_path / "integrations"
+    directory.mkdir()
+    url = f"https://localhost:{servers.mtls_port}/logged/{tmp_path.name}"
+    write_integration(directory, "alpha", url, client_tls(folder))
+    proxy, reloader = proxy_from(broker, directory)
+    assert "alpha" not in proxy.groups  # its key is not there
+
+    async with running(proxy), reloading(reloader, watched=directory):
+        shutil.copy(servers.file("client.key"), folder / ".client.key.tmp")
+        (folder / ".client.key.tmp").rename(folder / "client.key")
+
+        await wait_until_true(lambda: len(servers.clients(tmp_path.name)) == 10)
+        assert proxy.groups["alpha"].problems == []
+    assert servers.clients(tmp_path.name) == ["CN=client"] * 10
+
+
+async def test_the_watch_follows_the_tls_files_to_the_folder_a_changed_file_names(
+    servers: TlsServers, broker: EmbeddedBroker, tmp_path: Path, no_ssl_cert_file: None
+) -> None:
+    names = ("ca.pem", "client.pem", "client.key")
+    before, after = (copy_tls(servers, tmp_path / name, names) for name in ("before", "after"))
+    directory = tmp_path / "integrations"
+    directory.mkdir()
+    url = f"https://localhost:{servers.mtls_port}/logged/{tmp_path.name}"
+    write_integration(directory, "alpha", url, client_tls(before))
+    proxy, reloader = proxy_from(broker, directory)
+
+    async with running(proxy), reloading(reloader, watched=directory):
+        first = proxy.groups["alpha"]
+        write_integration(directory, "alpha", url, client_tls(after))
+        await wait_until_true(lambda: proxy.groups["alpha"] is not first)
+        second = proxy.groups["alpha"]
+        await watch_sees(reloader, after)
+
+        shutil.copyfile(servers.file("localhost.key"), after / "client.key")
+        await wait_until_true(lambda: bool(second.problems))
+
+        [problem] = second.problems
+        assert (problem.field, problem.message) == (
+            "target.tls.key_file",
+            f"{after / 'client.key'} is not the private key of the certificate in"
+            f" {after / 'client.pem'}",
+        )
+        assert proxy.groups["alpha"] is second
