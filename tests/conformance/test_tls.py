@@ -621,6 +621,40 @@ async def test_a_header_value_the_transport_refuses_stops_that_integration_alone
     assert await committed(broker, "beta") == 10
 
 
+async def test_a_reload_to_a_header_value_the_transport_refuses_keeps_the_running_version(
+    servers: TlsServers, broker: EmbeddedBroker, tmp_path: Path, no_ssl_cert_file: None
+) -> None:
+    """A new header whose secret ends in a newline: refused before the running one drains."""
+    await publish(broker, 10, consumers=["alpha"])
+    directory = tmp_path / "integrations"
+    directory.mkdir()
+    url = f"https://localhost:{servers.mtls_port}/logged/{tmp_path.name}"
+    tls = client_tls(servers.directory)
+    write_integration(directory, "alpha", url, tls)
+    proxy, reloader = proxy_from(broker, directory, env={"TOKEN": "t0ken\n"})
+
+    async with running(proxy):
+        await wait_until_true(lambda: len(servers.clients(tmp_path.name)) == 10)
+        running_version = proxy.groups["alpha"]
+
+        write_integration(directory, "alpha", url, tls, headers={"x-token": "${TOKEN}"})
+        report = await reloader.reload("api")
+
+        assert (report.restarted, report.kept) == ({}, ["alpha"])
+        assert report.problems == [
+            ConfigProblem(
+                str(directory / "alpha.yaml"),
+                None,
+                "target.headers.x-token",
+                "control characters in the value",
+            )
+        ]
+        assert proxy.groups["alpha"] is running_version
+        assert running_version.issues == {}
+        await publish(broker, 10, start=10)
+        await wait_until_true(lambda: len(servers.clients(tmp_path.name)) == 20)
+
+
 # --- certificates renewed on disk while running ---------------------------------------
 
 
