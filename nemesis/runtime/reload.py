@@ -35,6 +35,7 @@ decides is content, not the event: each file an integration was built from
 is compared by digest, so a reload that finds them the same restarts
 nothing. Reloads never overlap; requests that arrive during one are folded
 into one more.
+
 Kubernetes updates a mounted ConfigMap or Secret by swapping a symlink in
 its folder, which the watch sees as a change like any other; so is an
 agent's write-then-rename of a renewed certificate, since a TLS file is
@@ -391,11 +392,12 @@ def _stale_sources(sources: Mapping[str, Mapping[Path, str | None]]) -> dict[str
 
 
 def _named_tls_files(configs: Iterable[IntegrationConfig]) -> list[Path]:
+    """Every TLS file the configurations name (some may appear more than once)."""
     return [path for config in configs for path in tls_files(config.target.tls)]
 
 
-def _folders_to_watch(folders: Iterable[Path], tls_files: Iterable[Path]) -> dict[Path, Path]:
-    """``folders`` and those of ``tls_files`` that exist, by their resolved path (blocking).
+def _folders_to_watch(folders: Iterable[Path], tls_paths: Iterable[Path]) -> dict[Path, Path]:
+    """``folders`` and those of ``tls_paths`` that exist, by their resolved path (blocking).
 
     A TLS file is watched through its folder, not itself: a certificate is
     renewed by a rename into that folder (a mounted secret's symlink swap, an
@@ -404,7 +406,7 @@ def _folders_to_watch(folders: Iterable[Path], tls_files: Iterable[Path]) -> dic
     too (an agent rewriting the file it points to).
     """
     candidates = list(folders)
-    for path in tls_files:
+    for path in tls_paths:
         folder = path.absolute().parent
         candidates.append(folder)
         if path.is_symlink():
