@@ -117,6 +117,40 @@ async def running(proxy: Proxy) -> AsyncIterator[Proxy]:
         await task
 
 
+async def watch_sees(reloader: ConfigReloader, folder: Path) -> None:
+    """Returns once the running reloader's watcher sees a change in ``folder`` (a probe file)."""
+    probe = folder / ".watch-probe"
+    for attempt in range(100):
+        seen = reloader.last
+        probe.write_text(str(attempt))
+        for _ in range(10):
+            await asyncio.sleep(0.02)
+            last = reloader.last
+            if last is not seen and last is not None and last.trigger == "watch":
+                return
+    pytest.fail(f"the reloader's watcher never saw a change in {folder}")
+
+
+@contextlib.asynccontextmanager
+async def reloading(
+    reloader: ConfigReloader, watched: Path | None = None
+) -> AsyncIterator[ConfigReloader]:
+    """Runs the reloader; with ``watched``, returns once its watcher sees changes there.
+
+    The watcher starts in a task of its own: an edit made before it is up is
+    never seen as a change, so a test that edits files first proves it is up.
+    """
+    task = asyncio.create_task(reloader.run(), name="reloader under test")
+    try:
+        if watched is not None:
+            await watch_sees(reloader, watched)
+        yield reloader
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 @contextlib.asynccontextmanager
 async def admin_client(
     proxy: Proxy, *, token: str | None = TOKEN, reloader: ConfigReloader | None = None

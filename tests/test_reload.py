@@ -7,7 +7,6 @@ and through the real CLI with SIGHUP.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import signal
@@ -32,6 +31,7 @@ from tests.operability import (
     committed,
     integration_yaml,
     publish,
+    reloading,
     running,
     wait_until_true,
 )
@@ -42,37 +42,6 @@ async def broker(tmp_path: Path) -> AsyncIterator[EmbeddedBroker]:
     opened = await open_embedded(EmbeddedBackendConfig(path=str(tmp_path / "log.db")))
     yield opened
     await opened.close()
-
-
-@contextlib.asynccontextmanager
-async def reloading(
-    reloader: ConfigReloader, watched: Path | None = None
-) -> AsyncIterator[ConfigReloader]:
-    """Runs the reloader; with ``watched``, returns once its watcher sees changes there.
-
-    The watcher starts in a task of its own: an edit made before it is up is
-    never seen as a change, so a test that edits files first proves it is up.
-    """
-    task = asyncio.create_task(reloader.run(), name="reloader under test")
-    try:
-        if watched is not None:
-            probe = watched / ".watch-probe"
-            for attempt in range(100):
-                probe.write_text(str(attempt))
-                for _ in range(10):
-                    await asyncio.sleep(0.02)
-                    if reloader.last is not None and reloader.last.trigger == "watch":
-                        break
-                else:
-                    continue
-                break
-            else:
-                pytest.fail(f"the reloader's watcher never saw a change in {watched}")
-        yield reloader
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 def proxy_from(

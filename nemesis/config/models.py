@@ -184,6 +184,8 @@ class TlsConfig(Model):
     deliberately no way to skip verification. The files are read when the
     transport is made (at start and on reload): one that is missing or does
     not load stops that integration with an error naming the field and path.
+    A file changed on disk (a renewed certificate) restarts the integration
+    on the new files at the next reload (``nemesis.runtime.reload``).
     """
 
     # A PEM bundle the handler's certificate must chain to; replaces the system's CAs.
@@ -422,9 +424,10 @@ class AdminConfig(ListenConfig):
 
 
 class ReloadConfig(Model):
-    """Picking up changed integration and pipeline files while running (SIGHUP works regardless)."""
+    """Picking up changed integration, pipeline and TLS files while running (SIGHUP works too)."""
 
-    watch: bool = True  # watch integrations_dir and pipelines_dir for changes
+    # Watch integrations_dir, pipelines_dir and the folders of target.tls files for changes.
+    watch: bool = True
     # Changes arriving within this window are taken as one reload (an editor's save, a git pull).
     debounce_ms: Annotated[int, Field(ge=0, le=60_000)] = 500
     # Polls instead of inotify: for file systems that do not report changes (some network mounts).

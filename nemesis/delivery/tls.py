@@ -7,6 +7,11 @@ made, so that a file that is missing, unreadable or not what its field says
 encrypted key) is a ``ConfigError`` naming the field and the path at start or
 reload, never a TLS error at the first delivery.
 
+The files are read again whenever the integration is built: a reload
+restarts an integration whose files changed on disk (``tls_files`` lists
+them for the reload to compare and watch), and keeps the running version
+when the new ones do not load.
+
 The handler's certificate is always verified and its name checked: there is
 deliberately no setting that turns either off. Without ``ca_file`` the
 system's CA store is used (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` name another
@@ -30,6 +35,13 @@ class PemFiles:
     root_certificates: bytes | None  # ca_file; None: the default roots
     certificate_chain: bytes | None  # cert_file
     private_key: bytes | None  # key_file
+
+
+def tls_files(tls: TlsConfig | None) -> list[Path]:
+    """The files ``tls`` names, as given (a relative path is read from the working directory)."""
+    if tls is None:
+        return []
+    return [Path(path) for path in (tls.ca_file, tls.cert_file, tls.key_file) if path is not None]
 
 
 def ssl_context(tls: TlsConfig | None, *, where: str) -> ssl.SSLContext:

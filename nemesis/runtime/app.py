@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Collection, Mapping
@@ -45,11 +46,11 @@ from nemesis.config.models import IntegrationConfig, TargetConfig
 from nemesis.delivery.http_clients import http_transport_for
 from nemesis.delivery.port import Transport
 from nemesis.delivery.signing import secrets_from_environment
-from nemesis.delivery.tls import ssl_context
+from nemesis.delivery.tls import ssl_context, tls_files
 from nemesis.dlq import DeadLetterStore
 from nemesis.errors import ConfigError, ConfigProblem, NemesisError, TopicNotFound
 from nemesis.metrics import Metrics
-from nemesis.pipeline import Pipeline, build_integration_pipeline
+from nemesis.pipeline import Pipeline, build_integration_pipeline, file_digests
 from nemesis.resilience.breaker import BreakerListener, CircuitBreaker, bind_breaker_metrics
 from nemesis.resilience.limits import FlowLimits, wait_recorder
 from nemesis.runtime import overrides as live
@@ -121,6 +122,9 @@ class IntegrationGroup:
     # Problems of its file at the last reload (the group runs the last good YAML).
     problems: list[ConfigProblem] = field(default_factory=list)
     sizing: LiveSizing = field(default_factory=LiveSizing)
+    # The target.tls files it was built from, with their digests then (None: unreadable):
+    # the reload restarts it when one changes on disk (a rotated certificate).
+    tls_sources: dict[Path, str | None] = field(default_factory=dict)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     breaker_listener: BreakerListener | None = None
@@ -386,13 +390,27 @@ class Proxy:
     ) -> None:
         """Restarts an integration on a changed YAML: the old one drains, then the new one starts.
 
-        The new one is built first: when it does not build (ConfigError), the
-        old one keeps running untouched. Live overrides carry over unless the
-        new YAML says the same.
+        The new one is built first, its transport too when the old one runs
+        here: when either is refused (ConfigError: a pipeline that does not
+        build, TLS files that do not load, a header value the transport
+        refuses), the old one keeps running untouched. Live overrides carry
+        over unless the new YAML says the same.
         """
         old = self._groups[config.name]
         new = self._build_group(config, file, live.caught_up(config, old.overrides))
-        await self._halt_group(old)
+        factory = self._transports.get(config.target.scheme)
+        if old.task is not None and factory is not None:
+            # Made now, not once the old one drained: what the transport alone checks (the
+            # headers; TLS files changed during the drain) must not stop the running one.
+            try:
+                new.transport = factory(new.config.target, config.name, MAX_CONNECTIONS)
+            except ConfigError as exc:
+                raise _in_file(exc, config.name, file) from None
+        try:
+            await self._halt_group(old)
+        except BaseException:
+            await self._close_group(new)
+            raise
         # Overrides set while the old one drained count too, if they still fit.
         overrides = live.caught_up(config, old.overrides)
         try:
@@ -460,7 +478,7 @@ class Proxy:
     async def _run_group(self, group: IntegrationGroup) -> None:
         config = group.config
         factory = self._transports.get(config.target.scheme)
-        if factory is None:
+        if factory is None and group.transport is None:
             group.issues["main"] = f"no transport for {config.target.scheme}:// targets"
             log.error(
                 "integration %s: no transport for %s:// targets; not started",
@@ -471,7 +489,9 @@ class Proxy:
             return
         try:
             try:
-                group.transport = factory(config.target, config.name, MAX_CONNECTIONS)
+                if group.transport is None:  # replace_integration may have made it
+                    assert factory is not None
+                    group.transport = factory(config.target, config.name, MAX_CONNECTIONS)
             except ConfigError as exc:
                 # Its checks refused the target (headers; TLS files gone or changed since the
                 # group was built): this integration waits for a fix, the others run on.
@@ -748,6 +768,8 @@ class Proxy:
         # Read again by the transport; checked here to refuse at once, naming the file.
         if config.target.signing is not None:
             secrets_from_environment(config.target.signing, os.environ, where=where)
+        # Digested before they are loaded: a file replaced after this is seen as changed.
+        tls_sources = file_digests(tls_files(config.target.tls))
         if config.target.tls is not None:
             ssl_context(config.target.tls, where=where)
         pipeline = build_integration_pipeline(
@@ -772,6 +794,7 @@ class Proxy:
             file_config=file_config,
             file=file,
             overrides=dict(overrides or {}),
+            tls_sources=tls_sources,
         )
 
     def _with_overrides(
@@ -840,6 +863,20 @@ class Proxy:
 
     async def _sleep_unless_halted(self, group: IntegrationGroup, seconds: float) -> None:
         await first_of(self._clock.sleep(seconds), self._stopping.wait(), group.stopping.wait())
+
+
+def _in_file(exc: ConfigError, name: str, file: Path | None) -> ConfigError:
+    """A transport's problems (named ``integration <name>``) as problems of the YAML file."""
+    if file is None:
+        return exc
+    return ConfigError(
+        [
+            dataclasses.replace(problem, file=str(file))
+            if problem.file == f"integration {name}"
+            else problem
+            for problem in exc.problems
+        ]
+    )
 
 
 def _state_of(group: IntegrationGroup) -> str:

@@ -15,19 +15,33 @@ start, and brings the running integrations in line with it:
   pipeline's ``pipelines/<name>.yaml`` or a descriptor set a ``decode`` stage
   reads (each integration using it restarts; a pipeline file that no longer
   builds is reported, and they run on as they were);
+* so does a change in a file its ``target.tls`` names (a renewed client
+  certificate or key, a new CA bundle): the integration is built again with
+  the files as they are now, and one that does not load (a key that is not
+  the certificate's, a half-written file) is reported, naming the field and
+  the path, while the running version goes on with the files it loaded;
 * a removed file drains and stops its integration;
 * a file that does not validate (or whose pipeline does not build) is
   reported, with file, line and field, in the log and the admin API, and
   ignored: its integration keeps running on the last good configuration.
 
-What triggers a reload: a change in the directory or in the pipelines
-directory (``reload.watch``, through ``watchfiles``: inotify, or polling with
-``reload.force_polling``; a descriptor set elsewhere is compared at every
-reload but not watched), SIGHUP
-(``kill -HUP <pid>``), or ``POST /config/reload`` on the admin API. Reloads
-never overlap; requests that arrive during one are folded into one more.
-Kubernetes updates a mounted ConfigMap by swapping a symlink in the
-directory, which the watch sees as a change like any other.
+What triggers a reload: a change in the directory, in the pipelines
+directory or in a folder that holds a TLS file of an integration
+(``reload.watch``, through ``watchfiles``: inotify, or polling with
+``reload.force_polling``, one watcher for them all; a descriptor set
+elsewhere is compared at every reload but not watched), SIGHUP
+(``kill -HUP <pid>``), or ``POST /config/reload`` on the admin API. What
+decides is content, not the event: each file an integration was built from
+is compared by digest, so a reload that finds them the same restarts
+nothing. Reloads never overlap; requests that arrive during one are folded
+into one more.
+
+Kubernetes updates a mounted ConfigMap or Secret by swapping a symlink in
+its folder, which the watch sees as a change like any other; so is an
+agent's write-then-rename of a renewed certificate, since a TLS file is
+watched through its folder (and, when it is a symlink to another folder,
+that one's too). The watched folders follow the integrations: a reload
+after which their TLS files live elsewhere moves the watch there.
 """
 
 from __future__ import annotations
@@ -44,8 +58,9 @@ from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.loader import YAML_SUFFIXES, load_integrations
 from nemesis.config.models import IntegrationConfig
 from nemesis.config.problems import sort_problems
+from nemesis.delivery.tls import tls_files
 from nemesis.errors import ConfigError, ConfigProblem
-from nemesis.pipeline import changed_sources, file_digests
+from nemesis.pipeline import file_digests
 from nemesis.runtime import overrides as live
 from nemesis.runtime.app import Proxy
 
@@ -113,6 +128,11 @@ class ConfigReloader:
         self._debounce_ms = debounce_ms
         self._force_polling = force_polling
         self._lock = asyncio.Lock()
+        self._watched: dict[Path, Path] = {}  # resolved -> as watched
+        # The TLS files the valid YAML files name, built or not (one whose files do not
+        # load yet is added by the reload that finds them loading).
+        self._named_tls_files: list[Path] | None = None
+        self._rewatch: asyncio.Event | None = None  # stops the running watch
         self._requested = asyncio.Event()
         self._trigger = "api"
         self._reloads = {True: 0, False: 0}
@@ -157,6 +177,7 @@ class ConfigReloader:
         async with self._lock:
             report = await self._reload(trigger)
         self._record(report)
+        await self._follow_tls_folders()
         return report
 
     # --- the work -------------------------------------------------------------------
@@ -164,13 +185,19 @@ class ConfigReloader:
     async def _reload(self, trigger: str) -> ReloadReport:
         directory = self._directory
         loaded, problems = await asyncio.to_thread(load_integrations, directory, self._env)
+        self._named_tls_files = _named_tls_files(loaded.values())
         present = await asyncio.to_thread(_file_names, directory)
         problems = list(problems)
         by_name = _problems_by_file(problems, directory)
         proxy = self._proxy
-        # Pipeline files (and descriptor sets) that changed since their integration was built.
+        # Pipeline files, descriptor sets and TLS files that changed since their integration
+        # was built.
         stale = await asyncio.to_thread(
-            _stale_sources, {name: group.pipeline.sources for name, group in proxy.groups.items()}
+            _stale_sources,
+            {
+                name: {**group.pipeline.sources, **group.tls_sources}
+                for name, group in proxy.groups.items()
+            },
         )
         added: list[str] = []
         applied: dict[str, list[str]] = {}
@@ -271,30 +298,59 @@ class ConfigReloader:
                 directory,
             )
             return
-        watched = [directory]
-        pipelines = self._proxy.pipelines_dir
-        if pipelines.is_dir() and pipelines.resolve() != directory.resolve():
-            watched.append(pipelines)
+        rewatched = False
         while True:
+            watched = await self._watched_folders()
+            self._watched = watched
+            # Set by a reload after which other folders hold the TLS files: the watcher
+            # (its thread looks at this event between waits) ends, and starts on the new set.
+            rewatch = self._rewatch = asyncio.Event()
+            if rewatched:
+                # Whatever changed since that reload and before the new watcher is up: the
+                # reload runs once this task waits, after awatch has set its watches.
+                self.request("watch")
+                rewatched = False
             try:
                 # Every change counts (no filter): a ConfigMap update is a symlink swap of
                 # dot-named entries, and a reload of an unchanged directory changes nothing.
                 async for _ in awatch(
-                    *watched,
+                    *watched.values(),
                     watch_filter=None,
                     debounce=self._debounce_ms,
                     recursive=False,
                     force_polling=self._force_polling,
+                    stop_event=rewatch,
                 ):
                     self.request("watch")
             except Exception:
                 # A supervisor boundary (the directory went away, the watcher failed):
                 # SIGHUP and the admin API still reload; watching starts again later.
                 log.exception("watching %s failed; watching again in %.0fs", directory, _REWATCH_S)
+            else:
+                rewatched = True  # stopped by a reload: watch the new set now
+                continue
             await self._clock.sleep(_REWATCH_S)
             if not directory.is_dir():
                 continue
             self.request("watch")  # whatever changed meanwhile
+
+    async def _watched_folders(self) -> dict[Path, Path]:
+        """What the watch covers: the integrations, the pipelines, the folders of TLS files."""
+        if self._named_tls_files is None:  # before the first reload: as nemesis run loaded them
+            loaded, _ = await asyncio.to_thread(load_integrations, self._directory, self._env)
+            self._named_tls_files = _named_tls_files(loaded.values())
+        tls = [path for group in self._proxy.groups.values() for path in group.tls_sources]
+        tls.extend(self._named_tls_files)
+        return await asyncio.to_thread(
+            _folders_to_watch, [self._directory, self._proxy.pipelines_dir], tls
+        )
+
+    async def _follow_tls_folders(self) -> None:
+        """Has the watch cover the folders of the TLS files the integrations now use."""
+        if self._rewatch is None or self._rewatch.is_set():
+            return
+        if (await self._watched_folders()).keys() != self._watched.keys():
+            self._rewatch.set()
 
     def _collect(self) -> Iterable[Metric]:
         reloads = CounterMetricFamily(
@@ -321,18 +377,47 @@ class ConfigReloader:
         return [reloads, invalid, success]
 
 
-def _stale_sources(sources: Mapping[str, Mapping[Path, str]]) -> dict[str, list[str]]:
-    """Integration -> the files its pipeline was built from that have changed since (blocking).
+def _stale_sources(sources: Mapping[str, Mapping[Path, str | None]]) -> dict[str, list[str]]:
+    """Integration -> the files it was built from that have changed since (blocking).
 
     Each file is read once, however many integrations share it.
     """
     now = file_digests(path for files in sources.values() for path in files)
     stale: dict[str, list[str]] = {}
     for name, files in sources.items():
-        changed = changed_sources(files, now)
+        changed = [path for path, known in files.items() if now.get(path) != known]
         if changed:
             stale[name] = [str(path) for path in changed]
     return stale
+
+
+def _named_tls_files(configs: Iterable[IntegrationConfig]) -> list[Path]:
+    """Every TLS file the configurations name (some may appear more than once)."""
+    return [path for config in configs for path in tls_files(config.target.tls)]
+
+
+def _folders_to_watch(folders: Iterable[Path], tls_paths: Iterable[Path]) -> dict[Path, Path]:
+    """``folders`` and those of ``tls_paths`` that exist, by their resolved path (blocking).
+
+    A TLS file is watched through its folder, not itself: a certificate is
+    renewed by a rename into that folder (a mounted secret's symlink swap, an
+    agent's write-then-rename), which a watch on the old file would not see.
+    A symlink to a file outside that folder has the target's folder watched
+    too (an agent rewriting the file it points to).
+    """
+    candidates = list(folders)
+    for path in tls_paths:
+        folder = path.absolute().parent
+        candidates.append(folder)
+        if path.is_symlink():
+            target = path.resolve()
+            if not target.is_relative_to(folder.resolve()):
+                candidates.append(target.parent)
+    watched: dict[Path, Path] = {}
+    for folder in candidates:
+        if folder.is_dir():
+            watched.setdefault(folder.resolve(), folder)
+    return watched
 
 
 def _file_names(directory: Path) -> set[str]:
