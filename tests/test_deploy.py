@@ -379,3 +379,10 @@ def test_the_readme_says_the_deployment_was_not_run_here() -> None:
         "grafana/dashboards/nemesis.json",
     ):
         assert path in readme
+
+
+def test_the_deploy_readme_lists_every_shipped_alert() -> None:
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yaml").read_text())
+    alerts = {rule["alert"] for group in rules["groups"] for rule in group["rules"]}
+    readme = (DEPLOY / "README.md").read_text()
+    assert {alert for alert in alerts if f"`{alert}`" not in readme} == set()
