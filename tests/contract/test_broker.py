@@ -221,3 +221,58 @@ async def test_a_stale_sessions_messages_are_not_committed(backend: Backend) -> 
     second = await (await backend.broker()).reader("t", "c")
     again = await receive_all(second, 3)
     assert [m.value for m in again] == [b"1", b"2", b"3"]
+
+
+async def test_one_reader_reads_several_topics_as_one_consumer(backend: Backend) -> None:
+    """An integration's retry tiers and replay topic are read so: sessions, commits, pauses
+    and interrupts per (topic, partition) of one reader."""
+    broker = await backend.broker()
+    for topic in ("a", "b"):
+        await broker.admin.create_topic(topic, partitions=2, consumers=[ConsumerSpec("c")])
+    writers = {topic: await broker.writer(topic) for topic in ("a", "b")}
+    for topic, writer in writers.items():
+        await writer.write(
+            [OutgoingMessage(value=topic.encode(), partition=n % 2) for n in range(4)]
+        )
+    reader = await broker.reader(["a", "b"], "c")
+    got = await receive_all(reader, 8)
+    assert sorted((m.topic, m.partition) for m in got) == sorted(
+        (t, p) for t in ("a", "b") for p in (0, 1) for _ in range(2)
+    )
+    assert all(m.value == m.topic.encode() for m in got)
+    assert all(
+        m.session and (m.session.topic, m.session.partition) == (m.topic, m.partition) for m in got
+    )
+    assert sorted((s.topic, s.partition) for s in reader.sessions()) == [
+        ("a", 0),
+        ("a", 1),
+        ("b", 0),
+        ("b", 1),
+    ]
+    assert reader.stalled() == {}
+    await commit_all(reader, got)
+
+    # Pausing a[0] holds back a[0] only, not b[0].
+    (paused,) = [s for s in reader.sessions() if (s.topic, s.partition) == ("a", 0)]
+    reader.pause(paused)
+    await writers["a"].write([OutgoingMessage(value=b"held", partition=0)])
+    await writers["b"].write([OutgoingMessage(value=b"flows", partition=0)])
+    flowing = await receive_all(reader, 1)
+    assert [(m.topic, m.value) for m in flowing] == [("b", b"flows")]
+    reader.resume(paused)
+    held = await receive_all(reader, 1)
+    assert [(m.topic, m.value) for m in held] == [("a", b"held")]
+    await commit_all(reader, [*flowing, *held])
+
+    waiting = asyncio.create_task(reader.receive(100, 60.0))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    reader.interrupt()
+    assert await asyncio.wait_for(waiting, 10) == ()
+    await reader.close()
+
+    # Every commit held, per topic: a new reader gets only what is written after.
+    again = await broker.reader(["a", "b"], "c")
+    for topic, writer in writers.items():
+        await writer.write([OutgoingMessage(value=b"new " + topic.encode())])
+    assert sorted(m.value for m in await receive_all(again, 2)) == [b"new a", b"new b"]
