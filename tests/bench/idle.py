@@ -2,19 +2,13 @@
 
 For each N (default 100, 500, 1000) it writes N integrations (each with its own
 4-partition source topic, three retry tiers and a replay topic, the DLQ on), starts
-`nemesis run` on the embedded backend (``--backend kafka``: on a Kafka-protocol broker,
-Tansu, started afresh for each run, as tests/bench/delivery.py ``--only kafka`` does;
-the proxy pinned to core 0 and the broker to core 1) and measures:
+`nemesis run` on the embedded backend and measures:
 
   ready_s    start until the admin API's /readyz answers 200,
   running_s  start until every flow of every integration is running (/integrations),
   cpu        CPU seconds the process consumed (all threads, /proc/<pid>/stat) over
              --window seconds of idling, after --settle seconds; shown as % of one core,
-  rss_mb     resident memory at the end of the window,
-  kafka only: broker_cpu  the broker's CPU over the same window (its share of the idle
-             cost: heartbeats and fetches of every group member), and
-             conns      the proxy's TCP connections to the broker at the end of the window
-             (each reader's consumer holds its own: fetches, and its group's coordinator).
+  rss_mb     resident memory at the end of the window.
 
 CPU is counted as CPU seconds consumed, not read off wall-clock rates, so other load on
 the machine stretches the run but barely moves the figure; each N is run --repeat times
@@ -24,13 +18,11 @@ and the spread (min..max) is printed.
 made with ``make install`` there) and prints both side by side. Usage:
 
     python tests/bench/idle.py [--counts 100 500 1000] [--baseline ../main-checkout]
-    python tests/bench/idle.py --backend kafka --counts 50 200 --repeat 1 --baseline ../main
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import secrets
@@ -45,7 +37,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -71,16 +62,10 @@ class Run:
     cpu_s: float
     window_s: float
     rss_mb: float
-    broker_cpu_s: float = float("nan")
-    connections: int = 0
 
     @property
     def core_pct(self) -> float:
         return 100 * self.cpu_s / self.window_s
-
-    @property
-    def broker_pct(self) -> float:
-        return 100 * self.broker_cpu_s / self.window_s
 
 
 def cpu_seconds(pid: int) -> float:
@@ -96,30 +81,6 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def connections_to(pid: int, port: int) -> int:
-    """The process's established TCP connections to ``port`` on 127.0.0.1."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            target = os.readlink(fd)
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    count = 0
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        remote_port = int(fields[2].split(":")[1], 16)
-        if remote_port == port and fields[3] == "01" and fields[9] in inodes:
-            count += 1
-    return count
-
-
-def pin(core: int) -> list[str]:
-    """taskset prefix pinning a child to one core, when there are several."""
-    if (os.cpu_count() or 1) < 2:
-        return []
-    return ["taskset", "-c", str(core)]
-
-
 def get_json(url: str) -> tuple[int, object]:
     try:
         with urllib.request.urlopen(url, timeout=30) as answer:
@@ -130,17 +91,11 @@ def get_json(url: str) -> tuple[int, object]:
         return 0, None
 
 
-def make_workspace(root: Path, python: str, count: int, kafka: str | None = None) -> None:
-    """nemesis.yaml, N integration files, and their source topics (in the broker's file,
-    or on the Kafka broker ``kafka``, each with its integration's consumer registered)."""
+def make_workspace(root: Path, python: str, count: int) -> None:
+    """nemesis.yaml, N integration files, and their source topics in the broker's file."""
     (root / "integrations").mkdir(parents=True)
-    backend = (
-        "{kind: embedded, path: idle.db}"
-        if kafka is None
-        else f"{{kind: kafka, bootstrap_servers: ['{kafka}'], idempotent_producer: false}}"
-    )
     (root / "nemesis.yaml").write_text(
-        f"backend: {backend}\n"
+        "backend: {kind: embedded, path: idle.db}\n"
         "dlq: {kind: sqlite, path: dlq.db}\n"
         "data_dir: .\nintegrations_dir: integrations\n"
         f"pipelines_dir: {REPO / 'pipelines'}\n"
@@ -159,26 +114,6 @@ def make_workspace(root: Path, python: str, count: int, kafka: str | None = None
             "delivery: {workers: 8, buffer: 1000}\n"
             "retry: {tiers: [1m, 5m, 15m]}\n"
         )
-    if kafka is not None:
-        script = (
-            "import asyncio, sys\n"
-            "from nemesis.broker.kafka.broker import open_kafka\n"
-            "from nemesis.broker.kafka.config import KafkaBackendConfig\n"
-            "from nemesis.broker.port import ConsumerSpec\n"
-            "async def main():\n"
-            "    broker = await open_kafka(KafkaBackendConfig(\n"
-            "        bootstrap_servers=[sys.argv[1]], idempotent_producer=False))\n"
-            "    try:\n"
-            "        for n in range(int(sys.argv[2])):\n"
-            "            name = f'idle-{n:04d}'\n"
-            "            await broker.admin.create_topic(\n"
-            f"                name, partitions={PARTITIONS}, consumers=[ConsumerSpec(name)])\n"
-            "    finally:\n"
-            "        await broker.close()\n"
-            "asyncio.run(main())\n"
-        )
-        subprocess.run([python, "-c", script, kafka, str(count)], check=True)
-        return
     script = (
         "import asyncio, sys\n"
         "from nemesis.broker.embedded import open_embedded\n"
@@ -215,82 +150,45 @@ def all_running(url: str, count: int) -> bool:
     )
 
 
-def measure(python: str, count: int, settle_s: float, window_s: float, backend: str) -> Run:
+def measure(python: str, count: int, settle_s: float, window_s: float) -> Run:
     with tempfile.TemporaryDirectory(prefix="nemesis-idle-") as folder:
         root = Path(folder)
-        tansu = start_broker(root) if backend == "kafka" else None
+        make_workspace(root, python, count)
+        url = admin_url(root)
+        started = time.monotonic()
+        process = subprocess.Popen(
+            [python, "-m", "nemesis", "--log-level", "warning", "run"],
+            cwd=root,
+            stdout=subprocess.DEVNULL,
+            stderr=open(root / "proxy.log", "wb"),  # noqa: SIM115 - closed with the process
+        )
         try:
-            return measure_in(root, python, count, settle_s, window_s, tansu)
+            ready_s = running_s = float("nan")
+            deadline = started + 600
+            while time.monotonic() < deadline:
+                if process.poll() is not None:
+                    raise RuntimeError((root / "proxy.log").read_text()[-3000:])
+                if ready_s != ready_s and get_json(f"{url}/readyz")[0] == 200:
+                    ready_s = time.monotonic() - started
+                if ready_s == ready_s and all_running(url, count):
+                    running_s = time.monotonic() - started
+                    break
+                time.sleep(0.1)
+            else:
+                raise RuntimeError(f"{count} integrations not running after 600 s")
+            time.sleep(settle_s)
+            cpu_before, at = cpu_seconds(process.pid), time.monotonic()
+            time.sleep(window_s)
+            cpu_after, elapsed = cpu_seconds(process.pid), time.monotonic() - at
+            memory = rss_mb(process.pid)
         finally:
-            if tansu is not None:
-                tansu.stop()
-
-
-def start_broker(root: Path) -> Any:
-    """A fresh Tansu (memory storage) for one run, pinned to core 1."""
-    sys.path.insert(0, str(REPO))  # the test broker's starter lives in tests/
-    from tests.kafka_broker import start_tansu
-
-    tansu = start_tansu(root)
-    assert tansu.process is not None
-    if (os.cpu_count() or 1) >= 2:
-        os.sched_setaffinity(tansu.process.pid, {1})
-    return tansu
-
-
-def measure_in(
-    root: Path, python: str, count: int, settle_s: float, window_s: float, tansu: Any
-) -> Run:
-    make_workspace(root, python, count, tansu.bootstrap if tansu is not None else None)
-    url = admin_url(root)
-    pinned = pin(0) if tansu is not None else []
-    started = time.monotonic()
-    process = subprocess.Popen(
-        [*pinned, python, "-m", "nemesis", "--log-level", "warning", "run"],
-        cwd=root,
-        stdout=subprocess.DEVNULL,
-        stderr=open(root / "proxy.log", "wb"),  # noqa: SIM115 - closed with the process
-    )
-    try:
-        ready_s = running_s = float("nan")
-        deadline = started + 600
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError((root / "proxy.log").read_text()[-3000:])
-            if ready_s != ready_s and get_json(f"{url}/readyz")[0] == 200:
-                ready_s = time.monotonic() - started
-            if ready_s == ready_s and all_running(url, count):
-                running_s = time.monotonic() - started
-                break
-            time.sleep(0.1)
-        else:
-            raise RuntimeError(f"{count} integrations not running after 600 s")
-        time.sleep(settle_s)
-        broker_pid = tansu.process.pid if tansu is not None else None
-        broker_before = cpu_seconds(broker_pid) if broker_pid else float("nan")
-        cpu_before, at = cpu_seconds(process.pid), time.monotonic()
-        time.sleep(window_s)
-        cpu_after, elapsed = cpu_seconds(process.pid), time.monotonic() - at
-        broker_after = cpu_seconds(broker_pid) if broker_pid else float("nan")
-        memory = rss_mb(process.pid)
-        connections = connections_to(process.pid, tansu.port) if tansu is not None else 0
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    return Run(
-        count,
-        ready_s,
-        running_s,
-        cpu_after - cpu_before,
-        elapsed,
-        memory,
-        broker_after - broker_before,
-        connections,
-    )
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        return Run(count, ready_s, running_s, cpu_after - cpu_before, elapsed, memory)
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -309,8 +207,6 @@ def summary(runs: list[Run]) -> dict[str, str]:
         "idle cpu s": spread([r.cpu_s for r in runs], ".2f"),
         "% core": spread([r.core_pct for r in runs], ".1f"),
         "rss MB": spread([r.rss_mb for r in runs], ".0f"),
-        "broker % core": spread([r.broker_pct for r in runs], ".1f"),
-        "conns": spread([float(r.connections) for r in runs], ".0f"),
     }
 
 
@@ -321,7 +217,6 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=5.0, help="seconds before the window")
     parser.add_argument("--window", type=float, default=20.0, help="seconds of idle measured")
     parser.add_argument("--baseline", type=Path, help="another checkout to measure as 'before'")
-    parser.add_argument("--backend", choices=("embedded", "kafka"), default="embedded")
     args = parser.parse_args()
     trees: list[tuple[str, str]] = []
     if args.baseline is not None:
@@ -331,23 +226,16 @@ def main() -> None:
     for count in args.counts:
         for _ in range(args.repeat):
             for label, python in trees:
-                run = measure(python, count, args.settle, args.window, args.backend)
+                run = measure(python, count, args.settle, args.window)
                 results.setdefault((label, count), []).append(run)
                 print(
                     f"  {label:6} N={count:5}: ready {run.ready_s:.1f}s, running"
                     f" {run.running_s:.1f}s, {run.cpu_s:.2f} cpu-s in {run.window_s:.1f}s"
-                    f" ({run.core_pct:.1f}% of a core), rss {run.rss_mb:.0f} MB"
-                    + (
-                        f"; broker {run.broker_pct:.1f}% of a core, {run.connections} connections"
-                        if args.backend == "kafka"
-                        else ""
-                    ),
+                    f" ({run.core_pct:.1f}% of a core), rss {run.rss_mb:.0f} MB",
                     flush=True,
                 )
     print()
     columns = ["ready s", "running s", "idle cpu s", "% core", "rss MB"]
-    if args.backend == "kafka":
-        columns += ["broker % core", "conns"]
     print(f"{'N':>5} {'tree':6} " + " ".join(f"{c:>20}" for c in columns))
     for count in args.counts:
         for label, _ in trees:

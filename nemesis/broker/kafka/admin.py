@@ -203,11 +203,8 @@ class KafkaAdmin:
         if start_from.kind == "latest":
             return await self._ends(fresh)
         assert start_from.at is not None
-        by_time = {
-            topic: await self.offsets_for_time(topic, start_from.at)
-            for topic in dict.fromkeys(tp.topic for tp in fresh)
-        }
-        return {tp: by_time[tp.topic][tp.partition] for tp in fresh}
+        by_time = await self.offsets_for_time(fresh[0].topic, start_from.at)
+        return {tp: by_time[tp.partition] for tp in fresh}
 
     # --- offsets for operators ----------------------------------------------------
 

@@ -1,13 +1,7 @@
-"""The Kafka reader: one consumer-group member per reader, adapted to the port.
-
-Topics. A reader subscribes its one consumer to one topic (a flow's source)
-or to several (an integration's retry tiers and replay topic, read as one
-consumer): everything below is per (topic, partition), and a reader of
-several topics is one group member, with one heartbeat, one fetcher and one
-connection to the coordinator, however many topics it reads.
+"""The Kafka reader: one consumer-group member per (topic, consumer), adapted to the port.
 
 Partition sessions. The group (id: the port's consumer name) assigns the
-topics' partitions to its members. Each partition assigned to this member
+topic's partitions to its members. Each partition assigned to this member
 is a ``KafkaSession``; the rebalance listener ends it the moment the group
 revokes the partition (``on_partitions_revoked`` runs before the member
 rejoins), so its messages still queued or in flight are stale at once:
@@ -74,13 +68,13 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is
 
 
 class KafkaReader:
-    """Reads one or more topics as one consumer group member; see the module docstring."""
+    """Reads one topic as one consumer group member; see the module docstring."""
 
     def __init__(
         self,
         consumer: AIOKafkaConsumer,
         *,
-        topics: Sequence[str],
+        topic: str,
         group: str,
         commit_timeout_s: float,
         leave_timeout_s: float = 0.0,
@@ -89,15 +83,10 @@ class KafkaReader:
         self._consumer = consumer
         self._start_positions = start_positions
         self._leave_timeout_s = leave_timeout_s
-        if not topics or len(set(topics)) != len(topics):
-            raise ValueError("a reader reads one or more distinct topics")
-        self._topics = tuple(topics)
-        self._label = ", ".join(topics)  # in messages and logs
+        self._topic = topic
         self._group = group
         self._commit_timeout_s = commit_timeout_s
-        # By (topic, partition): aiokafka's TopicPartition is that tuple, so a fetched
-        # batch finds its session without building a key.
-        self._sessions: dict[tuple[str, int], KafkaSession] = {}
+        self._sessions: dict[int, KafkaSession] = {}
         self._serials = itertools.count(1)
         self._closing: asyncio.Future[Any] | None = None
         self._dropped = 0
@@ -106,8 +95,8 @@ class KafkaReader:
         self.listener = _Listener(self)
 
     @property
-    def topics(self) -> tuple[str, ...]:
-        return self._topics
+    def topic(self) -> str:
+        return self._topic
 
     @property
     def consumer(self) -> str:
@@ -120,37 +109,38 @@ class KafkaReader:
     # --- group membership ---------------------------------------------------------
 
     def _revoked(self, partitions: Any) -> None:
-        sessions = self._sessions
         for tp in partitions:
-            session = sessions.pop((tp.topic, tp.partition), None)
+            session = self._sessions.pop(tp.partition, None) if tp.topic == self._topic else None
             if session is not None:
                 session.end()
-        logger.info("%s as %s: partitions revoked %s", self._label, self._group, _named(partitions))
+        logger.info(
+            "%s as %s: partitions revoked %s", self._topic, self._group, _numbers(partitions)
+        )
 
     def _assigned(self, partitions: Any) -> None:
-        sessions = self._sessions
         for tp in partitions:
-            if tp.topic not in self._topics:
+            if tp.topic != self._topic:
                 continue
-            key = (tp.topic, tp.partition)
-            previous = sessions.get(key)
+            previous = self._sessions.get(tp.partition)
             if previous is not None:
                 previous.end()
-            sessions[key] = KafkaSession(tp.topic, tp.partition, next(self._serials), owner=self)
+            self._sessions[tp.partition] = KafkaSession(
+                self._topic, tp.partition, next(self._serials), owner=self
+            )
         logger.info(
-            "%s as %s: partitions assigned %s", self._label, self._group, _named(partitions)
+            "%s as %s: partitions assigned %s", self._topic, self._group, _numbers(partitions)
         )
 
     async def _position(self, partitions: Any) -> None:
         """Moves newly assigned partitions the group never read to where reading starts."""
-        mine = [tp for tp in partitions if tp.topic in self._topics]
+        mine = [tp for tp in partitions if tp.topic == self._topic]
         if self._start_positions is None or not mine:
             return
         try:
             positions = await self._start_positions(mine)
         except BrokerError as exc:
             # The group's own position (its registration, or auto_offset_reset) stands.
-            logger.warning("%s as %s: start position unknown: %s", self._label, self._group, exc)
+            logger.warning("%s as %s: start position unknown: %s", self._topic, self._group, exc)
             return
         for tp, offset in positions.items():
             self._consumer.seek(tp, offset)
@@ -175,16 +165,15 @@ class KafkaReader:
             # aiokafka keeps fetched records until a getmany hands them out.
             await first_of(fetch, wake.wait(), timeout_s=max(timeout_s, 0.0) + _RECEIVE_SLACK_S)
         except KafkaError as exc:
-            raise broker_error(exc, f"receive from {self._label} as {self._group}") from exc
+            raise broker_error(exc, f"receive from {self._topic} as {self._group}") from exc
         finally:
             self._wake = None
         if not fetch.done() or fetch.cancelled():
             return ()  # interrupted, or a rebalance is in progress: nothing to hand out
         batches = fetch.result()
         out: list[Message] = []
-        sessions = self._sessions
         for tp, records in batches.items():
-            session = sessions.get(tp)
+            session = self._sessions.get(tp.partition)
             if session is None or not session.alive:
                 self._dropped += len(records)
                 continue
@@ -200,8 +189,8 @@ class KafkaReader:
         session = run_session(messages, KafkaSession, lambda s: s.owner is self)
         if not session.alive:
             return
-        tp = TopicPartition(session.topic, session.partition)
-        what = f"commit {session.topic}[{session.partition}] up to {messages[-1].offset}"
+        tp = TopicPartition(self._topic, session.partition)
+        what = f"commit {self._topic}[{session.partition}] up to {messages[-1].offset}"
         try:
             async with asyncio.timeout(self._commit_timeout_s):
                 await self._consumer.commit({tp: messages[-1].offset + 1})
@@ -211,8 +200,8 @@ class KafkaReader:
             # from the last accepted commit.
             logger.info("%s refused, the partition session ends: %s", what, describe(exc))
             session.end()
-            if self._sessions.get(tp) is session:
-                del self._sessions[tp]
+            if self._sessions.get(session.partition) is session:
+                del self._sessions[session.partition]
         except (KafkaError, TimeoutError) as exc:
             raise broker_error(exc, what) from exc
 
@@ -223,21 +212,18 @@ class KafkaReader:
         own = self._own(session)
         if own is not None and not own.paused:
             own.paused = True
-            self._consumer.pause(TopicPartition(own.topic, own.partition))
+            self._consumer.pause(TopicPartition(self._topic, own.partition))
 
     def resume(self, session: PartitionSession) -> None:
         own = self._own(session)
         if own is not None and own.paused:
             own.paused = False
-            self._consumer.resume(TopicPartition(own.topic, own.partition))
+            self._consumer.resume(TopicPartition(self._topic, own.partition))
 
     def _own(self, session: PartitionSession) -> KafkaSession | None:
         if not isinstance(session, KafkaSession) or session.owner is not self:
             return None
-        if (
-            not session.alive
-            or self._sessions.get((session.topic, session.partition)) is not session
-        ):
+        if not session.alive or self._sessions.get(session.partition) is not session:
             return None
         return session
 
@@ -252,7 +238,7 @@ class KafkaReader:
 
     def sessions(self) -> Sequence[PartitionSession]:
         """The partitions the group assigns to this member now, one session each."""
-        return [self._sessions[key] for key in sorted(self._sessions) if self._sessions[key].alive]
+        return sorted((s for s in self._sessions.values() if s.alive), key=lambda s: s.partition)
 
     @property
     def dropped(self) -> int:
@@ -285,12 +271,12 @@ class KafkaReader:
             close_leftover_connections(self._consumer)
             return
         logger.warning(
-            "reader of %s as %s did not stop in %.1fs", self._label, self._group, timeout_s
+            "reader of %s as %s did not stop in %.1fs", self._topic, self._group, timeout_s
         )
 
 
-def _named(partitions: Any) -> list[str]:
-    return [f"{topic}[{partition}]" for topic, partition in sorted(partitions)]
+def _numbers(partitions: Any) -> list[int]:
+    return sorted(tp.partition for tp in partitions)
 
 
 def _consume_exception(future: asyncio.Future[Any]) -> None:
