@@ -633,35 +633,28 @@ class IntegrationRunner:
         self._delivered, self._filtered = [], []
         if self._breaker is not None:
             self._breaker.record_healthy(len(delivered))
-        now = self._clock.time()
-        attempted, request_s = 0, 0.0
+        request_s = 0.0
         durations: list[float] = []
         sizes: list[int] = []
-        ages: list[float] = []
+        works_delivered: list[Work] = []
         answers: dict[tuple[int | None, str], int] = {}  # messages by (status, protocol)
         for works, result in delivered:
             count = len(works)
-            attempted += count
             request_s += result.duration_s
             durations.append(result.duration_s)
             sizes.append(count)
             answer = (result.status, result.protocol)
             answers[answer] = answers.get(answer, 0) + count
-            for work in works:
-                written_at = work.message.written_at
-                if written_at > 0:  # 0: the backend did not say
-                    # Clamped: the broker's clock (YDB's) may run ahead of ours.
-                    age = now - written_at
-                    ages.append(age if age > 0 else 0.0)
-            finished += works
+            works_delivered += works
         self._requests += len(delivered)
         self._request_s += request_s
-        self._attempted += attempted
+        self._attempted += len(works_delivered)
         self._histogram(Outcome.DELIVERED).observe_many(durations)
         self._m_batch.observe_many(sizes)
-        self._m_age.observe_many(ages)
+        self._observe_age(works_delivered)
         for (status, protocol), count in answers.items():
             self._counter(Outcome.DELIVERED, status, protocol).inc(count)
+        finished += works_delivered
         self._finish_all(finished)
 
     def _drop_stale(self, batch: list[Work]) -> list[Work]:
