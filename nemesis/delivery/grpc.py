@@ -48,10 +48,10 @@ from nemesis.delivery.contract import (
     outcome_for_grpc_status,
     timeout_after,
 )
-from nemesis.delivery.port import DeliveryResult, Event, Outcome
+from nemesis.delivery.port import DeliveryResult, Event, Outcome, config_problem
 from nemesis.delivery.signing import grpc_batch_body
 from nemesis.delivery.tls import pem_files
-from nemesis.errors import ConfigError, ConfigProblem
+from nemesis.errors import ConfigError
 from nemesis.proto import SERVICE
 
 try:
@@ -353,7 +353,7 @@ def _address(target: TargetConfig, integration: str) -> tuple[str, bool]:
     """``grpc[s]://host[:port]`` as the channel target ``host:port``, and whether it is TLS."""
     if target.scheme not in DEFAULT_PORTS:
         raise ConfigError(
-            [_problem(integration, "target.url", "the gRPC transport needs grpc(s)://")]
+            [config_problem(integration, "target.url", "the gRPC transport needs grpc(s)://")]
         )
     parts = urlsplit(target.url)
     problem = None
@@ -367,7 +367,7 @@ def _address(target: TargetConfig, integration: str) -> tuple[str, bool]:
     elif not parts.hostname:
         problem = "the URL names no host"
     if problem is not None or port is None:
-        raise ConfigError([_problem(integration, "target.url", problem or "")])
+        raise ConfigError([config_problem(integration, "target.url", problem or "")])
     host = parts.hostname or ""
     port = port or DEFAULT_PORTS[target.scheme]
     return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}"), target.scheme == "grpcs"
@@ -391,18 +391,14 @@ def _checked_metadata(headers: Mapping[str, str], integration: str) -> tuple[tup
         key = name.lower()
         if not _METADATA_KEY.fullmatch(key) or key.endswith("-bin"):
             message = "not a valid gRPC metadata key (letters, digits, '-', '_', '.'; no -bin)"
-            raise ConfigError([_problem(integration, field, message)])
+            raise ConfigError([config_problem(integration, field, message)])
         if key.startswith("grpc-") or key in _RESERVED_METADATA:
-            raise ConfigError([_problem(integration, field, "set by gRPC itself")])
+            raise ConfigError([config_problem(integration, field, "set by gRPC itself")])
         if key == SIGNATURE_HEADER:
             message = "set by Nemesis when target.signing is configured"
-            raise ConfigError([_problem(integration, field, message)])
+            raise ConfigError([config_problem(integration, field, message)])
         if _UNSAFE_VALUE_CHARS.search(value):
             message = "gRPC metadata values are printable ASCII"
-            raise ConfigError([_problem(integration, field, message)])
+            raise ConfigError([config_problem(integration, field, message)])
         checked.append((key, value))
     return tuple(checked)
-
-
-def _problem(integration: str, field: str, message: str) -> ConfigProblem:
-    return ConfigProblem(file=f"integration {integration}", line=None, field=field, message=message)

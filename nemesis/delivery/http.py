@@ -45,9 +45,8 @@ from nemesis.delivery.http_common import (
     KEEPALIVE_S,
     USER_AGENT,
     checked_headers,
-    config_problem,
 )
-from nemesis.delivery.port import DeliveryResult, Event
+from nemesis.delivery.port import DeliveryResult, Event, config_problem
 from nemesis.delivery.tls import ssl_context
 from nemesis.errors import ConfigError
 

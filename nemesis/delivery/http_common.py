@@ -13,7 +13,8 @@ from typing import Final
 
 from nemesis import __version__
 from nemesis.delivery.contract import SIGNATURE_HEADER
-from nemesis.errors import ConfigError, ConfigProblem
+from nemesis.delivery.port import config_problem
+from nemesis.errors import ConfigError
 
 USER_AGENT: Final = f"nemesis/{__version__}"
 
@@ -53,8 +54,3 @@ def checked_headers(headers: Mapping[str, str], integration: str) -> dict[str, s
             raise ConfigError([config_problem(integration, field, message)])
         checked[lowered] = value
     return checked
-
-
-def config_problem(integration: str, field: str, message: str) -> ConfigProblem:
-    """A problem with an integration's target, found when its transport is made."""
-    return ConfigProblem(file=f"integration {integration}", line=None, field=field, message=message)

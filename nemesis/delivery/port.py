@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from nemesis.broker.port import Message
+from nemesis.errors import ConfigProblem
 
 
 class Outcome(enum.Enum):
@@ -71,3 +72,8 @@ class Transport(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+def config_problem(integration: str, field: str, message: str) -> ConfigProblem:
+    """A problem with an integration's target, found when its transport is made."""
+    return ConfigProblem(file=f"integration {integration}", line=None, field=field, message=message)
