@@ -24,8 +24,10 @@ A test that stops or freezes a broker starts its own.
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -75,27 +77,37 @@ def cache_dir() -> Path:
 def kafka_classpath() -> str:
     """The broker's classpath, resolved by Maven from ``tests/kafka/pom.xml`` once and cached.
 
-    Fails the test with Maven's own error lines when it cannot resolve.
+    Fails the test with Maven's own error lines when it cannot resolve. xdist
+    workers take a lock: one resolves, the others read what it cached.
     """
     digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:16]
     cached = cache_dir() / f"kafka-classpath-{digest}.txt"
-    if cached.is_file():
-        classpath = cached.read_text().strip()
-        if classpath and all(Path(jar).is_file() for jar in classpath.split(os.pathsep)):
-            return classpath
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with (cached.parent / "kafka-classpath.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if cached.is_file():
+            classpath = cached.read_text().strip()
+            if classpath and all(Path(jar).is_file() for jar in classpath.split(os.pathsep)):
+                return classpath
+        resolve_classpath(cached)
+    return cached.read_text().strip()
+
+
+def resolve_classpath(into: Path) -> None:
     for tool in ("mvn", "java"):
         if shutil.which(tool) is None:
             pytest.fail(
                 f"`{tool}` is not on PATH: the Kafka tests need Maven and a JDK >= 17"
-                " (`make system-packages` installs them)"
+                " (`make system-packages` installs them)",
+                pytrace=False,
             )
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = cached.with_suffix(f".{os.getpid()}.part")
+    partial = into.with_suffix(f".{os.getpid()}.part")
     result = subprocess.run(
         [
             "mvn",
             "-B",
             "-q",
+            "-Dstyle.color=never",
             "-f",
             str(POM),
             "dependency:build-classpath",
@@ -106,15 +118,15 @@ def kafka_classpath() -> str:
         timeout=600,
     )
     if result.returncode != 0 or not partial.is_file():
-        output = (result.stdout + result.stderr).splitlines()
-        errors = [line for line in output if "ERROR" in line] or output[-20:]
+        output = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout + result.stderr).splitlines()
+        # Maven's error, without the advice it prints after it.
+        errors = [line for line in output if line.startswith("[ERROR]")][:1] or output[-20:]
         pytest.fail(
             f"Maven could not resolve Apache Kafka from {POM} (exit {result.returncode}):\n"
             + "\n".join(errors),
             pytrace=False,
         )
-    os.replace(partial, cached)
-    return cached.read_text().strip()
+    os.replace(partial, into)
 
 
 def kafka_uuid() -> str:
