@@ -6,6 +6,8 @@ import asyncio
 import json
 import random
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -285,6 +287,24 @@ def test_demo_runs_and_delivers(workspace: Workspace) -> None:
     assert filtered > delivered  # most orders are filtered inside the proxy
     assert dead > 0  # orders above 480 are rejected by the sample handler
     assert (workspace.root / "demo" / "integrations" / "demo-orders.yaml").exists()
+    # The viewer's user and this run's password, as the README says.
+    [viewer] = [line for line in result.stdout.splitlines() if "dlq-viewer:" in line]
+    assert re.search(r"http://127\.0\.0\.1:\d+/ \(demo / \S+\)$", viewer), viewer
+
+    # The demo's parting hint runs as printed, with .venv/bin on PATH (the README's step).
+    hint = re.search(r"look at them: (nemesis dlq list -c \S+)$", result.stdout, re.MULTILINE)
+    assert hint, result.stdout
+    bin_dir = Path(sys.executable).parent
+    hinted = subprocess.run(
+        ["bash", "-c", f'export PATH="{bin_dir}:$PATH"; {hint.group(1)}'],
+        cwd=workspace.root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert hinted.returncode == 0, hinted.stderr
+    assert "http_4xx" in hinted.stdout
 
     # The DLQ from a terminal, on what the demo left behind.
     config = str(workspace.root / "demo" / "nemesis.yaml")
