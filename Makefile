@@ -49,8 +49,11 @@ typecheck: install
 
 XDIST ?= -n auto --dist loadfile
 
+# The 25 slowest tests are listed at the end of every run (where the time goes).
+DURATIONS ?= --durations=25
+
 pytest: install
-	$(BIN)/pytest $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/pytest $(XDIST) $(DURATIONS) $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python tests/bench/delivery.py --only delivery --only log --only latency --only kafka

@@ -36,10 +36,29 @@ async def test_each_deadline_falls_at_its_own_time_with_one_timer() -> None:
     finished_in_time = asyncio.create_task(_wait_past(deadlines, 0.01))
     results = await asyncio.gather(*tasks, finished_in_time)
     for timed_out, elapsed in results[:3]:
-        assert timed_out
-        assert 0.2 <= elapsed < 1.0  # never early; late by the loop's wake-up only
+        assert timed_out  # cut by its deadline, not ended by its 5 s sleep
+        assert elapsed >= 0.2  # never early
     assert results[3][0] is False
     assert len(deadlines) == 0
+
+
+async def test_the_one_timer_is_armed_for_the_oldest_running_deadline() -> None:
+    deadlines = Deadlines(0.2)
+    first = asyncio.create_task(_wait_past(deadlines, 5.0))
+    await asyncio.sleep(0.05)
+    later = [asyncio.create_task(_wait_past(deadlines, 5.0)) for _ in range(2)]
+    await asyncio.sleep(0)  # they have started: three deadlines, one timer
+    oldest = next(iter(deadlines._running))  # the one switch this test needs
+    assert deadlines._timer is not None
+    assert deadlines._timer.when() == oldest.at
+    assert (await first)[0]
+    # Cut at its own time: the timer now waits for the next deadline, not a timeout more.
+    following = next(iter(deadlines._running))
+    assert following.at > oldest.at
+    assert deadlines._timer is not None
+    assert deadlines._timer.when() == following.at
+    assert all([timed_out for timed_out, _ in await asyncio.gather(*later)])
+    assert deadlines._timer is None
 
 
 async def test_a_task_that_finished_in_time_is_never_cancelled_later() -> None:

@@ -46,3 +46,25 @@ def test_every_relative_link_in_the_documents_resolves() -> None:
             if file and not (path.parent / file).exists():
                 broken.append(f"{path.relative_to(ROOT)}: {target}")
     assert broken == []
+
+
+# A document named by its path, in code or in another document (a folder, then a .md name).
+CITED = re.compile(r"(?<![\w./:-])((?:[\w.-]+/)+[\w.-]+\.md)\b")
+
+
+def test_every_document_a_source_file_cites_by_path_is_in_the_repository() -> None:
+    files = tracked_files()
+    names = {path.relative_to(ROOT).as_posix() for path in files}
+    missing = []
+    for path in files:
+        if path.suffix not in {".py", ".md", ".yaml", ".yml", ".tmpl"} or not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for cited in CITED.findall(line):
+                relative = cited.removeprefix("./")
+                if (path.parent / relative).exists() or any(
+                    name == relative or name.endswith("/" + relative) for name in names
+                ):
+                    continue
+                missing.append(f"{path.relative_to(ROOT)}:{number}: {cited}")
+    assert missing == []

@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import sqlite3
-import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,6 +36,12 @@ PARTITIONS = 4
 # Polling alone would find an append after 250 ms on average: anything much
 # faster was woken by a ring.
 SLOW_POLL = Wakeups(poll_min_s=0.5, poll_max_s=0.5, belled_poll_max_s=0.5)
+# No poll, no watch and no tail-window look within a test's time: only a ring (or a
+# write through the same broker) sends a reader to the file, so what a reader finds,
+# and how, does not depend on how fast the host runs.
+RINGS_ONLY = Wakeups(
+    poll_min_s=3600, poll_max_s=3600, belled_poll_max_s=3600, belled_tail_window_s=3600
+)
 
 # A writer process: appends `count` messages at `rate` msg/s, one per write, each
 # stamped with the monotonic clock (shared by the processes of one machine), to
@@ -66,30 +71,59 @@ async def main(path, topic, count, rate, partition):
 asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])))
 """
 
-# A reader process on the given event loop: reports its bell's address once it
-# holds the topic's partitions, then the write -> receive latency of `count`
-# messages in ms (or, with count 0, just waits to be killed).
-READER_SCRIPT = """
-import asyncio, json, sys, time
+# A writer process in step with the test: one message per line read from stdin
+# ("n partition"), so at most one ring waits in a reader's socket at a time (none is
+# refused); at the end of stdin it prints what it rang as JSON.
+STEP_WRITER_SCRIPT = """
+import asyncio, json, sys
+from nemesis.broker.embedded import open_embedded
+from nemesis.broker.port import OutgoingMessage
+
+async def main(path, topic):
+    broker = await open_embedded(path)
+    try:
+        writer = await broker.writer(topic)
+        loop = asyncio.get_running_loop()
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            n, partition = line.split()
+            await writer.write([OutgoingMessage(value=n.encode(), partition=int(partition))])
+        rung = broker.bell_statistics().rung
+    finally:
+        await broker.close()
+    print(json.dumps({"sent": rung.sent, "dropped": rung.dropped, "dead": rung.dead_removed}))
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+# A reader process on the given event loop that only rings can wake (no poll, no
+# watch): reports its bell's address once it holds the topic's partitions and has
+# read the (empty) topic, then each message's number as it arrives, then its
+# statistics after `count` messages.
+RINGS_ONLY_READER_SCRIPT = """
+import asyncio, json, sys
 from nemesis.broker.embedded import Wakeups, open_embedded
 from nemesis.config.models import EmbeddedBackendConfig
 
 async def main(path, count):
-    slow_poll = Wakeups(poll_min_s=0.5, poll_max_s=0.5, belled_poll_max_s=0.5)
-    broker = await open_embedded(EmbeddedBackendConfig(path=path, lease_s=30), wakeups=slow_poll)
+    rings_only = Wakeups(poll_min_s=3600, poll_max_s=3600, belled_poll_max_s=3600,
+                         belled_tail_window_s=3600)
+    broker = await open_embedded(EmbeddedBackendConfig(path=path, lease_s=30), wakeups=rings_only)
     try:
         reader = await broker.reader("t", "c")
-        print(json.dumps({"bell": broker.bell_statistics().address.hex()}), flush=True)
-        if not count:
-            await asyncio.Event().wait()
-        latencies, order = [], []
-        while len(latencies) < count:
+        assert not await reader.receive(10, 0.05)
+        ready = reader.statistics()
+        print(json.dumps({"file_reads": ready.file_reads, "cache_reads": ready.cache_reads}),
+              flush=True)
+        received = 0
+        while received < count:
             for message in await reader.receive(500, 5.0):
-                n, stamp = message.value.split()
-                latencies.append((time.monotonic_ns() - int(stamp)) / 1e6)
-                order.append(int(n))
-        print(json.dumps({"latencies_ms": latencies, "order": order,
-                          "rings": reader.statistics().rings}), flush=True)
+                print(json.dumps({"n": int(message.value), "partition": message.partition}),
+                      flush=True)
+                received += 1
+        stats = reader.statistics()
+        print(json.dumps({"rings": stats.rings, "watch_rings": stats.watch_rings,
+                          "file_reads": stats.file_reads, "cache_reads": stats.cache_reads}),
+              flush=True)
     finally:
         await broker.close()
 
@@ -101,20 +135,44 @@ else:
     asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 """
 
+# A reader process that reports its bell's address once it holds the topic's
+# partitions, then waits to be killed.
+IDLE_READER_SCRIPT = """
+import asyncio, json, sys
+from nemesis.broker.embedded import open_embedded
+from nemesis.config.models import EmbeddedBackendConfig
+
+async def main(path):
+    broker = await open_embedded(EmbeddedBackendConfig(path=path, lease_s=30))
+    try:
+        await broker.reader("t", "c")
+        print(json.dumps({"bell": broker.bell_statistics().address.hex()}), flush=True)
+        await asyncio.Event().wait()
+    finally:
+        await broker.close()
+
+asyncio.run(main(sys.argv[1]))
+"""
+
 
 def backend(path: Path) -> EmbeddedBackendConfig:
     return EmbeddedBackendConfig(path=str(path), lease_s=30.0)
 
 
 async def run_script(
-    tmp_path: Path, name: str, script: str, *args: str
+    tmp_path: Path, name: str, script: str, *args: str, stdin: bool = False
 ) -> asyncio.subprocess.Process:
     path = tmp_path / f"{name}.py"
     path.write_text(script)
     stderr = (tmp_path / f"{name}.stderr").open("wb")
     try:
         return await asyncio.create_subprocess_exec(
-            sys.executable, str(path), *args, stdout=asyncio.subprocess.PIPE, stderr=stderr
+            sys.executable,
+            str(path),
+            *args,
+            stdin=asyncio.subprocess.PIPE if stdin else None,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stderr,
         )
     finally:
         stderr.close()
@@ -198,36 +256,60 @@ def bell_rows(path: Path) -> list[tuple[int, str, bytes]]:
 # --- the fast path --------------------------------------------------------------------------
 
 
+async def step_writer(tmp_path: Path) -> asyncio.subprocess.Process:
+    """A writer process that appends one message per ``write_step`` (see STEP_WRITER_SCRIPT)."""
+    return await run_script(
+        tmp_path, "writer", STEP_WRITER_SCRIPT, str(tmp_path / "n.db"), "t", stdin=True
+    )
+
+
+async def write_step(writer: asyncio.subprocess.Process, n: int) -> None:
+    """Has the step writer append message ``n`` to partition ``n % PARTITIONS``."""
+    assert writer.stdin is not None
+    writer.stdin.write(b"%d %d\n" % (n, n % PARTITIONS))
+    await writer.stdin.drain()
+
+
+async def end_steps(writer: asyncio.subprocess.Process, tmp_path: Path) -> dict[str, Any]:
+    """Closes the step writer's stdin; what it rang."""
+    assert writer.stdin is not None
+    writer.stdin.close()
+    report = await next_report(writer, tmp_path)
+    assert await writer.wait() == 0, stderr_of(tmp_path)
+    return report
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-async def test_a_ring_wakes_a_reader_in_another_process_at_once(
+async def test_a_ring_alone_wakes_a_reader_in_another_process(
     broker: EmbeddedBroker, tmp_path: Path, loop: str
 ) -> None:
-    count = 300
+    # The reader never polls and has no watch: each message it receives, a ring told it
+    # of. In step: the next message is written once the reader has the last one.
+    count = 100
     reader = await run_script(
-        tmp_path, "reader", READER_SCRIPT, str(tmp_path / "n.db"), str(count), loop
+        tmp_path, "reader", RINGS_ONLY_READER_SCRIPT, str(tmp_path / "n.db"), str(count), loop
     )
+    writer = await step_writer(tmp_path)
     try:
-        await next_report(reader, tmp_path)  # registered and holding every partition
-        written = await write_from_another_process(tmp_path, "t", count)
-        received = await next_report(reader, tmp_path)
+        ready = await next_report(reader, tmp_path)  # holds every partition, read the topic
+        received = []
+        for n in range(count):
+            await write_step(writer, n)
+            received.append(await next_report(reader, tmp_path))
+        stats = await next_report(reader, tmp_path)
+        written = await end_steps(writer, tmp_path)
     finally:
-        if reader.returncode is None:
-            reader.kill()
-        await reader.wait()
-    # Every message, each partition in order (round robin: n % 4 is the partition).
-    assert sorted(received["order"]) == list(range(count))
-    for partition in range(PARTITIONS):
-        mine = [n for n in received["order"] if n % PARTITIONS == partition]
-        assert mine == sorted(mine)
-    # Every append rang (a ring the reader's full socket buffer refused is dropped, not
-    # lost: the reader polls for it); on a loaded host some are dropped.
-    assert written["sent"] + written["dropped"] >= count - 1
-    assert written["sent"] > 0
-    assert received["rings"] > 0
-    # A functional check, not a benchmark: polled every 500 ms, the median
-    # would be about 250 ms; rung, it is well under a millisecond.
-    median = statistics.median(received["latencies_ms"][10:])
-    assert median < 2.0, sorted(received["latencies_ms"])[::30]
+        for process in (reader, writer):
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+    assert received == [{"n": n, "partition": n % PARTITIONS} for n in range(count)]
+    assert (written["sent"], written["dropped"]) == (count, 0)
+    assert (stats["rings"], stats["watch_rings"]) == (count, 0)
+    # Every ring carried its row: after the first append to each partition (nothing
+    # held in the cache to continue, so the file is read), each came from the cache.
+    assert stats["file_reads"] - ready["file_reads"] == PARTITIONS
+    assert stats["cache_reads"] - ready["cache_reads"] == count - PARTITIONS
 
 
 async def test_rings_wake_only_readers_of_the_topic_and_partitions_written(
@@ -262,23 +344,22 @@ async def test_a_reader_on_a_long_path_gets_an_abstract_bell(tmp_path: Path) -> 
         pytest.skip("abstract AF_UNIX names are Linux only")
     deep = tmp_path / ("d" * 110)
     deep.mkdir()
-    broker = await open_embedded(backend(deep / "n.db"), wakeups=SLOW_POLL)
+    broker = await open_embedded(backend(deep / "n.db"), wakeups=RINGS_ONLY)
     try:
         await broker.admin.create_topic("t", partitions=1, consumers=[ConsumerSpec("c")])
         reader = await broker.reader("t", "c")
         address = broker.bell_statistics().address
         assert address is not None
         assert address.startswith(b"\0")
-        waiting = asyncio.create_task(reader.receive(10, 5.0))
-        await asyncio.sleep(0.05)
+        assert not await reader.receive(10, 0.05)  # drained: only a ring can wake it now
+        waiting = asyncio.create_task(reader.receive(10, 30.0))
         other = await open_embedded(backend(deep / "n.db"))
         try:
             writer = await other.writer("t")
-            started = time.monotonic()
             await writer.write([OutgoingMessage(value=b"far")])
-            assert [m.value for m in await waiting] == [b"far"]
-            assert time.monotonic() - started < 0.25  # not the 500 ms poll
+            assert [m.value for m in await waiting] == [b"far"]  # never polled: rung
             assert other.bell_statistics().rung.sent == 1
+            assert reader.statistics().rings == 1
         finally:
             await other.close()
     finally:
@@ -315,26 +396,43 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 
 
 async def test_small_appends_reach_a_reader_in_another_process_without_a_file_read(
-    broker: EmbeddedBroker, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
-    reader = await broker.reader("t", "c")
-    await reader.receive(10, 0.05)  # caught up: the first read of the (empty) file
-    count = 200
-    writer = await run_script(
-        tmp_path, "writer", WRITER_SCRIPT, str(tmp_path / "n.db"), "t", str(count), "500", "-1"
-    )
-    got = await receive_while_writing(reader, count, writer, tmp_path)
-    for partition in range(PARTITIONS):
-        mine = [int(m.value.split()[0]) for m in got if m.partition == partition]
-        assert mine == list(range(partition, count, PARTITIONS))
-    stats = reader.statistics()
-    # The rings carried the rows: apart from a file read per partition to start each
-    # cached run, the reader never went to the read thread (a ring per append).
-    assert stats.cache_reads > 0
-    assert stats.file_reads <= 2 * PARTITIONS + 2, stats
-    # Nearly every append's rows came in its ring (on a loaded host the reader's socket
-    # buffer refuses a few rings: those rows are read from the file with the next run).
-    assert broker.bell_statistics().rows_received >= count * 9 // 10
+    # Only rings send this reader to the file (RINGS_ONLY), so its file reads are counted
+    # exactly: in step, every ring waits alone in the socket and none is refused.
+    broker = await open_embedded(backend(tmp_path / "n.db"), wakeups=RINGS_ONLY)
+    try:
+        await broker.admin.create_topic("t", partitions=PARTITIONS, consumers=[ConsumerSpec("c")])
+        reader = await broker.reader("t", "c")
+        assert not await reader.receive(10, 0.05)  # caught up: a read of the (empty) file
+        before = reader.statistics()
+        count = 200
+        writer = await step_writer(tmp_path)
+        got: list[Message] = []
+        try:
+            for n in range(count):
+                await write_step(writer, n)
+                got.extend(await reader.receive(10, 30.0))
+                assert len(got) == n + 1, stderr_of(tmp_path)
+            written = await end_steps(writer, tmp_path)
+        finally:
+            if writer.returncode is None:
+                writer.kill()
+            await writer.wait()
+        assert [(int(m.value), m.partition) for m in got] == [
+            (n, n % PARTITIONS) for n in range(count)
+        ]
+        assert (written["sent"], written["dropped"]) == (count, 0)
+        # Every ring carried its append's row into the cache...
+        bells = broker.bell_statistics()
+        assert bells.rings_received == bells.rows_received == count
+        # ...and the reader went to the file only for each partition's first append (no
+        # run in the cache to continue yet); every other append came from the cache.
+        after = reader.statistics()
+        assert after.file_reads - before.file_reads == PARTITIONS, after
+        assert after.cache_reads - before.cache_reads == count - PARTITIONS, after
+    finally:
+        await broker.close()
 
 
 async def test_a_reader_fed_by_rings_does_not_poll_the_file_between_them(tmp_path: Path) -> None:
@@ -582,9 +680,7 @@ async def test_a_reader_asked_without_waiting_still_polls(tmp_path: Path) -> Non
 async def test_a_killed_reader_leaves_a_bell_that_writers_clean_up(
     broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
-    reader = await run_script(
-        tmp_path, "reader", READER_SCRIPT, str(tmp_path / "n.db"), "0", "asyncio"
-    )
+    reader = await run_script(tmp_path, "reader", IDLE_READER_SCRIPT, str(tmp_path / "n.db"))
     try:
         address = bytes.fromhex((await next_report(reader, tmp_path))["bell"])
         reader.send_signal(signal.SIGKILL)

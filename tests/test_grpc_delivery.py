@@ -410,16 +410,18 @@ async def test_deadline_is_target_timeout_and_produces_a_retry(handler: GrpcHand
     started = time.monotonic()
     try:
         result = await transport.deliver(make_event())
+        single = time.monotonic() - started
         batch = await transport.deliver_batch([make_event("a"), make_event("b")])
     finally:
         await transport.close()
-    elapsed = time.monotonic() - started
     assert result.outcome is Outcome.RETRY
     assert result.status == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     assert result.error == "timeout after 0.2s"
-    assert 0.15 <= result.duration_s < 1.5
+    # The deadline ended it (the status says so, not the handler's 2 s answer); the
+    # figure is the call's own time (its lower bound allows for gRPC's own clock).
+    assert 0.15 <= result.duration_s <= single
     assert batch.outcome is Outcome.RETRY
-    assert elapsed < 3.0
+    assert batch.status == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 
 
 async def test_closed_transport_answers_retry(handler: GrpcHandler) -> None:

@@ -50,7 +50,8 @@ async def test_the_rate_is_honoured_within_5_percent_over_a_long_run() -> None:
     started = time.monotonic()
     async with clock.autojump():
         grants = await drain(limiter, clock, until=3600 + 20)
-    assert time.monotonic() - started < 1.0
+    # 20 s of the fake clock went by; asleep for real, the run would take all of them.
+    assert time.monotonic() - started < 20
     for window_s in (1.0, 2.0, 5.0):
         assert busiest(grants, window_s) <= 100 * window_s * 1.05
     assert len(grants) >= 100 * 20 * 0.99  # and it does not fall short of the rate either

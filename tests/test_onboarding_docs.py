@@ -122,3 +122,17 @@ def test_the_workflow_passes_a_good_repository_and_annotates_a_broken_one(
     )
     assert schemas.returncode == 1
     assert "::error file=schemas/integration.schema.json::out of date" in schemas.stdout
+
+
+def test_the_quick_start_puts_the_venv_on_path_before_any_nemesis_command() -> None:
+    readme = (REPO / "README.md").read_text()
+    quick_start = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    venv = re.search(r"^VENV \?= (\S+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
+    assert venv
+    export = f'export PATH="$PWD/{venv.group(1)}/bin:$PATH"'
+    assert export in quick_start
+    before = quick_start.split(export, 1)[0]
+    assert not re.search(r"^nemesis ", before, re.MULTILINE), "a command before the PATH step"
+    # The viewer's credentials: the demo's one user, and where its password is printed.
+    assert "Sign in as `demo`" in quick_start
+    assert "name: demo," in (REPO / "nemesis" / "demo.py").read_text()

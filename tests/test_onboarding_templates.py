@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -109,6 +110,7 @@ def test_template_starts_passes_its_tests_and_the_contract_check(
     project = tmp_path / "loyalty-handler"
     created = nemesis("new", "handler", "--lang", lang, str(project), cwd=tmp_path)
     assert created.returncode == 0, created.stderr
+    generated = sorted(p.name for p in project.iterdir() if p.is_file())
     assert {"README.md", "handler.py", "Makefile", ".gitignore"} <= {
         p.name for p in project.iterdir()
     }
@@ -148,6 +150,9 @@ def test_template_starts_passes_its_tests_and_the_contract_check(
 
     checked = nemesis("check-handler", plain.url, "--batch", "3", cwd=tmp_path)
     assert passes(checked) == 6, checked.stdout + checked.stderr
+    if lang == "python-fastapi":
+        # The onboarding page walks through this template: what it says is what ran.
+        the_page_tells_of(generated, tested.stdout, checked.stdout)
     checked = nemesis(
         "check-handler", checking.url, "--batch", "3", *signed, cwd=tmp_path, env=signed_env
     )
@@ -167,6 +172,31 @@ def test_template_starts_passes_its_tests_and_the_contract_check(
         assert handler.process.wait(timeout=15) in (0, -signal.SIGTERM), handler.log.read_text()
         if lang == "python-fastapi":
             assert "Finished server process" in handler.log.read_text()
+
+
+def the_page_tells_of(generated: list[str], tested: str, checked: str) -> None:
+    """integrations/README.md's step 1 and 3 match the files, the tests and the check."""
+    page = (REPO / "integrations" / "README.md").read_text()
+    step_1 = page.split("## 1. Create your handler", 1)[1].split("\n## ", 1)[0]
+    ran = re.search(r"(\d+) passed", tested)
+    assert ran, tested
+    claimed = re.search(r"^make test +# (\d+) tests", step_1, re.MULTILINE)
+    assert claimed, step_1
+    assert claimed.group(1) == ran.group(1), "the page's count of the template's tests"
+    table = step_1.split("What you got:", 1)[1]
+    listed = {
+        name
+        for row in table.splitlines()
+        if row.startswith("| `")
+        for name in re.findall(r"`([^`]+)`", row.split("|")[1])
+    }
+    assert set(generated) == listed, "the page's table of the files `new handler` writes"
+    step_3 = page.split("## 3. Run it and check the contract", 1)[1].split("\n## ", 1)[0]
+
+    def probes(text: str) -> list[str]:
+        return re.findall(r"^  PASS  (.+?)(?:  |$)", text, re.MULTILINE)
+
+    assert probes(step_3) == probes(checked)
 
 
 SIGNING_SECRET = "template-signing-secret"

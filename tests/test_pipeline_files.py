@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +176,9 @@ def test_dry_run_shows_the_share_each_stage_drops(tmp_path: Path) -> None:
     lines[10] = b"not json at all"  # real topics hold garbage too
     lines[20] = b""  # blank lines are skipped
     sample.write_bytes(b"\n".join(lines) + b"\n")
+    started = time.perf_counter()
     report = dry_run_file(PIPELINES / "city-filter.yaml", sample)
+    took_s = time.perf_counter() - started
 
     parsed = [o for i, o in enumerate(orders) if i not in (10, 20)]
     expected_pass = sum(
@@ -193,8 +196,9 @@ def test_dry_run_shows_the_share_each_stage_drops(tmp_path: Path) -> None:
         expected_pass,
     )
     assert cities.filtered_share == pytest.approx(1 - expected_pass / 3998)
-    assert 0 < cities.mean_duration_s < 0.001
-    assert 0 < report.seconds_per_message < 0.01
+    # The figures are measured, and measured within the run: no more time than it took.
+    assert 0 < cities.mean_duration_s * cities.processed <= took_s
+    assert 0 < report.seconds_per_message * report.messages <= took_s
 
     text = report.format()
     assert text.splitlines()[0] == f"dry run of city-filter over {sample}: 3999 messages"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -191,9 +192,11 @@ def test_metadata_only_stages_run_before_the_payload_is_parsed() -> None:
 
 def test_statistics_count_every_stage() -> None:
     pipeline = build([{"filter": {"name": "cities", "match": {"city": "msk"}}}])
+    started = time.perf_counter()
     for city in ["msk", "spb", "kzn", "msk"]:
         pipeline.process(msg({"city": city}))
     pipeline.process(msg(raw=b"nope"))
+    took_s = time.perf_counter() - started
     decode, cities = pipeline.statistics().stages
     assert (decode.stage, decode.type, decode.passed, decode.failed) == (
         AUTO_DECODE,
@@ -204,7 +207,7 @@ def test_statistics_count_every_stage() -> None:
     assert (cities.stage, cities.type) == ("cities", "filter")
     assert (cities.passed, cities.filtered, cities.failed, cities.processed) == (2, 2, 0, 4)
     assert cities.filtered_share == 0.5
-    assert 0 < cities.mean_duration_s < 0.01
+    assert 0 < cities.mean_duration_s * cities.processed <= took_s  # measured, in the run
 
 
 def test_stage_metrics_are_exported_on_the_metrics_registry() -> None:

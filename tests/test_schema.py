@@ -143,6 +143,21 @@ VALID_INTEGRATIONS: list[tuple[str, str]] = [
         "  - transform: {keep: [order_id], set: {source: nemesis}}\n",
     ),
     ("named-pipeline", "pipeline: city-filter\n"),
+    ("owners", "owners: [team-loyalty, payments/loyalty, loyalty@example.com]\n"),
+    (
+        "start-zoned",
+        "source: {topic: crm/leads-v2, consumer: z, start_from: '2026-12-01T09:00+03:00'}\n",
+    ),
+    ("start-back", "source: {topic: billing.invoices, consumer: start-back, start_from: -2h}\n"),
+    ("start-latest", "source: {topic: orders, consumer: start-latest, start_from: latest}\n"),
+    (
+        "grpc-metadata",
+        "target: {url: 'grpcs://loyalty.svc:443',"
+        " headers: {x-trace: a, authorization: 'Bearer ${T}'},"
+        " tls: {cert_file: c.pem, key_file: k.pem, server_name: loyalty.internal}}\n",
+    ),
+    ("https-port", "target: {url: 'https://[::1]:8443/events?v=1', headers: {X-Team: loyalty}}\n"),
+    ("halt-ordered", "retry: {on_exhausted: halt}\ndelivery: {ordering: key}\n"),
     ("everything", "paused: true\nflags: {disabled_types: [order.test]}\n"),
 ]
 

@@ -230,3 +230,36 @@ def test_the_pull_request_rules_still_run_on_a_file_with_a_field_error(
             start,
             result.stdout,
         )
+
+
+def test_a_missing_pipeline_is_reported_with_the_files_other_problems(
+    workspace: Workspace,
+) -> None:
+    pipelines = workspace.root / "pipelines"
+    pipelines.mkdir()
+    (pipelines / "city-filter.yaml").write_text("stages:\n  - filter: {match: {city: msk}}\n")
+    broken = VALID.replace("url: http://127.0.0.1:8000/events", "url: not-a-url")
+    workspace.write_integration("loyalty", broken + "pipeline: city-filtr\n")
+    result = validate(workspace, "integrations", "pipelines")
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("integrations/loyalty.yaml:5: target.url:") for line in lines)
+    assert (
+        "integrations/loyalty.yaml:6: pipeline: no pipeline 'city-filtr' in pipelines"
+        " (did you mean city-filter?)"
+    ) in lines
+
+
+def test_a_mismatched_name_that_is_no_name_is_not_offered_as_a_file_name(
+    workspace: Workspace,
+) -> None:
+    workspace.write_integration("loyalty", VALID.replace("name: loyalty", "name: Team_Loyalty"))
+    result = validate(workspace, "integrations")
+    assert result.returncode == 1
+    assert "integrations/loyalty.yaml:1: name: must be lowercase letters" in result.stdout
+    assert "rename the file" not in result.stdout
+    assert "(change the name)" in result.stdout
+    # A valid name that differs from the file's still gets both ways out.
+    workspace.write_integration("loyalty", VALID.replace("name: loyalty", "name: points"))
+    renamed = validate(workspace, "integrations")
+    assert "(rename the file to points.yaml or change the name)" in renamed.stdout

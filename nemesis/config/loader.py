@@ -21,6 +21,7 @@ cross-check what the core loaded.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 
 from nemesis.config.document import YamlDocument, parse_yaml
 from nemesis.config.interpolation import interpolate
-from nemesis.config.models import IntegrationConfig, NemesisConfig
+from nemesis.config.models import NAME_PATTERN, IntegrationConfig, NemesisConfig
 from nemesis.config.problems import format_problems, sort_problems, validation_problems
 from nemesis.errors import ConfigError, ConfigProblem
 
@@ -289,13 +290,19 @@ def _load_integration(
     name_line = document.line_of(("name",))
     problems = list(parsed.problems)
     if name is not None and name != path.stem:
+        # Renaming the file only helps when the name is one (else its own problem says why).
+        fix = (
+            f"rename the file to {name}{path.suffix} or change the name"
+            if re.match(NAME_PATTERN, name)
+            else "change the name"
+        )
         problems.append(
             ConfigProblem(
                 str(path),
                 name_line,
                 "name",
                 f"{name!r} does not match the file name {path.name!r}: an integration lives in"
-                f" <name>.yaml (rename the file to {name}{path.suffix} or change the name)",
+                f" <name>.yaml ({fix})",
             )
         )
     config = parsed.value if not problems else None

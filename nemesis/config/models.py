@@ -154,7 +154,8 @@ class SigningConfig(Model):
 
 
 _DNS_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_DNS_NAME = re.compile(rf"(?=.{{1,253}}$){_DNS_LABEL}(?:\.{_DNS_LABEL})*")
+DNS_NAME_PATTERN = rf"(?=.{{1,253}}$){_DNS_LABEL}(?:\.{_DNS_LABEL})*"
+_DNS_NAME = re.compile(DNS_NAME_PATTERN)
 
 
 def _check_server_name(name: str) -> str:

@@ -25,9 +25,12 @@ DRAIN_LIMIT_BYTES: Final = 256 * 1024
 KEEPALIVE_S: Final = 4.0
 
 # Header names that belong to the contract or to HTTP framing, not to target.headers.
-_RESERVED_HEADERS: Final = frozenset({"content-type", "content-length", "transfer-encoding"})
-_TOKEN: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_UNSAFE_VALUE_CHARS: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+RESERVED_HEADERS: Final = frozenset({"content-type", "content-length", "transfer-encoding"})
+# An HTTP header name is a token (RFC 9110); the JSON Schema of integrations says so too.
+HEADER_NAME_PATTERN: Final = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+UNSAFE_VALUE_PATTERN: Final = r"[\x00-\x08\x0a-\x1f\x7f]"
+_TOKEN: Final = re.compile(HEADER_NAME_PATTERN)
+_UNSAFE_VALUE_CHARS: Final = re.compile(UNSAFE_VALUE_PATTERN)
 
 
 def checked_headers(headers: Mapping[str, str], integration: str) -> dict[str, str]:
@@ -43,7 +46,7 @@ def checked_headers(headers: Mapping[str, str], integration: str) -> dict[str, s
         lowered = name.lower()
         if not _TOKEN.fullmatch(name):
             raise ConfigError([config_problem(integration, field, "not a valid HTTP header name")])
-        if lowered.startswith("ce-") or lowered in _RESERVED_HEADERS:
+        if lowered.startswith("ce-") or lowered in RESERVED_HEADERS:
             message = "set by Nemesis (handler contract)"
             raise ConfigError([config_problem(integration, field, message)])
         if lowered == SIGNATURE_HEADER:

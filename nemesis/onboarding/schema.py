@@ -14,14 +14,25 @@ in JSON Schema terms:
 - any value may be a ``${VAR}`` reference, expanded at load time, so every
   constrained scalar (a number, a pattern, a choice) also accepts one.
 
+The integration schema also carries ``validate``'s own rules wherever JSON
+Schema can say them: the pull-request rules (owners, the topic naming
+convention, Nemesis's ``nemesis.*`` topics, header names per transport),
+``start_from``'s forms, ``halt`` needing an ordering, TLS settings only on a
+TLS URL, a client certificate with its key. What it cannot say it leaves to
+``validate``: rules across files (the file name, unique names and consumers,
+a named pipeline that exists) and comparisons of two values (``buffer`` at
+least ``batch.size``, ``close_below`` below ``open_above``, retry tiers that
+never shorten), since JSON Schema compares a value with constants only.
+``tests/test_schema_corpus.py`` runs both on one corpus and keeps that list.
+
 The schema is for editors: it may accept a file ``nemesis validate`` rejects
-(cross-file rules, the file name), never the other way round for a file the
-loader accepts.
+(what it cannot say), never the other way round for a file the loader accepts.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any, Final, Literal, get_args
 
 from pydantic import BaseModel
@@ -29,7 +40,21 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_jso
 from pydantic_core import core_schema
 
 from nemesis import __version__
-from nemesis.config.models import NAME_PATTERN, IntegrationConfig, NemesisConfig, parse_duration
+from nemesis.config.models import (
+    DNS_NAME_PATTERN,
+    NAME_PATTERN,
+    IntegrationConfig,
+    NemesisConfig,
+    parse_duration,
+    parse_start_from,
+)
+from nemesis.delivery.contract import SIGNATURE_HEADER
+from nemesis.delivery.http_common import (
+    HEADER_NAME_PATTERN,
+    RESERVED_HEADERS,
+    UNSAFE_VALUE_PATTERN,
+)
+from nemesis.onboarding.rules import INTERNAL_PREFIX, OWNER_PATTERN, TOPIC_CONVENTION
 from nemesis.pipeline.compiler import PipelineFile
 from nemesis.pipeline.registry import StageRegistry, default_registry
 from nemesis.pipeline.testing import PipelineTestFile
@@ -44,6 +69,30 @@ DURATION_PATTERN: Final = r"^\s*\d+(\.\d+)?\s*(ms|s|m|h|d)?\s*$"
 VARIABLE_PATTERN: Final = r"\$\{"
 # The shape TargetConfig's validator checks.
 TARGET_URL_PATTERN: Final = r"^(https?|grpcs?)://[^/\s]+"
+# TARGET_URL_PATTERN, and a port (when written) from 1 to 65535, as urlsplit reads it.
+_PORT: Final = r"0*([1-9]\d{0,3}|[1-5]\d{4}|6[0-4]\d{3}|65[0-4]\d{2}|655[0-2]\d|6553[0-5])"
+_AUTHORITY: Final = rf"([^/\s?#@]*@)?(\[[^\]/\s]*\]|[^/\s?#:\[\]@]+)(:({_PORT})?)?"
+TARGET_URL_WITH_PORT_PATTERN: Final = rf"^(https?|grpcs?)://{_AUTHORITY}([/?#]|$)"
+# gRPC: host and port, no path, query, fragment or credentials.
+_GRPC_URL_PATTERN: Final = r"^grpcs?://(\[[^\]/\s]*\]|[^/\s?#:\[\]@]+)(:\d*)?/?$"
+# A duration of zero, which no retry tier may have.
+_ZERO_DURATION: Final = r"^\s*0+(\.0+)?\s*(ms|s|m|h|d)?\s*$"
+# What parse_start_from accepts: earliest, latest, -<duration>, or a time with its zone.
+START_FROM_PATTERN: Final = (
+    r"^\s*(earliest|latest|-\s*\d+(\.\d+)?\s*(ms|s|m|h|d)?"
+    r"|\d{4}-?(\d{2}-?\d{2}|W\d{2}-?\d?|\d{3}).\d{2}\S*([Zz]|[+-]\d{2}(:?\d{2}(:?\d{2}(\.\d+)?)?)?))\s*$"
+)
+# Source topics and consumers: the naming convention, at most 200 characters (the
+# model's own limit), never Nemesis's own topics (the pull-request rules).
+_INTERNAL: Final = INTERNAL_PREFIX.rstrip(".").replace(".", "\\.")
+SOURCE_NAME_PATTERN: Final = (
+    rf"^(?!{_INTERNAL}(\.|$))(?=.{{1,200}}$){TOPIC_CONVENTION.removeprefix('^')}"
+)
+# The transports' header checks (nemesis.delivery.http_common, .grpc): names the
+# contract, HTTP framing or gRPC set themselves, by URL scheme.
+_GRPC_RESERVED: Final = ("content-type", "te", "user-agent", "host")
+_GRPC_METADATA_KEY: Final = r"^[0-9A-Za-z_.\-]+$"
+_GRPC_UNSAFE_VALUE: Final = r"[^\x20-\x7e]"
 
 _TITLES: Final[dict[SchemaKind, str]] = {
     "integration": "Nemesis integration (integrations/<name>.yaml)",
@@ -67,6 +116,13 @@ class _NemesisSchema(GenerateJsonSchema):
     def function_before_schema(
         self, schema: core_schema.BeforeValidatorFunctionSchema
     ) -> JsonSchemaValue:
+        if schema["function"]["function"] is parse_start_from:
+            return {
+                "type": "string",
+                "pattern": START_FROM_PATTERN,
+                "description": "earliest, latest, a time with its zone"
+                " (2026-12-01T09:00:00Z) or a duration back from now (-1h, -30m, -2d)",
+            }
         if schema["function"]["function"] is parse_duration:
             return {
                 "anyOf": [
@@ -100,8 +156,10 @@ def json_schema(kind: SchemaKind, *, registry: StageRegistry | None = None) -> d
         _use_stages(kind, root)
     if "TargetConfig" in definitions:
         url = definitions["TargetConfig"]["properties"]["url"]
-        url["pattern"] = TARGET_URL_PATTERN
+        url["pattern"] = TARGET_URL_WITH_PORT_PATTERN
         url.setdefault("description", "http(s)://host/path or grpc(s)://host:port")
+    if kind == "integration":
+        _integration_rules(root, definitions)
     schema: dict[str, Any] = {
         "$schema": DIALECT,
         "$id": f"urn:nemesis:schema:{kind}:{__version__}",
@@ -118,6 +176,131 @@ def json_schema(kind: SchemaKind, *, registry: StageRegistry | None = None) -> d
         "description": "${VAR} or ${VAR:-default}, read from the environment at load time",
     }
     return schema
+
+
+def _anycase(name: str) -> str:
+    """A pattern matching ``name`` in any case (JSON Schema patterns have no flags)."""
+    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else re.escape(c) for c in name)
+
+
+def _not_named(prefixes: tuple[str, ...], names: tuple[str, ...]) -> dict[str, Any]:
+    """Property names that neither start with one of ``prefixes`` nor are one of ``names``."""
+    alternatives = [_anycase(p) for p in prefixes] + [f"{_anycase(n)}$" for n in names]
+    return {"not": {"pattern": f"^({'|'.join(alternatives)})"}}
+
+
+def _on_scheme(pattern: str, then: dict[str, Any]) -> dict[str, Any]:
+    """``then`` applies to a target whose URL matches ``pattern`` and holds no ${VAR}.
+
+    As in ``validate``: a URL or header value that is still a reference (a secret
+    absent in CI) leaves the transport's checks to the host that has it.
+    """
+    unexpanded = {"pattern": VARIABLE_PATTERN}
+    condition = {
+        "properties": {
+            "url": {"pattern": pattern, "not": unexpanded},
+            "headers": {"additionalProperties": {"not": unexpanded}},
+        },
+        "required": ["url"],
+    }
+    return {"if": condition, "then": then}
+
+
+def _integration_rules(root: dict[str, Any], definitions: dict[str, Any]) -> None:
+    """``validate``'s rules beyond the models' fields, where JSON Schema can say them."""
+    owners = root["properties"]["owners"]
+    owners["items"] = {
+        "type": "string",
+        "pattern": OWNER_PATTERN,
+        "description": "a team slug (team-loyalty), org/team or an e-mail address",
+    }
+    owners["uniqueItems"] = True
+    # halt holds a key (or partition) back: only an ordered integration can.
+    root["allOf"] = [
+        {
+            "if": {
+                "properties": {
+                    "retry": {
+                        "properties": {"on_exhausted": {"const": "halt"}},
+                        "required": ["on_exhausted"],
+                    }
+                },
+                "required": ["retry"],
+            },
+            "then": {
+                "properties": {
+                    "delivery": {
+                        "properties": {"ordering": {"not": {"const": "none"}}},
+                        "required": ["ordering"],
+                    }
+                },
+                "required": ["delivery"],
+            },
+        }
+    ]
+    source = definitions["SourceConfig"]["properties"]
+    for field in ("topic", "consumer"):
+        source[field]["pattern"] = SOURCE_NAME_PATTERN
+        source[field]["description"] = (
+            f"lowercase words joined by '.', '-', '_' or '/'; not {INTERNAL_PREFIX}*"
+        )
+    target = definitions["TargetConfig"]
+    http_values = {"type": "string", "not": {"pattern": UNSAFE_VALUE_PATTERN}}
+    grpc_values = {"type": "string", "not": {"pattern": _GRPC_UNSAFE_VALUE}}
+    target["properties"]["headers"]["propertyNames"] = {"pattern": f"^{HEADER_NAME_PATTERN}$"}
+    target["allOf"] = [
+        _on_scheme(
+            "^https?://",
+            {
+                "properties": {
+                    "headers": {
+                        "propertyNames": _not_named(
+                            ("ce-",), (*sorted(RESERVED_HEADERS), SIGNATURE_HEADER)
+                        ),
+                        "additionalProperties": http_values,
+                    }
+                }
+            },
+        ),
+        _on_scheme(
+            "^grpcs?://",
+            {
+                "properties": {
+                    "headers": {
+                        "propertyNames": {
+                            "allOf": [
+                                {"pattern": _GRPC_METADATA_KEY},
+                                _not_named(("grpc-",), (*_GRPC_RESERVED, SIGNATURE_HEADER)),
+                                {"not": {"pattern": f"{_anycase('-bin')}$"}},
+                            ]
+                        },
+                        "additionalProperties": grpc_values,
+                    }
+                }
+            },
+        ),
+        # A gRPC target is grpc(s)://host:port: the service and methods are fixed.
+        _on_scheme("^grpcs?://", {"properties": {"url": {"pattern": _GRPC_URL_PATTERN}}}),
+        # TLS settings belong to https:// and grpcs:// targets.
+        {
+            "if": {"properties": {"url": {"pattern": "^(http|grpc)://"}}, "required": ["url"]},
+            "then": {"properties": {"tls": {"type": "null"}}},
+        },
+    ]
+    signing = definitions["SigningConfig"]["properties"]["secrets_env"]
+    signing["uniqueItems"] = True
+    tls = definitions["TlsConfig"]
+    tls["dependentRequired"] = {"cert_file": ["key_file"], "key_file": ["cert_file"]}
+    for member in tls["properties"]["server_name"].get("anyOf", []):
+        if member.get("type") == "string":
+            member["pattern"] = f"^{DNS_NAME_PATTERN}$"
+    tiers = definitions["RetryConfig"]["properties"]["tiers"]["items"]
+    for member in tiers["anyOf"]:
+        if member.get("type") == "number":
+            member.pop("minimum", None)
+            member["exclusiveMinimum"] = 0
+        else:
+            member["not"] = {"pattern": _ZERO_DURATION}
 
 
 def _stage_schema(registry: StageRegistry, refs: dict[str, str]) -> dict[str, Any]:

@@ -24,8 +24,8 @@ from nemesis.pipeline.compiler import (
     compile_stages,
     find_pipeline,
     is_test_file,
+    missing_pipeline,
     pipeline_files,
-    pipeline_name_problem,
     pipeline_test_files,
 )
 from nemesis.pipeline.registry import StageRegistry, default_registry
@@ -80,8 +80,15 @@ class PipelineChecker:
         directories += self._dirs
         if not directories:
             directories.append(Path(NemesisConfig().pipelines_dir))
+        directories = _unique(directories)
         for name, integration in context.integrations.integrations.items():
-            run.integration(name, integration, _unique(directories))
+            run.integration(name, integration, directories)
+        # A file with other problems still names its pipeline: one run reports them all.
+        for path, data in sorted(context.unloaded.items()):
+            reference = data.get("pipeline")
+            if isinstance(reference, str):
+                document = read_yaml(path, env=context.env, require_env=context.require_env)
+                run.reference(document, reference, directories)
         return run.problems
 
 
@@ -119,25 +126,23 @@ class _Run:
         file = self.context.integration_files.get(name)
         document = self.document(name, integration, file)
         if isinstance(reference, str):
-            found = find_pipeline(reference, directories)
-            if found is None:
-                places = ", ".join(str(directory) for directory in directories)
-                message = pipeline_name_problem(reference) or (
-                    f"no pipeline {reference!r} in {places}"
-                )
-                self.problems.append(
-                    ConfigProblem(
-                        document.file, document.line_of(("pipeline",)), "pipeline", message
-                    )
-                )
-            else:
-                self.file(found)
+            self.reference(document, reference, directories)
             return
         context = BuildContext(file.parent if file else Path(), integration.source.type_key)
         _, problems = compile_stages(
             document, ("pipeline",), registry=self.registry, context=context
         )
         self.problems += problems
+
+    def reference(self, document: YamlDocument, reference: str, directories: list[Path]) -> None:
+        """An integration's pipeline by name: compiled once if found, else a problem."""
+        found = find_pipeline(reference, directories)
+        if found is None:
+            message = missing_pipeline(reference, directories)
+            line = document.line_of(("pipeline",))
+            self.problems.append(ConfigProblem(document.file, line, "pipeline", message))
+        else:
+            self.file(found)
 
     def document(
         self, name: str, integration: IntegrationConfig, file: Path | None

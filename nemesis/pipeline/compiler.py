@@ -295,6 +295,18 @@ def find_pipeline(name: str, directories: Sequence[Path]) -> Path | None:
     return None
 
 
+def missing_pipeline(name: str, directories: Sequence[Path]) -> str:
+    """The problem with a reference to ``name`` that ``find_pipeline`` did not find."""
+    problem = pipeline_name_problem(name)
+    if problem is not None:
+        return problem
+    places = ", ".join(str(directory) for directory in directories)
+    known = sorted({file.stem for directory in directories for file in pipeline_files(directory)})
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"no pipeline {name!r} in {places}{hint}"
+
+
 def compile_file(
     path: Path,
     *,
@@ -366,10 +378,9 @@ def build_integration_pipeline(
     registry = registry or default_registry()
     where = str(integration_file) if integration_file else f"integration {name}"
     if isinstance(reference, str):
-        problem = pipeline_name_problem(reference)
         found = find_pipeline(reference, [Path(pipelines_dir)])
         if found is None:
-            message = problem or f"no pipeline {reference!r} in {pipelines_dir}"
+            message = missing_pipeline(reference, [Path(pipelines_dir)])
             raise ConfigError(
                 [ConfigProblem(where, _line(integration_file, env), "pipeline", message)]
             )

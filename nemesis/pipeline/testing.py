@@ -49,7 +49,7 @@ from nemesis.pipeline.compiler import (
     compile_stages,
     find_pipeline,
     is_test_file,
-    pipeline_name_problem,
+    missing_pipeline,
     pipeline_test_files,
 )
 from nemesis.pipeline.registry import StageRegistry, default_registry
@@ -263,7 +263,7 @@ def _load(
     name = reference or path.name.split(".", 1)[0]
     pipeline_file = find_pipeline(name, [path.parent])
     if pipeline_file is None:
-        message = pipeline_name_problem(name) or f"no pipeline {name!r} in {path.parent}"
+        message = missing_pipeline(name, [path.parent])
         line = document.line_of(("pipeline",)) if reference else None
         loaded.problems.append(
             ConfigProblem(str(path), line, "pipeline" if reference else None, message)
