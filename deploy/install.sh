@@ -1,0 +1,35 @@
+#!/bin/sh
+# Installs Nemesis into a new virtual environment, as the Docker image runs it.
+#
+#   deploy/install.sh VENV [REQUIREMENT]
+#
+# VENV is created (it must not exist). REQUIREMENT is what pip installs: a path
+# with extras, a wheel, or a "nemesis @ git+https://..." spec; the default is this
+# checkout with the speed extra. PYTHON picks the interpreter (default python3).
+#
+# deploy/Dockerfile runs this script and tests/test_install.py runs it the way the
+# Dockerfile does, so the image's install is the tested one.
+set -eu
+
+if [ "$#" -lt 1 ] || [ "$#" -gt 2 ]; then
+    echo "usage: $0 VENV [REQUIREMENT]" >&2
+    exit 2
+fi
+venv=$1
+here=$(cd "$(dirname "$0")/.." && pwd)
+requirement=${2:-"$here[speed]"}
+python=${PYTHON:-python3}
+
+if [ -e "$venv" ]; then
+    echo "$0: $venv exists; give a new directory" >&2
+    exit 2
+fi
+
+"$python" -m venv "$venv"
+pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
+# The gRPC contract's code is generated in the environment that runs it, as `make proto`
+# does (protobuf refuses gencode newer than its runtime); the generator is removed after.
+pip install "$requirement" "grpcio-tools>=1.81.1"
+"$venv/bin/python" -m nemesis.proto
+pip uninstall --yes grpcio-tools
+"$venv/bin/nemesis" --version
