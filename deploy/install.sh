@@ -29,7 +29,9 @@ fi
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
 # The gRPC contract's code is generated in the environment that runs it, as `make proto`
 # does (protobuf refuses gencode newer than its runtime); the generator is removed after.
+# -I: the installed package, never a checkout in the working directory.
 pip install "$requirement" "grpcio-tools>=1.81.1"
-"$venv/bin/python" -m nemesis.proto
+"$venv/bin/python" -I -m nemesis.proto
 pip uninstall --yes grpcio-tools
+"$venv/bin/python" -I -c "import nemesis.proto.nemesis.v1.handler_pb2"
 "$venv/bin/nemesis" --version
