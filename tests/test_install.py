@@ -36,7 +36,7 @@ import yaml
 from nemesis.cli import build_parser
 from nemesis.testing import HandlerServer
 from tests.conftest import REPO, integration_yaml
-from tests.kafka_broker import TansuBroker, free_port, start_tansu
+from tests.kafka_broker import KafkaBroker, Namespace, free_port
 from tests.test_ydb_workflow import actionlint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -210,13 +210,6 @@ async def test_the_demo_delivers(bare: Venv, here: Path) -> None:
     assert process.returncode == 0, "".join(seen) + rest.decode(errors="replace")
 
 
-@pytest.fixture
-def tansu(tmp_path: Path) -> Iterator[TansuBroker]:
-    broker = start_tansu(tmp_path)
-    yield broker
-    broker.stop()
-
-
 def produce_lz4(bootstrap: str, topic: str, count: int) -> set[str]:
     """Writes ``count`` orders in lz4-compressed batches with librdkafka (confluent-kafka)."""
     from confluent_kafka import Producer
@@ -226,7 +219,7 @@ def produce_lz4(bootstrap: str, topic: str, count: int) -> set[str]:
             "bootstrap.servers": bootstrap,
             "compression.type": "lz4",
             "linger.ms": 50,
-            "enable.idempotence": False,  # Tansu has no InitProducerId
+            "enable.idempotence": True,
         }
     )
     ids = set()
@@ -250,27 +243,28 @@ def produce_lz4(bootstrap: str, topic: str, count: int) -> set[str]:
 
 
 async def test_run_delivers_an_lz4_batch_from_a_third_party_producer(
-    bare: Venv, here: Path, tansu: TansuBroker
+    bare: Venv, here: Path, kafka: KafkaBroker
 ) -> None:
+    """Apache Kafka, the backend's default configuration, records written by librdkafka."""
+    names = Namespace()
+    topic = names("orders")
     (here / "integrations").mkdir()
     (here / "nemesis.yaml").write_text(
         "backend:\n"
         "  kind: kafka\n"
-        f"  bootstrap_servers: ['{tansu.bootstrap}']\n"
-        "  idempotent_producer: false   # Tansu has no InitProducerId\n"
-        "  session_timeout_s: 6\n"
-        "  heartbeat_interval_s: 1\n"
+        f"  bootstrap_servers: ['{kafka.bootstrap}']\n"
         "data_dir: .\n"
         "integrations_dir: integrations\n"
         f"admin: {{port: {free_port()}}}\n"
         "viewer: {enabled: false}\n"
     )
-    created = bare.run("nemesis", "topics", "create", "orders", "--partitions", "2", cwd=here)
+    created = bare.run("nemesis", "topics", "create", topic, "--partitions", "2", cwd=here)
     assert created.returncode == 0, created.stderr
-    ids = await asyncio.to_thread(produce_lz4, tansu.bootstrap, "orders", 200)
+    ids = await asyncio.to_thread(produce_lz4, kafka.bootstrap, topic, 200)
     async with HandlerServer() as handler:
-        (here / "integrations" / "loyalty.yaml").write_text(
-            integration_yaml("loyalty", handler.url)
+        name = names("loyalty")
+        (here / "integrations" / f"{name}.yaml").write_text(
+            integration_yaml(name, handler.url, topic=topic)
         )
         initialised = bare.run("nemesis", "init", cwd=here)
         assert initialised.returncode == 0, initialised.stdout + initialised.stderr
