@@ -26,12 +26,9 @@ if [ -e "$venv" ]; then
 fi
 
 "$python" -m venv "$venv"
-pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
-# The gRPC contract's code is generated in the environment that runs it, as `make proto`
-# does (protobuf refuses gencode newer than its runtime); the generator is removed after.
-# -I: the installed package, never a checkout in the working directory.
-pip install "$requirement" "grpcio-tools>=1.81.1"
-"$venv/bin/python" -I -m nemesis.proto
-pip uninstall --yes grpcio-tools
+"$venv/bin/python" -m pip install --disable-pip-version-check "$requirement"
+# The wheel's build compiled the gRPC contract (build_proto.py): fail here, not at the
+# first gRPC delivery, if it is missing. -I: the installed package, not a checkout in
+# the working directory.
 "$venv/bin/python" -I -c "import nemesis.proto.nemesis.v1.handler_pb2"
 "$venv/bin/nemesis" --version

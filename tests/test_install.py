@@ -5,7 +5,8 @@ the repository as a clone has it (tracked files, nothing generated), with
 pip from PyPI and no development tools, then drives the installed
 ``nemesis`` in a subprocess:
 
-* the wheel with no extras: ``--help`` of every command the parser defines,
+* the wheel with no extras: the gRPC contract and every Kafka codec importable,
+  ``--help`` of every command the parser defines,
   ``validate`` of the shipped files, ``demo`` until a delivery, and ``run``
   on a Kafka broker holding an lz4 batch written by librdkafka;
 * ``deploy/install.sh`` exactly as ``deploy/Dockerfile`` calls it;
@@ -159,6 +160,19 @@ def test_every_command_s_help_starts_without_extras(bare: Venv, here: Path) -> N
     assert not failed, failed
 
 
+def test_the_wheel_carries_the_compiled_grpc_contract_and_every_kafka_codec(
+    bare: Venv, here: Path
+) -> None:
+    probe = (
+        "import nemesis.delivery.grpc\n"
+        "from aiokafka import codec\n"
+        "print([c for c in ('gzip', 'snappy', 'lz4', 'zstd') if not getattr(codec, f'has_{c}')()])"
+    )
+    done = bare.run("python", "-c", probe, cwd=here)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_validate_accepts_the_shipped_files(bare: Venv, source: Path) -> None:
     checked = {
         "integrations and pipelines": ("integrations", "pipelines"),
@@ -308,25 +322,31 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
 
 @dataclass(frozen=True)
 class ScriptCall:
-    """How the Dockerfile runs deploy/install.sh: its working directory, env and arguments."""
+    """How the Dockerfile runs deploy/install.sh: its working directory, env and arguments.
+
+    ``copies`` are the build stage's ``COPY`` instructions before it, (sources, target):
+    the files the install can see.
+    """
 
     workdir: str
     env: dict[str, str]
     args: list[str]
+    copies: list[tuple[list[str], str]]
 
 
 def dockerfile_install_call() -> ScriptCall:
     """The one RUN of the build stage that calls the install script, parsed."""
     workdir = "/"
-    copied: set[str] = set()
+    copies: list[tuple[list[str], str]] = []
     calls: list[ScriptCall] = []
     for keyword, rest in dockerfile_instructions(DOCKERFILE.read_text()):
+        if keyword == "FROM" and calls:
+            break  # the final stage
         if keyword == "WORKDIR":
             workdir = rest
         elif keyword == "COPY" and "--from" not in rest:
             *sources, target = rest.split()
-            if sources == [INSTALL_SCRIPT]:
-                copied.add(os.path.normpath(os.path.join(workdir, target)))
+            copies.append((sources, os.path.join(workdir, target)))
         elif keyword == "RUN":
             words = shlex.split(rest)
             env = {}
@@ -335,9 +355,10 @@ def dockerfile_install_call() -> ScriptCall:
                 env[name] = value
             if words and words[0].endswith("install.sh"):
                 script = os.path.normpath(os.path.join(workdir, words[0]))
-                assert script in copied, f"{words[0]} runs but was not copied there"
+                copied = [(s, os.path.normpath(t)) for s, t in copies]
+                assert ([INSTALL_SCRIPT], script) in copied, f"{words[0]} was not copied there"
                 assert "&&" not in words, "the install is the script alone"
-                calls.append(ScriptCall(workdir, env, words[1:]))
+                calls.append(ScriptCall(workdir, env, words[1:], list(copies)))
     assert len(calls) == 1, f"deploy/Dockerfile calls {INSTALL_SCRIPT} {len(calls)} times"
     return calls[0]
 
@@ -360,9 +381,26 @@ def test_the_image_s_install_script_makes_an_environment_that_runs(
 ) -> None:
     call = dockerfile_install_call()
     venv = Venv(tmp_path / "image-venv")
-    # The image's paths, mapped onto this machine: its WORKDIR is the clean copy.
+    # The build stage's file system, mapped under tmp_path: what its COPY lines put there
+    # (from the clean copy of the repository), nothing else.
+    root = tmp_path / "image"
+
+    def inside(path: str) -> Path:
+        return root / path.lstrip("/")
+
+    for sources, target in call.copies:
+        for name in sources:
+            origin, destination = source / name, inside(target)
+            if origin.is_dir():
+                shutil.copytree(origin, destination)
+            else:
+                into = len(sources) > 1 or target.endswith("/") or destination.is_dir()
+                destination = destination / origin.name if into else destination
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(origin, destination)
+    workdir = inside(call.workdir)
     args = [
-        str(venv.root) if arg == call.args[0] else arg.replace(call.workdir, str(source), 1)
+        str(venv.root) if arg == call.args[0] else arg.replace(call.workdir, str(workdir), 1)
         for arg in call.args
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -370,8 +408,8 @@ def test_the_image_s_install_script_makes_an_environment_that_runs(
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     env.update(call.env)
     done = subprocess.run(
-        [str(source / INSTALL_SCRIPT), *args],
-        cwd=source,
+        [str(workdir / INSTALL_SCRIPT), *args],
+        cwd=workdir,
         env=env,
         capture_output=True,
         text=True,
