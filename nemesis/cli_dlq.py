@@ -8,13 +8,11 @@ import sys
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from nemesis.broker.port import Broker
-from nemesis.config.models import NemesisConfig, parse_duration
-from nemesis.dlq import (
+from nemesis.dlq.port import (
     MAX_PAGE_ROWS,
     DeadLetterFilter,
     DeadLetterRow,
@@ -24,10 +22,14 @@ from nemesis.dlq import (
     Status,
 )
 from nemesis.errors import NemesisError
-from nemesis.runtime.replay import ActionResult, discard, matching_ids, requeue
 from nemesis.terminal import inert, inert_json
 
-ConfigLoader = Callable[[argparse.Namespace], NemesisConfig]
+if TYPE_CHECKING:
+    from nemesis.broker.port import Broker
+    from nemesis.config.models import NemesisConfig
+    from nemesis.runtime.replay import ActionResult
+
+ConfigLoader = Callable[[argparse.Namespace], "NemesisConfig"]
 Runner = Callable[[Coroutine[Any, Any, int]], int]
 
 
@@ -83,6 +85,8 @@ def _filter_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _filter(args: argparse.Namespace, *, default_status: Status | None = None) -> DeadLetterFilter:
+    from nemesis.config.models import parse_duration
+
     since = None
     if args.since:
         try:
@@ -176,6 +180,8 @@ def cmd_discard(args: argparse.Namespace) -> int:
 
 
 def _act(args: argparse.Namespace, action: str) -> int:
+    from nemesis.runtime.replay import discard, matching_ids, requeue
+
     if bool(args.ids) == bool(args.all_matching):
         raise NemesisError(f"dlq {action}: give row ids, or --all-matching with a filter")
     by = args.by or _os_user()

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any, Final, Literal, get_args
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_json_schema
@@ -55,12 +55,12 @@ from nemesis.delivery.http_common import (
     UNSAFE_VALUE_PATTERN,
 )
 from nemesis.onboarding.rules import INTERNAL_PREFIX, OWNER_PATTERN, TOPIC_CONVENTION
+from nemesis.onboarding.choices import SCHEMA_KINDS as SCHEMA_KINDS
+from nemesis.onboarding.choices import SchemaKind as SchemaKind
 from nemesis.pipeline.compiler import PipelineFile
 from nemesis.pipeline.registry import StageRegistry, default_registry
 from nemesis.pipeline.testing import PipelineTestFile
 
-SchemaKind = Literal["integration", "pipeline", "pipeline-test", "process"]
-SCHEMA_KINDS: Final[tuple[SchemaKind, ...]] = get_args(SchemaKind)
 DIALECT: Final = "https://json-schema.org/draft/2020-12/schema"
 
 # What parse_duration accepts, as a pattern: "90", "1.5s", "250ms", "5m", "2h", "7d".
