@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Workspace
+from tests.conftest import REPO, Workspace
 
 KAFKA = "backend: {kind: kafka, bootstrap_servers: ['127.0.0.1:9'], connect_timeout_s: 1}\n"
 YDB = "backend: {kind: ydb, endpoint: 'grpc://127.0.0.1:9', database: /local}\n"
@@ -120,3 +120,16 @@ def test_run_refuses_at_start_before_it_opens_anything(workspace: Workspace) -> 
     assert "single_host: true" in problems["nemesis.yaml:1: state"]
     assert not (workspace.root / "state.db").exists()
     assert not (workspace.root / "dlq.db").exists()
+
+
+def test_docs_quote_the_problem_as_validate_says_it(workspace: Workspace) -> None:
+    doc = (REPO / "docs" / "fleet.md").read_text()
+    section = doc[doc.index("### A broker that spans hosts") :]
+    start = section.index("```text\n") + len("```text\n")
+    quoted = section[start : section.index("\n```", start)]
+    write(workspace, KAFKA)
+    result = workspace.cli("validate", "nemesis.yaml")
+    said = [
+        line for line in result.stdout.splitlines() if line.startswith("nemesis.yaml:1: state:")
+    ]
+    assert [" ".join(line.split()) for line in said] == [" ".join(quoted.split())]
