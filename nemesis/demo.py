@@ -39,7 +39,7 @@ PROCESS_YAML = """\
 # Written by `nemesis demo`. Run the same setup yourself with:
 #   nemesis run -c {config}
 backend: {backend}
-data_dir: .
+{single_host}data_dir: .
 integrations_dir: integrations
 viewer: {{port: {viewer_port}}}
 admin: {{enabled: false}}
@@ -122,6 +122,8 @@ async def run_demo(
         config_path.write_text(
             PROCESS_YAML.format(
                 backend=backend,
+                # On Kafka, state and DLQ files are for replicas of one host: the demo is one.
+                single_host="" if kafka is None else "single_host: true\n",
                 config=config_path,
                 viewer_port=viewer_port,
                 password_hash=hash_password(password),

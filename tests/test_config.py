@@ -941,6 +941,8 @@ def test_a_ydb_state_store_without_a_connection_needs_the_ydb_backend() -> None:
     with pytest.raises(ValidationError, match=r"state\.kind ydb needs state\.connection"):
         NemesisConfig.model_validate({"state": {"kind": "ydb"}})
     backend = {"kind": "ydb", "endpoint": "grpc://localhost:2136", "database": "/local"}
-    config = NemesisConfig.model_validate({"backend": backend, "state": {"kind": "ydb"}})
+    config = NemesisConfig.model_validate(
+        {"backend": backend, "state": {"kind": "ydb"}, "dlq": {"kind": "ydb"}}
+    )
     assert isinstance(config.state, YdbStateConfig)
     assert config.state.location("data") == "ydb:nemesis/fleet"

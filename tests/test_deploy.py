@@ -1,18 +1,32 @@
-"""deploy/ checked without Docker or Kubernetes: parsed, and consistent with the code.
+"""deploy/ checked without Docker or Kubernetes: by third-party validators, and against the code.
 
-Nothing here starts a container (neither is available where the suite runs);
-each check ties a value in a deployment file to the code or to another file:
+Nothing here starts a container (neither is available where the suite runs).
+The files are checked by the tools that define them: the Compose
+Specification's schema (check-jsonschema), kustomize's own build of each
+Kubernetes variant (kubectl's kustomize) and the Kubernetes API's schemas of
+what it renders (kubernetes-validate), promtool for Prometheus. Then each
+check ties a value in a deployment file to the code or to another file:
 images, ports, commands (parsed by the real CLI), mounted paths, the
-configuration (validated by the real loader), label selectors, probes
-(routes of the real admin app), and Prometheus/Grafana wiring.
+configuration (validated by the real ``nemesis validate``), label selectors,
+probes (routes of the real admin app), and Prometheus/Grafana wiring.
+
+There are two variants, each a fleet of replicas that share their state: YDB
+(``compose.yaml``, ``kubernetes/ydb``), and Kafka with PostgreSQL
+(``compose.kafka.yaml``, ``kubernetes/kafka``).
 """
 
 from __future__ import annotations
 
+import copy
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -25,48 +39,128 @@ from nemesis.pipeline import PipelineChecker
 from nemesis.runtime.app import Proxy
 from nemesis.testing.handler import _parse_args as handler_args
 from tests.conftest import REPO
-from tests.operability import DEPLOY
+from tests.operability import DEPLOY, run_promtool
 
-ENV = {
-    "NEMESIS_YDB_ENDPOINT": "grpc://ydb:2136",
-    "NEMESIS_YDB_DATABASE": "/local",
-    "NEMESIS_ADMIN_TOKEN": "a-token-long-enough-for-the-check",
-}
 CONFIG_MOUNT = "/etc/nemesis/config/nemesis.yaml"
+# What the Secret nemesis-secrets holds, as a cluster would have it.
+SECRETS = {
+    "admin-token": "a-token-long-enough-for-the-check",
+    "session-secret": "a-session-secret-long-enough-for-the-check-0123",
+    "db-dsn": "postgresql://nemesis:pw@db.example.com:5432/nemesis",
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to deploy: its compose file, configuration and Kubernetes overlay."""
+
+    backend: str  # the backend kind, and the name of the overlay
+    compose_file: str
+    # The compose services the fleet needs besides its own (the broker, the stores).
+    infrastructure: frozenset[str]
+
+    @property
+    def config_file(self) -> str:
+        return f"config/nemesis.{self.backend}.yaml"
+
+
+VARIANTS = [
+    Variant("ydb", "compose.yaml", frozenset({"ydb"})),
+    Variant("kafka", "compose.kafka.yaml", frozenset({"kafka", "postgres"})),
+]
 
 
 def load(path: Path) -> Any:
     return yaml.safe_load(path.read_text())
 
 
-def load_all(directory: Path) -> list[dict[str, Any]]:
-    documents = []
-    for path in sorted(directory.glob("*.yaml")):
-        if path.name != "kustomization.yaml":
-            documents += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return documents
+def tool(name: str) -> str:
+    """A validator the dev extra installs, beside this interpreter (or on PATH)."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.is_file() else shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed: pip install -e '.[dev]'")
+    return found
+
+
+def kustomize(directory: Path) -> str:
+    """kustomize's build of ``directory``: what ``kubectl apply -k`` sends."""
+    if kubectl := shutil.which("kubectl"):
+        command = [kubectl, "kustomize", str(directory)]
+    elif standalone := shutil.which("kustomize"):
+        command = [standalone, "build", str(directory)]
+    else:
+        pytest.fail("kustomize is missing: install kubectl (kustomize is built in) or kustomize")
+    built = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert built.returncode == 0, built.stderr
+    return built.stdout
+
+
+def compose_env(service: dict[str, Any]) -> dict[str, str]:
+    """A compose service's environment with ``${VAR:-default}`` as compose expands it here."""
+    return {
+        name: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+        for name, value in service["environment"].items()
+    }
+
+
+def pod_env(container: dict[str, Any]) -> dict[str, str]:
+    """A container's environment, the Secret's keys filled in as a cluster would."""
+    env = {}
+    for entry in container["env"]:
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+        else:
+            ref = entry["valueFrom"]["secretKeyRef"]
+            assert ref["name"] == "nemesis-secrets", entry
+            env[entry["name"]] = SECRETS[ref["key"]]
+    return env
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[v.backend for v in VARIANTS])
+def variant(request: pytest.FixtureRequest) -> Variant:
+    chosen: Variant = request.param
+    return chosen
 
 
 @pytest.fixture(scope="module")
-def compose() -> dict[str, Any]:
-    document: dict[str, Any] = load(DEPLOY / "compose.yaml")
+def compose(variant: Variant) -> dict[str, Any]:
+    document: dict[str, Any] = load(DEPLOY / variant.compose_file)
     return document
 
 
 @pytest.fixture(scope="module")
-def config() -> NemesisConfig:
-    parsed = parse_file(DEPLOY / "config" / "nemesis.yaml", NemesisConfig, env=ENV)
+def config(variant: Variant, compose: dict[str, Any]) -> NemesisConfig:
+    env = compose_env(compose["services"]["nemesis"])
+    parsed = parse_file(DEPLOY / variant.config_file, NemesisConfig, env=env)
     assert parsed.value is not None, parsed.problems
     return parsed.value
 
 
 @pytest.fixture(scope="module")
-def manifests() -> list[dict[str, Any]]:
-    return load_all(DEPLOY / "kubernetes")
+def rendered(variant: Variant) -> str:
+    return kustomize(DEPLOY / "kubernetes" / variant.backend)
+
+
+@pytest.fixture(scope="module")
+def manifests(rendered: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(rendered) if d]
 
 
 def of_kind(manifests: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [m for m in manifests if m["kind"] == kind]
+
+
+def configmap(manifests: list[dict[str, Any]], name: str) -> dict[str, str]:
+    [found] = [m for m in of_kind(manifests, "ConfigMap") if m["metadata"]["name"] == name]
+    data: dict[str, str] = found["data"]
+    return data
+
+
+def the_container(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    [deployment] = of_kind(manifests, "Deployment")
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    return dict(container)
 
 
 def admin_routes() -> set[str]:
@@ -88,20 +182,148 @@ def cli_accepts(command: list[str]) -> None:
     build_parser().parse_args(command[1:])
 
 
+def nemesis_validate(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The real ``nemesis validate`` on ``path``, with only ``env`` (and PATH) set."""
+    return subprocess.run(
+        [sys.executable, "-m", "nemesis", "validate", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={"PATH": "/usr/bin:/bin", **env},
+        cwd=path.parent,
+    )
+
+
+# --- third-party validators --------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant_file", [v.compose_file for v in VARIANTS])
+def test_the_compose_files_follow_the_compose_specification(
+    tmp_path: Path, variant_file: str
+) -> None:
+    checker = [tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec"]
+    path = DEPLOY / variant_file
+    checked = subprocess.run([*checker, str(path)], capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # The validator does refuse what the specification does not allow.
+    document = load(path)
+    document["services"]["nemesis"]["deploy"]["replica"] = 2
+    broken = tmp_path / variant_file
+    broken.write_text(yaml.safe_dump(document))
+    refused = subprocess.run([*checker, str(broken)], capture_output=True, text=True, check=False)
+    assert refused.returncode == 1
+    assert "$.services.nemesis.deploy: 'replica'" in refused.stdout
+
+
+def test_the_kubernetes_variants_pass_the_api_schemas(
+    tmp_path: Path, variant: Variant, rendered: str, manifests: list[dict[str, Any]]
+) -> None:
+    path = tmp_path / f"{variant.backend}.yaml"
+    path.write_text(rendered)
+    validator = [tool("kubernetes-validate"), "--strict", "--quiet"]
+    checked = subprocess.run([*validator, str(path)], capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # Every kind but the operator's ServiceMonitor has a schema there (that one is
+    # checked against its Service below).
+    unchecked = re.findall(r"Couldn't find schema for kind (\w+)", checked.stdout + checked.stderr)
+    assert unchecked == ["ServiceMonitor"]
+    # The validator does refuse a field the API does not have.
+    broken = copy.deepcopy(manifests)
+    [deployment] = of_kind(broken, "Deployment")
+    deployment["spec"]["replica"] = 2
+    path.write_text(yaml.safe_dump_all(broken))
+    refused = subprocess.run([*validator, str(path)], capture_output=True, text=True, check=False)
+    assert refused.returncode != 0
+    assert "replica" in refused.stdout + refused.stderr
+
+
+def test_prometheus_configuration_passes_promtool(tmp_path: Path) -> None:
+    settings = load(DEPLOY / "prometheus/prometheus.yml")
+    # As mounted in compose: the rule file beside it.
+    settings["rule_files"] = [str(DEPLOY / "prometheus/alerts.yaml")]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(settings))
+    checked = run_promtool("check", "config", str(path))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+# --- the fleet: every replica meets the others in one state store -----------------------
+
+
+def test_validate_accepts_each_shipped_configuration_and_refuses_the_old_shape(
+    tmp_path: Path, variant: Variant, compose: dict[str, Any], manifests: list[dict[str, Any]]
+) -> None:
+    shipped = configmap(manifests, "nemesis-config")["nemesis.yaml"]
+    env = pod_env(the_container(manifests))
+    pod = tmp_path / "pod" / "nemesis.yaml"
+    pod.parent.mkdir()
+    pod.write_text(shipped)
+    # The pod's environment sets every variable the file reads without a default.
+    for path, env_of in (
+        (pod, env),
+        (DEPLOY / variant.config_file, compose_env(compose["services"]["nemesis"])),
+    ):
+        result = nemesis_validate(path, env_of)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "all valid" in result.stdout
+        assert "warning" not in result.stdout + result.stderr
+    # Without its shared stores, as the manifests once were: each pod alone.
+    document = yaml.safe_load(shipped)
+    del document["state"]
+    if variant.backend == "kafka":
+        del document["dlq"]
+    old = tmp_path / "old" / "nemesis.yaml"
+    old.parent.mkdir()
+    old.write_text(yaml.safe_dump(document))
+    result = nemesis_validate(old, env)
+    assert result.returncode == 1
+    assert "nemesis.yaml:1: state: the sqlite state store (the default)" in result.stdout
+    assert f"the {variant.backend} backend shares its topics" in result.stdout
+
+
+def test_the_replicas_share_their_state_and_dlq(config: NemesisConfig, variant: Variant) -> None:
+    assert config.backend.kind == variant.backend
+    assert config.single_host is False
+    assert not config.state.per_host
+    assert not config.dlq.per_host
+    if variant.backend == "kafka":
+        # One database for both, as docs/state-store.md advises.
+        assert (config.state.kind, config.dlq.kind) == ("postgres", "postgres")
+        assert config.state.location("").split()[0] == config.dlq.location("").split()[0]
+
+
+def test_every_replica_has_an_identity_of_its_own(
+    compose: dict[str, Any], manifests: list[dict[str, Any]]
+) -> None:
+    # A member id starts with the host name: a pod's is its name, a container's its id.
+    # A fixed name would give every replica the same one.
+    nemesis = compose["services"]["nemesis"]
+    assert nemesis["deploy"]["replicas"] >= 2
+    assert "hostname" not in nemesis
+    assert "container_name" not in nemesis
+    [deployment] = of_kind(manifests, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert deployment["spec"]["replicas"] >= 2
+    assert not pod.get("hostNetwork", False)
+    assert "hostname" not in pod
+    assert "setHostnameAsFQDN" not in pod
+
+
 # --- the process configuration ------------------------------------------------------
 
 
 def test_the_deployed_configuration_validates_and_matches_the_configmap(
-    config: NemesisConfig, manifests: list[dict[str, Any]]
+    config: NemesisConfig, variant: Variant, manifests: list[dict[str, Any]]
 ) -> None:
-    assert config.backend.kind == "ydb"
+    assert config.backend.kind == variant.backend
     assert (config.admin.host, config.viewer.host) == ("0.0.0.0", "0.0.0.0")
     assert config.admin.port == AdminConfig().port  # the code's default, which the image uses
     assert config.admin.token is not None
-    [configmap] = [
-        m for m in of_kind(manifests, "ConfigMap") if m["metadata"]["name"] == "nemesis-config"
-    ]
-    assert yaml.safe_load(configmap["data"]["nemesis.yaml"]) == load(DEPLOY / "config/nemesis.yaml")
+    # A viewer session signed on one replica is good on the others.
+    assert config.auth.session_secret is not None
+    shipped = configmap(manifests, "nemesis-config")["nemesis.yaml"]
+    assert yaml.safe_load(shipped) == load(DEPLOY / variant.config_file)
 
 
 def test_the_deployed_integrations_validate(
@@ -109,11 +331,12 @@ def test_the_deployed_integrations_validate(
 ) -> None:
     compose_problems = validate_paths(
         [DEPLOY / "config" / "integrations", REPO / "pipelines"],
-        env=ENV,
+        env={},
         checkers=[PipelineChecker(pipelines_dirs=[REPO / "pipelines"])],
     )
     assert compose_problems == []
     # The ConfigMaps' files, as the pod sees them.
+    env = pod_env(the_container(manifests))
     maps = {m["metadata"]["name"]: m["data"] for m in of_kind(manifests, "ConfigMap")}
     for name, folder in (
         ("nemesis-integrations", "integrations"),
@@ -124,7 +347,7 @@ def test_the_deployed_integrations_validate(
             (tmp_path / folder / file).write_text(text)
     problems = validate_paths(
         [tmp_path / "integrations", tmp_path / "pipelines"],
-        env=ENV,
+        env=env,
         checkers=[PipelineChecker(pipelines_dirs=[tmp_path / "pipelines"])],
     )
     assert problems == []
@@ -133,12 +356,12 @@ def test_the_deployed_integrations_validate(
 # --- compose ----------------------------------------------------------------------
 
 
-def test_compose_runs_local_ydb_and_nemesis_on_it(
-    compose: dict[str, Any], config: NemesisConfig
+def test_compose_runs_the_broker_its_stores_and_a_fleet_on_them(
+    compose: dict[str, Any], config: NemesisConfig, variant: Variant
 ) -> None:
     services = compose["services"]
     assert set(services) == {
-        "ydb",
+        *variant.infrastructure,
         "init",
         "nemesis",
         "handler",
@@ -148,28 +371,51 @@ def test_compose_runs_local_ydb_and_nemesis_on_it(
     }
     for name, service in services.items():
         assert service.get("image"), f"{name} has no image"
-    ydb = services["ydb"]
-    assert ydb["image"].startswith("ydbplatform/local-ydb:")
-    grpc, ui = ydb["environment"]["GRPC_PORT"], ydb["environment"]["MON_PORT"]
-    assert (grpc, ui) == ("2136", "8765")
-    assert {f"{grpc}:{grpc}", f"{ui}:{ui}"} <= set(ydb["ports"])
-    assert "/local" in ydb["healthcheck"]["test"]
     nemesis = services["nemesis"]
-    env = nemesis["environment"]
-    # The endpoint names the YDB service by the host name it advertises.
-    assert env["NEMESIS_YDB_ENDPOINT"] == f"grpc://{ydb['hostname']}:{grpc}"
-    assert env["NEMESIS_YDB_DATABASE"] == "/local"
+    env = compose_env(nemesis)
     assert "NEMESIS_ADMIN_TOKEN" in env
-    assert {
-        f"{config.admin.port}:{config.admin.port}",
-        f"{config.viewer.port}:{config.viewer.port}",
-    } <= set(nemesis["ports"])
-    assert nemesis["depends_on"]["ydb"]["condition"] == "service_healthy"
+    # A host port per replica, each to the port the configuration listens on.
+    replicas = nemesis["deploy"]["replicas"]
+    for port in (config.admin.port, config.viewer.port):
+        [mapping] = [p for p in nemesis["ports"] if p.endswith(f":{port}")]
+        first, last = (int(n) for n in mapping.rsplit(":", 1)[0].split("-"))
+        assert last - first + 1 == replicas, mapping
+    for name in variant.infrastructure:
+        assert nemesis["depends_on"][name]["condition"] == "service_healthy"
+        assert services[name]["healthcheck"]["test"]
     assert nemesis["depends_on"]["init"]["condition"] == "service_completed_successfully"
+    if variant.backend == "ydb":
+        ydb = services["ydb"]
+        assert ydb["image"].startswith("ydbplatform/local-ydb:")
+        grpc, ui = ydb["environment"]["GRPC_PORT"], ydb["environment"]["MON_PORT"]
+        assert (grpc, ui) == ("2136", "8765")
+        assert {f"{grpc}:{grpc}", f"{ui}:{ui}"} <= set(ydb["ports"])
+        assert "/local" in ydb["healthcheck"]["test"]
+        # The endpoint names the YDB service by the host name it advertises.
+        assert env["NEMESIS_YDB_ENDPOINT"] == f"grpc://{ydb['hostname']}:{grpc}"
+        assert env["NEMESIS_YDB_DATABASE"] == "/local"
+    else:
+        kafka, postgres = services["kafka"], services["postgres"]
+        assert kafka["image"].startswith("apache/kafka:")
+        # Clients are sent to the advertised listener: it must be the compose host name.
+        advertised = kafka["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+        assert advertised == f"PLAINTEXT://{env['NEMESIS_KAFKA_BOOTSTRAP']}"
+        assert env["NEMESIS_KAFKA_BOOTSTRAP"].split(":")[0] == kafka["hostname"]
+        # One broker: the topics Nemesis creates cannot have more copies.
+        assert env["NEMESIS_KAFKA_REPLICATION_FACTOR"] == "1"
+        assert kafka["environment"]["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == "1"
+        assert postgres["image"].startswith("postgres:")
+        dsn = urlsplit(env["NEMESIS_DB_DSN"])
+        database = compose_env(postgres)
+        assert (dsn.hostname, dsn.port) == ("postgres", 5432)
+        assert dsn.username == database["POSTGRES_USER"]
+        assert dsn.password == database["POSTGRES_PASSWORD"]
+        assert dsn.path == f"/{database['POSTGRES_DB']}"
+        assert database["POSTGRES_USER"] in postgres["healthcheck"]["test"]
 
 
 def test_compose_commands_and_mounts_agree_with_the_cli_and_the_config(
-    compose: dict[str, Any], config: NemesisConfig
+    compose: dict[str, Any], config: NemesisConfig, variant: Variant
 ) -> None:
     services = compose["services"]
     for name in ("init", "nemesis"):
@@ -181,14 +427,14 @@ def test_compose_commands_and_mounts_agree_with_the_cli_and_the_config(
     cli_accepts(publish[at : publish.index(">/dev/null;")])
     for name in ("init", "nemesis", "producer"):
         found = mounts(services[name])
-        assert found[CONFIG_MOUNT] == "./config/nemesis.yaml"
+        assert found[CONFIG_MOUNT] == f"./{variant.config_file}"
         assert found[config.integrations_dir] == "./config/integrations"
         assert found[config.pipelines_dir] == "../pipelines"
         for target, source in found.items():
             if source.startswith("."):
                 assert (DEPLOY / source).exists(), f"{name}: {source} -> {target}"
-    assert mounts(services["nemesis"])[config.data_dir] == "nemesis-data"
-    assert "nemesis-data" in compose["volumes"]
+    # Nothing of the fleet's is kept in data_dir: both stores are shared.
+    assert config.data_dir not in mounts(services["nemesis"])
     for name in ("init", "handler", "producer"):
         # The image's health check asks the admin port, which only `nemesis run` serves.
         assert services[name]["healthcheck"] == {"disable": True}
@@ -218,7 +464,11 @@ def test_prometheus_scrapes_the_admin_port_and_loads_the_alerts(
     assert job["job_name"] == "nemesis"  # NemesisDown looks for up{job="nemesis"}
     assert job["metrics_path"] == "/metrics"
     assert "/metrics" in admin_routes()
-    assert job["static_configs"][0]["targets"] == [f"nemesis:{config.admin.port}"]
+    # Every replica, each an instance: the service name resolves to all of them.
+    [discovery] = job["dns_sd_configs"]
+    assert discovery["names"] == ["nemesis"]
+    assert (discovery["type"], discovery["port"]) == ("A", config.admin.port)
+    assert "nemesis" in compose["services"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
 
 
@@ -285,14 +535,21 @@ def test_the_image_is_slim_non_root_and_checks_the_admin_port(compose: dict[str,
 # --- Kubernetes ---------------------------------------------------------------------
 
 
-def test_kustomization_lists_every_manifest() -> None:
-    kustomization = load(DEPLOY / "kubernetes/kustomization.yaml")
-    files = {p.name for p in (DEPLOY / "kubernetes").glob("*.yaml")} - {"kustomization.yaml"}
-    assert set(kustomization["resources"]) == files
+def test_each_kustomization_lists_every_manifest_of_its_folder() -> None:
+    root = DEPLOY / "kubernetes"
+    base = load(root / "base/kustomization.yaml")
+    files = {p.name for p in (root / "base").glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(base["resources"]) == files
+    for variant in VARIANTS:
+        overlay = load(root / variant.backend / "kustomization.yaml")
+        assert overlay["namespace"] == "nemesis"
+        listed = {*overlay["resources"], *(patch["path"] for patch in overlay["patches"])}
+        files = {p.name for p in (root / variant.backend).glob("*.yaml")} - {"kustomization.yaml"}
+        assert listed == {"../base", *files}
 
 
 def test_the_deployment_probes_ports_and_mounts(
-    manifests: list[dict[str, Any]], config: NemesisConfig
+    manifests: list[dict[str, Any]], config: NemesisConfig, variant: Variant
 ) -> None:
     [deployment] = of_kind(manifests, "Deployment")
     spec = deployment["spec"]
@@ -323,8 +580,12 @@ def test_the_deployment_probes_ports_and_mounts(
     assert container["resources"]["limits"]["memory"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     env = {e["name"]: e for e in container["env"]}
-    assert {"NEMESIS_YDB_ENDPOINT", "NEMESIS_YDB_DATABASE", "NEMESIS_ADMIN_TOKEN"} <= set(env)
-    assert env["NEMESIS_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "nemesis-secrets"
+    # Secrets come from the Secret, never a value in the manifest.
+    secrets = {"NEMESIS_ADMIN_TOKEN", "NEMESIS_SESSION_SECRET"}
+    if variant.backend == "kafka":
+        secrets.add("NEMESIS_DB_DSN")
+    for name in secrets:
+        assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "nemesis-secrets", name
     assert env["NEMESIS_ADMIN_PORT"]["value"] == str(config.admin.port)
     annotations = template["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(config.admin.port)
@@ -374,7 +635,10 @@ def test_the_readme_says_the_deployment_was_not_run_here() -> None:
     assert "Not run here." in readme
     for path in (
         "compose.yaml",
-        "kubernetes/",
+        "compose.kafka.yaml",
+        "kubernetes/base/",
+        "kubernetes/ydb/",
+        "kubernetes/kafka/",
         "prometheus/alerts.yaml",
         "grafana/dashboards/nemesis.json",
     ):

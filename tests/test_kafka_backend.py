@@ -58,7 +58,9 @@ async def receive(reader: TopicReader, count: int, timeout_s: float = 30) -> lis
 
 def kafka_errors(document: dict[str, Any]) -> list[tuple[str, str]]:
     with pytest.raises(ValidationError) as info:
-        NemesisConfig.model_validate({"backend": {"kind": "kafka", **document}})
+        NemesisConfig.model_validate(
+            {"backend": {"kind": "kafka", **document}, "single_host": True}
+        )
     return [(".".join(str(p) for p in e["loc"]), e["msg"]) for e in info.value.errors()]
 
 
@@ -120,7 +122,7 @@ def test_the_example_kafka_block_validates_when_uncommented() -> None:
             break
         block.append(line[2:])
     expanded = expand("\n".join(block), env={"KAFKA_PASSWORD": "from-the-environment"})
-    config = NemesisConfig.model_validate(yaml.safe_load(expanded.text))
+    config = NemesisConfig.model_validate({**yaml.safe_load(expanded.text), "single_host": True})
     assert isinstance(config.backend, KafkaBackendConfig)
     assert config.backend.sasl is not None
     assert config.backend.sasl.password.get_secret_value() == "from-the-environment"

@@ -48,6 +48,7 @@ def kafka_config(space: Workspace, bootstrap: str, *, admin_port: int = 0) -> in
         "  heartbeat_interval_s: 1\n"
         "  connect_timeout_s: 5\n"
         "  request_timeout_s: 8\n"
+        "single_host: true   # one host: the state and DLQ files are enough\n"
         "data_dir: .\n"
         "integrations_dir: integrations\n"
         f"admin: {{port: {port}}}\n"

@@ -85,7 +85,8 @@ async def test_a_ydb_backend_that_cannot_be_reached_is_a_broker_error() -> None:
                 "endpoint": "grpc://127.0.0.1:9",  # nothing listens on the discard port
                 "database": "/local",
                 "connect_timeout_s": 0.5,
-            }
+            },
+            "single_host": True,
         }
     )
     with pytest.raises(BrokerError, match=r"connect to grpc://127\.0\.0\.1:9/local"):

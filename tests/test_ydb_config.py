@@ -54,7 +54,11 @@ def test_the_backend_and_the_dlq_are_chosen_by_kind() -> None:
     assert isinstance(default.backend, EmbeddedBackendConfig)
     assert isinstance(default.dlq, SqliteDlqConfig)
     config = NemesisConfig.model_validate(
-        {"backend": {"kind": "ydb", **LOCAL, "directory": "nemesis"}, "dlq": {"kind": "ydb"}}
+        {
+            "backend": {"kind": "ydb", **LOCAL, "directory": "nemesis"},
+            "dlq": {"kind": "ydb"},
+            "state": {"kind": "ydb"},
+        }
     )
     assert isinstance(config.backend, YdbBackendConfig)
     assert (config.backend.endpoint, config.backend.database) == ("grpc://localhost:2136", "/local")
@@ -100,6 +104,8 @@ def test_a_ydb_backend_file_with_secrets_from_the_environment(tmp_path: Path) ->
           database: /ru-central1/b1g/etn
           credentials: {mode: token, token: "${YDB_TOKEN}"}
           request_timeout_s: 5
+        dlq: {kind: ydb}
+        state: {kind: ydb}
         """,
     )
     config = load_process_config(path, env={"YDB_TOKEN": "t0ken"})
@@ -116,6 +122,7 @@ def test_problems_in_a_ydb_section_name_the_field_and_line(tmp_path: Path) -> No
           kind: ydb
           database: local
           connect_timeout_s: -1
+        single_host: true
         """,
     )
     with pytest.raises(ConfigError) as info:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Union
 
 from pydantic import (
     Discriminator,
@@ -40,12 +40,20 @@ class BackendModel(Model):
     retention: DurationS  # of a topic created without one
     default_partitions: int  # of a topic created without a count
 
+    # Whether processes on other hosts can read the same topics (Kafka, YDB), so that a
+    # fleet may span hosts; the embedded broker is one file, read from one host only.
+    spans_hosts: ClassVar[bool] = True
+
 
 class DlqModel(Model):
     """The ``dlq:`` section of one kind."""
 
     kind: str
     retention: DurationS  # rows older than this are deleted; 0 keeps them forever
+
+    # Whether only the processes of one host reach the store (a file): such a store
+    # cannot serve a fleet whose broker spans hosts (``nemesis.config.models``).
+    per_host: ClassVar[bool] = False
 
     def location(self, data_dir: str) -> str:
         """Where the store is, in words (``nemesis init`` prints it)."""
@@ -64,6 +72,9 @@ class StateModel(Model):
     lease_s: Annotated[float, Field(ge=0.5, le=600)] = 10.0
     # How often a member asks whether anything changed (one small read).
     poll_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+
+    # As ``DlqModel.per_host``: a store only the processes of one host reach.
+    per_host: ClassVar[bool] = False
 
     def location(self, data_dir: str) -> str:
         """Where the store is, in words."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -23,6 +23,8 @@ class EmbeddedBackendConfig(BackendModel):
     lease_s: Annotated[float, Field(gt=0)] = 10.0
     retention: DurationS = 7 * 86400.0
     default_partitions: Annotated[int, Field(ge=1, le=1024)] = 4
+
+    spans_hosts: ClassVar[bool] = False  # one file: its readers share a host
 
 
 async def open_embedded_backend(config: NemesisConfig, clock: Clock) -> Broker:

@@ -4,7 +4,7 @@ store (``nemesis.fleet.sqlite``), each one SQLite file."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from nemesis.backends.base import DlqKind, DlqModel, StateKind, StateModel
 from nemesis.config_base import DurationS
@@ -23,6 +23,8 @@ class SqliteDlqConfig(DlqModel):
     path: str = "dlq.db"
     # Rows older than this (by dead-letter time) are deleted; months, so teams can look back.
     retention: DurationS = 180 * 86400.0
+
+    per_host: ClassVar[bool] = True
 
     def location(self, data_dir: str) -> str:
         return f"sqlite:{Path(data_dir, self.path)}"
@@ -48,6 +50,8 @@ class SqliteStateConfig(StateModel):
     kind: Literal["sqlite"] = "sqlite"
     # Relative paths are taken from data_dir. Replicas on one host share the file.
     path: str = "state.db"
+
+    per_host: ClassVar[bool] = True
 
     def location(self, data_dir: str) -> str:
         return f"sqlite:{Path(data_dir, self.path)}"

@@ -547,6 +547,62 @@ class AuthConfig(Model):
         return self
 
 
+def _stores_reach_every_replica(config: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    """A broker that spans hosts needs ``state:`` and ``dlq:`` that span them too.
+
+    Replicas on several hosts split the work only when they meet in one state
+    store: with a file per host, each host's replicas take themselves for the
+    whole fleet and run every integration (rate limits multiply at the
+    handlers, a live change reaches one host), and each keeps the dead letters
+    of its integrations where the viewers of the other hosts never see them.
+    ``single_host: true`` says every replica runs on one host (or there is
+    one), where a file is enough.
+    """
+    if get_path(config, "single_host") is True:
+        return
+    registry = default_backends()
+    backend = _kind_at(config, "backend", next(iter(registry.brokers)))
+    broker = registry.brokers.get(backend)
+    if broker is None or not broker.config.spans_hosts:
+        return
+    sections: tuple[tuple[str, str, dict[str, Any]], ...] = (
+        ("state", "state store", {n: k.config for n, k in registry.states.items()}),
+        ("dlq", "DLQ", {n: k.config for n, k in registry.dlqs.items()}),
+    )
+    for section, what, models in sections:
+        kind = _kind_at(config, section, next(iter(models)))
+        model = models.get(kind)
+        if model is None or not model.per_host:
+            continue
+        shared = [name for name, other in models.items() if not other.per_host]
+        default = "" if _written(config, section) else " (the default)"
+        own = f"; {backend}: tables in the backend's database" if backend in shared else ""
+        harm = (
+            "each host's replicas would take themselves for the whole fleet and run every"
+            " integration"
+            if section == "state"
+            else "each replica would keep its dead letters where the other hosts never see them"
+        )
+        yield (
+            (section,),
+            f"the {kind} {what}{default} is a file only one host's replicas reach, but the"
+            f" {backend} backend shares its topics with replicas on any host: {harm}. Set"
+            f" {section}.kind to {' or '.join(shared)} (see docs/state-store.md{own}), or"
+            " single_host: true if every replica of this configuration runs on one host",
+        )
+
+
+def _kind_at(config: Any, section: str, default: str) -> str:
+    kind = get_path(config, section, "kind", default=default)
+    return kind if isinstance(kind, str) else default
+
+
+def _written(config: Any, section: str) -> bool:
+    if isinstance(config, dict):
+        return section in config
+    return section in getattr(config, "model_fields_set", ())
+
+
 class NemesisConfig(Model):
     backend: BackendConfig = EmbeddedBackendConfig()
     dlq: DlqConfig = SqliteDlqConfig()
@@ -562,6 +618,11 @@ class NemesisConfig(Model):
     auth: AuthConfig = AuthConfig()
     reload: ReloadConfig = ReloadConfig()
     metrics: MetricsConfig = MetricsConfig()
+    # Every replica of this configuration runs on one host (or there is one): the
+    # sqlite state and DLQ files then serve a broker that spans hosts too.
+    single_host: bool = False
+
+    cross_rules = (_stores_reach_every_replica,)
 
     @model_validator(mode="after")
     def _dlq_works_with_the_backend(self) -> NemesisConfig:

@@ -3,7 +3,8 @@
 A pydantic ``loc`` is walked against the data that was validated: parts that
 exist in the data become the field path (and give the line), parts that do
 not are union member tags and are dropped, and the last part of a missing
-field is kept so the message names it while the line points at its parent.
+field (or of a default that a rule across fields blames) is kept so the
+message names it while the line points at its parent.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from nemesis.config.document import DataPath, YamlDocument, format_path, yaml_kind
-from nemesis.config.models import NAME_PATTERN, SOURCE_TOPIC_PATTERN, TOPIC_PATTERN
+from nemesis.config.models import (
+    CROSS_FIELD_ERROR,
+    NAME_PATTERN,
+    SOURCE_TOPIC_PATTERN,
+    TOPIC_PATTERN,
+)
 from nemesis.errors import ConfigProblem
 from nemesis.terminal import inert
 
@@ -118,7 +124,7 @@ def _resolve(details: ErrorDetails, data: Any) -> tuple[DataPath, DataPath]:
         if in_mapping or in_list:
             node = node[part]
             path.append(part)
-        elif details["type"] == "missing" and index == len(loc) - 1:
+        elif details["type"] in ("missing", CROSS_FIELD_ERROR) and index == len(loc) - 1:
             return tuple(path), (part,)
         # Anything else is a union member tag ("str", "list[...]") or "[key]": not a field.
     return tuple(path), ()

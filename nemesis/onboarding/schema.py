@@ -54,9 +54,9 @@ from nemesis.delivery.http_common import (
     RESERVED_HEADERS,
     UNSAFE_VALUE_PATTERN,
 )
-from nemesis.onboarding.rules import INTERNAL_PREFIX, OWNER_PATTERN, TOPIC_CONVENTION
 from nemesis.onboarding.choices import SCHEMA_KINDS as SCHEMA_KINDS
 from nemesis.onboarding.choices import SchemaKind as SchemaKind
+from nemesis.onboarding.rules import INTERNAL_PREFIX, OWNER_PATTERN, TOPIC_CONVENTION
 from nemesis.pipeline.compiler import PipelineFile
 from nemesis.pipeline.registry import StageRegistry, default_registry
 from nemesis.pipeline.testing import PipelineTestFile

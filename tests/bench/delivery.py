@@ -139,7 +139,7 @@ class Workspace:
             else f"{{kind: kafka, bootstrap_servers: ['{kafka}']}}"
         )
         (root / "nemesis.yaml").write_text(
-            f"backend: {backend}\ndata_dir: .\n"
+            f"backend: {backend}\nsingle_host: true\ndata_dir: .\n"
             f"integrations_dir: integrations\npipelines_dir: {REPO / 'pipelines'}\n"
             # The viewer starts with every proxy, as in production; a secret made for this
             # run keeps it from warning at each start that it had to make one itself.

@@ -110,6 +110,7 @@ def kafka_config(bootstrap: str, directory: Path) -> NemesisConfig:
         backend=kafka_backend_config(bootstrap),
         dlq=SqliteDlqConfig(path=str(directory / "dlq.db")),
         data_dir=str(directory),
+        single_host=True,  # one process: the DLQ file is enough
     )
 
 
@@ -119,6 +120,7 @@ def ydb_config(name: str) -> NemesisConfig:
     return NemesisConfig(
         backend=ydb_backend_config(directory),
         dlq=YdbDlqConfig(path=f"{directory}/dlq"),
+        single_host=True,  # one process: the state file is enough
     )
 
 
