@@ -4,7 +4,7 @@
 ``kubernetes/kafka`` run: Kafka, with the fleet's state and the DLQ in
 PostgreSQL. Here two ``nemesis run`` processes read it, changed only where a
 test host differs from a cluster (addresses, folders, the test broker's
-limits), against a real Kafka-protocol broker (Tansu) and a real PostgreSQL
+limits), against a real Apache Kafka broker and a real PostgreSQL
 server. They find each other in the database and split the integrations:
 each runs on one replica, and each replica runs some.
 """
@@ -12,8 +12,6 @@ each runs on one replica, and each replica runs some.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,20 +19,13 @@ import yaml
 
 from nemesis.testing import HandlerServer
 from tests.conftest import REPO, Workspace, stop_gracefully
-from tests.kafka_broker import TansuBroker, start_tansu
+from tests.kafka_broker import KafkaBroker, Namespace
 from tests.operability import DEPLOY
 from tests.test_fleet_e2e import TOKEN, Fleet, eventually, free_port
 
 pytestmark = pytest.mark.slow
 
 INTEGRATIONS = [f"team-{n}" for n in range(4)]
-
-
-@pytest.fixture
-def tansu(tmp_path: Path) -> Iterator[TansuBroker]:
-    broker = start_tansu(tmp_path)
-    yield broker
-    broker.stop()
 
 
 class ShippedKafkaFleet(Fleet):
@@ -48,7 +39,6 @@ class ShippedKafkaFleet(Fleet):
         )
         # What differs on a test host; the broker, the stores and the rest are as shipped.
         document["backend"].update(
-            idempotent_producer=False,  # Tansu has no InitProducerId
             session_timeout_s=6,
             heartbeat_interval_s=1,
             request_timeout_s=10,
@@ -68,11 +58,11 @@ class ShippedKafkaFleet(Fleet):
 
 @pytest.fixture
 def shipped_env(
-    monkeypatch: pytest.MonkeyPatch, tansu: TansuBroker, postgres_dsn: str
+    monkeypatch: pytest.MonkeyPatch, kafka: KafkaBroker, postgres_dsn: str
 ) -> dict[str, str]:
     """The variables the shipped file reads, as a pod's environment gives them."""
     env = {
-        "NEMESIS_KAFKA_BOOTSTRAP": tansu.bootstrap,
+        "NEMESIS_KAFKA_BOOTSTRAP": kafka.bootstrap,
         "NEMESIS_KAFKA_REPLICATION_FACTOR": "1",
         "NEMESIS_DB_DSN": postgres_dsn,
         "NEMESIS_ADMIN_TOKEN": TOKEN,
@@ -87,12 +77,14 @@ async def test_two_replicas_of_the_shipped_kafka_configuration_share_the_work(
     workspace: Workspace, shipped_env: dict[str, str]
 ) -> None:
     fleet = ShippedKafkaFleet(workspace)
+    ns = Namespace()  # the broker is shared by the session's Kafka cases
+    topic = ns("orders")
     async with HandlerServer() as handler:
         for name in INTEGRATIONS:
             workspace.write_integration(
                 name,
                 f"name: {name}\nowners: [team-test]\n"
-                f"source: {{topic: orders, consumer: {name}}}\n"
+                f"source: {{topic: {topic}, consumer: {ns(name)}}}\n"
                 f"target: {{url: '{handler.url}{name}', timeout_s: 5}}\n"
                 "delivery: {workers: 4, buffer: 100}\n",
             )
@@ -100,7 +92,7 @@ async def test_two_replicas_of_the_shipped_kafka_configuration_share_the_work(
         checked = workspace.cli("validate", config)
         assert checked.returncode == 0, checked.stdout + checked.stderr
         created = workspace.cli(
-            "topics", "create", "orders", "--partitions", "4", "--exist-ok", "-c", config
+            "topics", "create", topic, "--partitions", "4", "--exist-ok", "-c", config
         )
         assert created.returncode == 0, created.stderr
         for n in range(2):
@@ -126,7 +118,7 @@ async def test_two_replicas_of_the_shipped_kafka_configuration_share_the_work(
         lines = workspace.root / "orders.jsonl"
         lines.write_text("".join(json.dumps({"id": f"order-{n}"}) + "\n" for n in range(8)))
         published = workspace.cli(
-            "publish", "orders", "--file", lines.name, "--lines", "--key-field", "id", "-c", config
+            "publish", topic, "--file", lines.name, "--lines", "--key-field", "id", "-c", config
         )
         assert published.returncode == 0, published.stderr
         expected = {(f"/{name}", f"order-{n}") for name in INTEGRATIONS for n in range(8)}
