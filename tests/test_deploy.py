@@ -90,7 +90,7 @@ def kustomize(directory: Path) -> str:
     elif standalone := shutil.which("kustomize"):
         command = [standalone, "build", str(directory)]
     else:
-        pytest.fail("kustomize is missing: install kubectl (kustomize is built in) or kustomize")
+        pytest.fail("kustomize is missing: kubectl has it built in; .ci/system-packages builds it")
     built = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert built.returncode == 0, built.stderr
     return built.stdout

@@ -97,15 +97,20 @@ async def test_two_replicas_of_the_shipped_kafka_configuration_share_the_work(
         assert created.returncode == 0, created.stderr
         for n in range(2):
             await fleet.start(n)
-        views = [
-            await eventually(
-                lambda n=n: fleet.settled(n, 2),  # type: ignore[misc]
-                timeout_s=120,
-                what=f"replica {n} sees 2 members, each integration placed",
-                logs=workspace.logs,
+        views = []
+        for n in range(2):
+
+            async def settled(n: int = n) -> dict[str, Any] | None:
+                return await fleet.settled(n, 2)
+
+            views.append(
+                await eventually(
+                    settled,
+                    timeout_s=120,
+                    what=f"replica {n} sees 2 members, each integration placed",
+                    logs=workspace.logs,
+                )
             )
-            for n in range(2)
-        ]
         for view in views:
             running = {i["name"]: i["running"] for i in view["integrations"]}
             assert sorted(running) == INTEGRATIONS
