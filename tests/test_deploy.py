@@ -90,7 +90,9 @@ def kustomize(directory: Path) -> str:
     elif standalone := shutil.which("kustomize"):
         command = [standalone, "build", str(directory)]
     else:
-        pytest.fail("kustomize is missing: kubectl has it built in; .ci/system-packages builds it")
+        pytest.fail(
+            "kustomize is missing: install kubectl (it has kustomize built in) or kustomize"
+        )
     built = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert built.returncode == 0, built.stderr
     return built.stdout
