@@ -267,6 +267,7 @@ async def test_run_delivers_an_lz4_batch_from_a_third_party_producer(
         "backend:\n"
         "  kind: kafka\n"
         f"  bootstrap_servers: ['{kafka.bootstrap}']\n"
+        "single_host: true\n"  # one process, its state and DLQ in SQLite files here
         "data_dir: .\n"
         "integrations_dir: integrations\n"
         f"admin: {{port: {free_port()}}}\n"
