@@ -173,16 +173,29 @@ def test_the_wheel_carries_the_compiled_grpc_contract_and_every_kafka_codec(
     assert done.stdout.strip() == "[]"
 
 
-def test_validate_accepts_the_shipped_files(bare: Venv, source: Path) -> None:
-    checked = {
+def test_validate_accepts_the_shipped_files(
+    bare: Venv, source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What each deployment's pods get in their environment (deploy/kubernetes/*).
+    for name, value in {
+        "NEMESIS_KAFKA_BOOTSTRAP": "kafka:9092",
+        "NEMESIS_DB_DSN": "postgresql://nemesis@postgres:5432/nemesis",
+        "NEMESIS_YDB_ENDPOINT": "grpc://ydb:2136",
+        "NEMESIS_YDB_DATABASE": "/local",
+    }.items():
+        monkeypatch.setenv(name, value)
+    checked: dict[str, tuple[str, ...]] = {
         "integrations and pipelines": ("integrations", "pipelines"),
         "the example process file": ("nemesis.example.yaml",),
-        "the deployment's configuration": (
-            "deploy/config/nemesis.yaml",
+    }
+    deployments = sorted((source / "deploy/config").glob("nemesis.*.yaml"))
+    assert deployments, "no deployment configuration shipped in deploy/config"
+    for config in deployments:
+        checked[config.name] = (
+            str(config.relative_to(source)),
             "deploy/config/integrations",
             "pipelines",
-        ),
-    }
+        )
     for what, paths in checked.items():
         done = bare.run("nemesis", "validate", *paths, cwd=source)
         assert done.returncode == 0, f"{what}: {done.stdout}{done.stderr}"
