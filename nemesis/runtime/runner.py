@@ -425,8 +425,14 @@ class IntegrationRunner:
                     await self._progress.wait()
                 continue
             self._flow_control(reader)
-            if self._breaker is not None and self._breaker.state is BreakerState.OPEN:
+            if (
+                self._breaker is not None
+                and self._breaker.state is BreakerState.OPEN
+                and not self.flow.delayed
+            ):
                 # The handler is down: leave new messages in the topic until it may be probed.
+                # A retry tier reads on (bounded by the buffer): its messages are owed, and
+                # they wait for a permit here, first in line for the probes (the most attempts).
                 await first_of(self._breaker.wait_until_not_open(), self._stopping.wait())
                 continue
             messages = await reader.receive(
