@@ -29,9 +29,11 @@ and takes or gives up nothing (each look fails before it can act); it logs
 the outage once, and once more when the store answers again. Its peers'
 leases have run out meanwhile if the outage was long, though they may all be
 alive: for ``lease_s`` after it reaches the store again the member **settles**:
-it renews its own lease at once, counts every member whose row is still
-there as live (forgetting nobody) and starts no integration it does not run,
+it renews its own lease at once, counts every member whose row is there as
+live (forgetting nobody itself) and starts no integration it does not run,
 so that the others' heartbeats come in before it acts on the membership.
+(The first heartbeat back still deletes the rows whose lease ran out, as
+every heartbeat does; their members write them again with their next one.)
 After that, a member that did not renew is forgotten as usual.
 
 Shutting down (``proxy.stop()``), the member marks itself draining, so the
