@@ -10,6 +10,7 @@ host, port and name, never by its password. A store module (the DLQ's,
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -31,6 +32,20 @@ _NETWORK_ERRORS = (
     asyncpg.InternalClientError,
     asyncpg.PostgresError,
 )
+
+
+class _QuietFloorRetries(logging.Filter):
+    """Drops asyncpg's warning, with a traceback, at each failed reconnect of a pool's floor.
+
+    While the server is down the pool retries in the background and logs each try; the
+    store's callers report the outage themselves, once, with the translated error.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Failed to restore the pool connection floor")
+
+
+_POOL_LOG = logging.getLogger("asyncpg.pool")
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,8 @@ async def open_pool(
         ) from None
     if tls is not None:
         options["ssl"] = tls
+    if not any(isinstance(f, _QuietFloorRetries) for f in _POOL_LOG.filters):
+        _POOL_LOG.addFilter(_QuietFloorRetries())
     timeout_ms = round(config.statement_timeout_s * 1000)
     pool = asyncpg.create_pool(
         min_size=min(min_size, config.pool_size),

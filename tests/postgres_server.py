@@ -29,8 +29,8 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
@@ -64,6 +64,18 @@ class PostgresServer:
     socket_dir: Path
     log: Path
     ca_file: Path  # the server's self-signed certificate, for clients that verify it
+    postmaster: Postmaster | None = field(default=None, compare=False, repr=False)
+
+    def stop(self) -> None:
+        """Stops the server (a fast shutdown: clients are cut off); ``start`` brings it back."""
+        assert self.postmaster is not None
+        self.postmaster.stop()
+
+    def start(self) -> None:
+        """Starts a stopped server again, on the same port and data."""
+        assert self.postmaster is not None
+        if not self.postmaster.start():
+            pytest.fail("postgres did not start again:\n" + self.log.read_text(errors="replace"))
 
     def dsn(self, database: str = "postgres") -> str:
         """A libpq URL that signs in over TCP with the password."""
@@ -149,6 +161,41 @@ def _ready(binaries: Path, socket_dir: Path, port: int) -> bool:
     return check.returncode == 0
 
 
+class Postmaster:
+    """The server's process: started with one command line, stopped and started again."""
+
+    def __init__(
+        self, command: list[str | Path], log: Path, cwd: Path, ready: Callable[[], bool]
+    ) -> None:
+        self._command = command
+        self._log = log
+        self._cwd = cwd
+        self._ready = ready
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> bool:
+        """Starts it and waits until it answers; False when it exited (its port taken)."""
+        with self._log.open("ab") as log_file:
+            process = self.process = subprocess.Popen(
+                self._command, stdout=log_file, stderr=subprocess.STDOUT, cwd=self._cwd
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while process.poll() is None and time.monotonic() < deadline:
+            if self._ready():
+                return True
+            time.sleep(0.1)
+        if process.poll() is None:
+            pytest.fail(
+                f"postgres did not start within {START_TIMEOUT_S:g}s:\n"
+                + self._log.read_text(errors="replace")
+            )
+        return False
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop(self.process)
+
+
 @contextlib.contextmanager
 def running_postgres() -> Iterator[PostgresServer]:
     """Initialises and starts a server in a temporary folder; stops it and removes the folder."""
@@ -199,32 +246,21 @@ def running_postgres() -> Iterator[PostgresServer]:
                 "ssl_key_file": str(key),
             }
             options = [f"--{name}={value}" for name, value in settings.items()]
-            with log.open("ab") as log_file:
-                process = subprocess.Popen(
-                    [*prefix, binaries / "postgres", "-D", data, *options],
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    cwd=root,
-                )
+            postmaster = Postmaster(
+                [*prefix, binaries / "postgres", "-D", data, *options],
+                log,
+                root,
+                lambda port=port: _ready(binaries, sockets, port),  # type: ignore[misc]
+            )
             try:
-                deadline = time.monotonic() + START_TIMEOUT_S
-                while process.poll() is None and time.monotonic() < deadline:
-                    if _ready(binaries, sockets, port):
-                        break
-                    time.sleep(0.1)
-                else:
-                    if process.poll() is None:
-                        pytest.fail(
-                            f"postgres did not start within {START_TIMEOUT_S:g}s:\n"
-                            + log.read_text(errors="replace")
-                        )
+                if not postmaster.start():
                     continue  # it exited: try another port
                 yield PostgresServer(
-                    "127.0.0.1", port, SUPERUSER, password, sockets, log, certificate
+                    "127.0.0.1", port, SUPERUSER, password, sockets, log, certificate, postmaster
                 )
                 return
             finally:
-                _stop(process)
+                postmaster.stop()
         pytest.fail("postgres did not start:\n" + log.read_text(errors="replace"))
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -161,6 +161,40 @@ async def test_failing_twice_goes_through_two_tiers_and_is_delivered(
         assert third - second >= 0.4 - 1e-6  # tier 2: 400 ms
 
 
+async def test_a_handler_that_takes_the_third_attempt_closes_the_default_breaker(
+    broker: EmbeddedBroker, dlq: SqliteDeadLetterStore, clock: FakeClock
+) -> None:
+    # Two of every three requests fail, and every first attempt does: at first nothing
+    # tells this handler from an outage, so the breaker opens. Its third attempts must
+    # close it again and keep it closed, or the messages trickle through cooldown by
+    # cooldown (with probes made of first attempts, 245 of 2,000 in 400 s).
+    count = 1000
+    await publish(broker, count)
+    async with HandlerServer(clock=clock) as handler, clock.autojump(AUTOJUMP_S):
+        handler.fail_first(2, status=503)
+        config = integration(
+            "it", handler.url, retry={"tiers": ["1s", "2s"]}, delivery={"workers": 32}
+        )
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, clock=clock, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        breaker = proxy.groups["it"].breaker
+        # Fake time: a bound on cooldowns and tiers, not on how busy the host is.
+        deadline = clock.monotonic() + 300
+        while len(handler.ledger.done_ids()) < count and clock.monotonic() < deadline:
+            await clock.sleep(1)
+        done = len(handler.ledger.done_ids())
+        proxy.stop()
+        await task
+    assert done == count, f"{done} of {count} delivered; breaker: {breaker.statistics()}"
+    assert await dlq.count(DeadLetterFilter()) == 0
+    assert set(handler.ledger.counts().values()) == {3}
+    for event_id in handler.ledger.ids():
+        first, second, third = (e.received_wall for e in handler.ledger.by_id(event_id))
+        assert second - first >= 1 - 1e-6
+        assert third - second >= 2 - 1e-6
+    assert breaker.state is BreakerState.CLOSED
+
+
 async def test_rejected_message_is_dead_lettered_at_once_and_nothing_stalls(
     broker: EmbeddedBroker, dlq: SqliteDeadLetterStore, clock: FakeClock
 ) -> None:

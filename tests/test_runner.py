@@ -464,10 +464,10 @@ async def test_the_breaker_hears_the_answers_of_a_turn_in_their_order(
     seen: list[tuple[int, int]] = []
     record = breaker.record
 
-    def spied(healthy: bool) -> None:
+    def spied(healthy: bool, attempt: int = 1) -> None:
         stats = breaker.statistics()
         seen.append((stats.window_requests, stats.window_failures))
-        record(healthy)
+        record(healthy, attempt)
 
     breaker.record = spied  # type: ignore[method-assign]
     runner = IntegrationRunner(cfg, broker, transport, breaker=breaker, options=FAST)

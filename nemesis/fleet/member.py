@@ -24,6 +24,18 @@ here (``runs_here``). The member:
    applies it at its next poll, and a restarted one at its start. An
    override the YAML now says is deleted from the store (drift no more).
 
+**When the store cannot be reached**, the member keeps running what it runs
+and takes or gives up nothing (each look fails before it can act); it logs
+the outage once, and once more when the store answers again. Its peers'
+leases have run out meanwhile if the outage was long, though they may all be
+alive: for ``lease_s`` after it reaches the store again the member **settles**:
+it renews its own lease at once, counts every member whose row is there as
+live (forgetting nobody itself) and starts no integration it does not run,
+so that the others' heartbeats come in before it acts on the membership.
+(The first heartbeat back still deletes the rows whose lease ran out, as
+every heartbeat does; their members write them again with their next one.)
+After that, a member that did not renew is forgotten as usual.
+
 Shutting down (``proxy.stop()``), the member marks itself draining, so the
 others compute owners without it; once the proxy has drained it leaves
 (deletes its row and assignments), and the new owners start.
@@ -57,7 +69,7 @@ from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig
 from nemesis.errors import StateError
 from nemesis.fleet.placement import Replicas, assign
-from nemesis.fleet.port import FleetView, MemberInfo, StateStore
+from nemesis.fleet.port import FleetView, Member, MemberInfo, StateStore
 from nemesis.metrics import FLEET_STATE_OPERATIONS, Metrics
 from nemesis.runtime import overrides as live
 
@@ -189,6 +201,8 @@ class FleetMember:
         self._taking_over: set[str] = set()  # waiting ones that another member ran or owned
         self._synced_at: float | None = None
         self._lease_until: float | None = None
+        self._unreachable_since: float | None = None  # the current outage of the store
+        self._settle_until = 0.0  # after an outage: act on no membership before this
         self._metrics = metrics if metrics is not None else Metrics()
         for operation in FLEET_STATE_OPERATIONS:
             self._metrics.fleet_state_errors.labels(operation)  # a zero to rise from
@@ -288,14 +302,18 @@ class FleetMember:
         if self._proxy.stopping and not self._info.draining:
             self._info = dataclasses.replace(self._info, draining=True)
             self._next_heartbeat = now
-        if now >= self._next_heartbeat:
+        if now >= self._next_heartbeat or self._unreachable_since is not None:
+            # After an outage at once: the others settle on the heartbeats they see.
             generation = await self._heartbeat()
         else:
             generation = await self._stored("generation", self.store.generation())
+        if self._unreachable_since is not None:
+            self._recovered(now)
         if (
             generation != self._view.generation
             or now >= self._next_expiry
             or self._waiting_since
+            or self._settle_until
             or self._proxy.groups.keys() != self._placed
         ):
             await self._refresh()
@@ -358,16 +376,36 @@ class FleetMember:
             log.info("fleet: forgetting members of this host that are gone: %s", ", ".join(gone))
             await self._stored("forget", self.store.forget(gone))
 
+    def _recovered(self, now: float) -> None:
+        """The store answers again: settle for a lease before acting on the membership."""
+        since = self._unreachable_since
+        assert since is not None
+        self._unreachable_since = None
+        self._settle_until = now + self._options.lease_s
+        log.warning(
+            "fleet: reaches the state store again after %.0fs; starting no integration for"
+            " %gs while the other members renew their leases",
+            now - since,
+            self._options.lease_s,
+        )
+
+    def _live(self, member: Member, now: float) -> bool:
+        """Live: its lease runs, or this member settles after an outage (see the docstring)."""
+        return member.live(now) or now < self._settle_until
+
     async def _refresh(self) -> None:
         view = await self._stored("view", self.store.view())
         now = self._clock.time()
-        expired = [m.member_id for m in view.members if not m.live(now)]
+        settling = now < self._settle_until
+        if not settling:
+            self._settle_until = 0.0
+        expired = [m.member_id for m in view.members if not self._live(m, now)]
         if expired:
             log.warning("fleet: members whose lease ran out: %s", ", ".join(expired))
             await self._stored("forget", self.store.forget(expired))
             view = await self._stored("view", self.store.view())
         self._view = view
-        others = [m for m in view.members if m.member_id != self.member_id and m.live(now)]
+        others = [m for m in view.members if m.member_id != self.member_id and self._live(m, now)]
         self._next_expiry = min((m.lease_until for m in others), default=float("inf"))
         self._live_others = frozenset(m.member_id for m in others)
         active = {m.member_id for m in others if not m.draining}
@@ -387,7 +425,8 @@ class FleetMember:
     async def _place(
         self, view: FleetView, now: float, owned_before: Mapping[str, tuple[str, ...]]
     ) -> None:
-        live_ids = {m.member_id for m in view.members if m.live(now)} | {self.member_id}
+        live_ids = {m.member_id for m in view.members if self._live(m, now)} | {self.member_id}
+        settling = now < self._settle_until
         runners: dict[str, set[str]] = {}
         for assignment in view.assignments:
             if assignment.member_id in live_ids:
@@ -406,6 +445,8 @@ class FleetMember:
                     if running - {me} or set(owned_before.get(name, ())) - {me}:
                         self._taking_over.add(name)  # a handover, not a first start
                 since = self._waiting_since[name]
+                if settling:
+                    continue  # the membership may be stale: the others' heartbeats first
                 if blockers and now - since < self._options.handover_wait_s:
                     continue  # the old owner drains first
                 del self._waiting_since[name]
@@ -543,10 +584,16 @@ class FleetMember:
             )
 
     def _failed(self, exc: StateError) -> None:
-        message = str(exc)
-        if message != self._last_error:
-            log.error("fleet: the state store failed: %s; the integrations here keep running", exc)
-        self._last_error = message
+        """A call of the store failed: logged once per outage (``_recovered`` ends it)."""
+        self._last_error = str(exc)
+        if self._unreachable_since is not None:
+            return
+        self._unreachable_since = self._clock.time()
+        log.error(
+            "fleet: cannot reach the state store: %s; the integrations here keep running,"
+            " and none is taken or given up until it answers again",
+            exc,
+        )
 
 
 def _alive(pid: int) -> bool:

@@ -214,6 +214,9 @@ class PostgresStateStore(SqlStateStore):
                 # next one) before the transaction is rolled back under it.
                 tx.cancelled = True
                 await asyncio.wait([running])
+                if not running.cancelled():
+                    # Taken, so that asyncio does not log it: the job stopped as asked.
+                    running.exception()
                 raise
 
 

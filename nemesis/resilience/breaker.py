@@ -27,6 +27,28 @@ outcome (5xx, timeouts, refused connections, 408/425/429, the misconfigured
 contract violations) and ``dropped`` prove the handler is up and count as
 healthy. One request counts once, whether it carried one event or a batch.
 
+Retries prove a recovering handler (each answer carries the attempt of its
+message, the smallest of a batch's):
+
+- A retry delivered on attempt n counts as n healthy answers, in the window
+  and in a probe round: it shows that the n - 1 failures before it were the
+  message's, not an outage.
+- The answers that settle a retried message are also kept in a window of
+  their own that no state change clears: a delivered retry (weighed as
+  above) and a failed last attempt (past the ``retries`` the tiers allow; any
+  failed retry when the breaker is not told them). While it holds
+  ``min_requests`` of them failing at no more than ``open_above``, the
+  breaker does not open, and a half-open one closes at its next probe's
+  answer: a handler that fails first attempts and takes the retries is up,
+  however its first attempts go. In an outage retries are not delivered,
+  and the breaker opens at most ``window_s`` later.
+- Half-open, probe slots go to the waiting request with the most attempts
+  first: due retries before new messages.
+
+So a handler that fails every message twice and takes the third attempt
+opens the breaker once (at first nothing tells it from an outage), closes
+it with the first round of third attempts, and keeps it closed.
+
 Which answers count: while closed, every answer received (fresh evidence,
 whenever its request left); while half-open, only the answers to this
 round's probes; while open, none. A late answer to a request sent before the
@@ -35,7 +57,7 @@ breaker opened therefore never decides a probe round.
 In a runner::
 
     await breaker.wait_until_not_open()        # the reader, before each receive
-    async with breaker.permit() as permit:     # a worker, around one request
+    async with breaker.permit(attempt) as permit:     # a worker, around one request
         result = await transport.deliver(event)
         permit.record(is_healthy(result.outcome))
     # leaving without record() (stale message, cancellation) gives a probe slot back
@@ -118,7 +140,7 @@ class BreakerStatistics:
     state: BreakerState
     time_in_state_s: float
     cooldown_remaining_s: float  # 0 unless open
-    window_requests: int  # closed: answers in the sliding window
+    window_requests: int  # closed: answers in the sliding window (a retry weighs its attempts)
     window_failures: int
     probes_in_flight: int  # half-open: probes sent and not answered
     round_requests: int  # half-open: answers in the current probe round
@@ -126,6 +148,8 @@ class BreakerStatistics:
     probe_rounds: int  # half-open rounds that ended in the band, since the breaker was made
     ignored_answers: int  # answers to requests let through in an earlier state
     transitions: Mapping[tuple[BreakerState, BreakerState], int]
+    retry_requests: int = 0  # answers to retries in their own window, in every state
+    retry_failures: int = 0
 
     @property
     def error_rate(self) -> float | None:
@@ -217,20 +241,21 @@ class SlidingWindow:
 class Permit:
     """Leave to send one request: report its answer with ``record``, or ``release`` it unused."""
 
-    __slots__ = ("_breaker", "_epoch", "_open", "probe")
+    __slots__ = ("_breaker", "_epoch", "_open", "attempt", "probe")
 
-    def __init__(self, breaker: CircuitBreaker, epoch: int, probe: bool) -> None:
+    def __init__(self, breaker: CircuitBreaker, epoch: int, probe: bool, attempt: int = 1) -> None:
         self._breaker = breaker
         self._epoch = epoch
         self._open = True
         self.probe = probe  # a half-open probe, one of the round's slots
+        self.attempt = attempt  # of the message it carries (1: a first attempt)
 
     def record(self, healthy: bool) -> None:
         """Reports the request's answer: ``healthy`` unless it was a handler-health failure."""
         if not self._open:
             raise RuntimeError("this permit's answer was already reported")
         self._open = False
-        self._breaker._record(self._epoch, self.probe, healthy)
+        self._breaker._record(self._epoch, self.probe, healthy, self.attempt)
 
     def release(self) -> None:
         """Gives the permit back without an answer (nothing was sent); no-op after ``record``."""
@@ -250,6 +275,7 @@ class CircuitBreaker:
         name: str = "",
         probes_per_round: int | None = None,
         probe_concurrency: int = DEFAULT_PROBE_CONCURRENCY,
+        retries: int | None = None,
     ) -> None:
         if probes_per_round is not None and probes_per_round < 1:
             raise ValueError("probes_per_round must be at least 1")
@@ -267,6 +293,11 @@ class CircuitBreaker:
         self._epoch = 0  # bumped on every transition: tells which state a permit belongs to
         self._entered_at = clock.monotonic()
         self._window = SlidingWindow(config.window_s)
+        # The answers to retries, kept through every state change: the evidence that a
+        # handler failing first attempts is up (see the module docstring).
+        self._retry_window = SlidingWindow(config.window_s)
+        # A failed attempt from here on is a message's last (None: the tiers are not known).
+        self._last_attempt = 2 if retries is None else retries + 1
         # The last answers, however old, in every state: the failure policy's view of
         # whether the handler is down, which neither the window's successes from before
         # an outage nor a long pause in traffic can hide.
@@ -276,13 +307,16 @@ class CircuitBreaker:
         self._recent_failures = 0
         self._last_healthy_at: float | None = None
         self._round_issued = 0  # probes of this round handed out and not given back
-        self._round_requests = 0
+        self._round_answered = 0  # of those, answered
+        self._round_requests = 0  # the answers' weight (a retry weighs its attempts)
         self._round_failures = 0
         self._probe_rounds = 0
         self._ignored = 0
         self._transitions: dict[tuple[BreakerState, BreakerState], int] = {}
         self._listeners: list[BreakerListener] = []
         self._waiters: list[asyncio.Future[None]] = []
+        # Acquirers waiting for a permit, by attempt: half-open, the most attempts go first.
+        self._waiting: dict[int, int] = {}
 
     # --- reading --------------------------------------------------------------
 
@@ -297,6 +331,7 @@ class CircuitBreaker:
         self._tick()
         now = self._clock.monotonic()
         self._window.expire(now)
+        self._retry_window.expire(now)
         return BreakerStatistics(
             name=self.name,
             state=self._state,
@@ -304,12 +339,14 @@ class CircuitBreaker:
             cooldown_remaining_s=self._cooldown_remaining(now),
             window_requests=self._window.requests,
             window_failures=self._window.failures,
-            probes_in_flight=self._round_issued - self._round_requests,
+            probes_in_flight=self._round_issued - self._round_answered,
             round_requests=self._round_requests,
             round_failures=self._round_failures,
             probe_rounds=self._probe_rounds,
             ignored_answers=self._ignored,
             transitions=dict(self._transitions),
+            retry_requests=self._retry_window.requests,
+            retry_failures=self._retry_window.failures,
         )
 
     @property
@@ -338,9 +375,12 @@ class CircuitBreaker:
         """Closed: requests go without a permit, their answers are given to ``record``."""
         return self._state is _CLOSED
 
-    def record(self, healthy: bool) -> None:
-        """Reports the answer to a request sent while closed (what a non-probe permit reports)."""
-        self._record(self._epoch, False, healthy)
+    def record(self, healthy: bool, attempt: int = 1) -> None:
+        """Reports the answer to a request sent while closed (what a non-probe permit reports).
+
+        ``attempt`` is the attempt of the request's message (of a batch: the smallest).
+        """
+        self._record(self._epoch, False, healthy, attempt)
 
     def record_healthy(self, count: int) -> None:
         """Reports ``count`` healthy answers at once, as ``count`` calls of ``record(True)``."""
@@ -358,38 +398,68 @@ class CircuitBreaker:
                 self._note_recent(0)
         # else: the last answers were all healthy, and these change nothing there.
         window = self._window
-        window.add(now, False, count)
+        window.expire(now)
+        # Healthy answers can still bring the window to min_requests with a failure rate
+        # above the threshold; one by one, the breaker would open at the first answer that
+        # does (the rate only falls after it) and take the rest as answers while open.
+        first = max(1, min(count, self._min_requests - window.requests))
+        window.add(now, False, first)
         requests = window.requests
-        if requests >= self._min_requests and window.failures / requests > self._open_above:
-            # Healthy answers can still bring the window to min_requests with a failure
-            # rate above the threshold.
+        if (
+            requests >= self._min_requests
+            and window.failures / requests > self._open_above
+            and not self._retries_vouch(now)
+        ):
             self._transition(BreakerState.OPEN, now, requests, window.failures)
+            self._ignored += count - first
+        elif count > first:
+            window.add(now, False, count - first)
 
-    def try_acquire(self) -> Permit | None:
-        """A permit to send one request now, or None while open or with no probe slot free."""
+    def try_acquire(self, attempt: int = 1) -> Permit | None:
+        """A permit to send one request now, or None while open or with no probe slot free.
+
+        Half-open, a request of a message on ``attempt`` gets no slot while one with more
+        attempts waits in ``acquire``.
+        """
         if self._state is _CLOSED:
-            return Permit(self, self._epoch, False)
+            return Permit(self, self._epoch, False, attempt)
         self._tick()
-        if self._state is BreakerState.HALF_OPEN and self._probe_slot_free():
+        if (
+            self._state is BreakerState.HALF_OPEN
+            and self._probe_slot_free()
+            and not self._outranked(attempt)
+        ):
             self._round_issued += 1
-            return Permit(self, self._epoch, True)
+            return Permit(self, self._epoch, True, attempt)
         return None
 
-    async def acquire(self) -> Permit:
-        """Waits for a permit: through the cooldown while open, for a probe slot while half-open."""
-        while True:
-            permit = self.try_acquire()
-            if permit is not None:
-                return permit
-            if self._state is BreakerState.OPEN:
-                await self._clock.sleep(self._cooldown_remaining(self._clock.monotonic()))
+    async def acquire(self, attempt: int = 1) -> Permit:
+        """Waits for a permit: through the cooldown while open, for a probe slot while half-open
+        (the waiters with the most attempts first)."""
+        waiting = self._waiting
+        waiting[attempt] = waiting.get(attempt, 0) + 1
+        try:
+            while True:
+                permit = self.try_acquire(attempt)
+                if permit is not None:
+                    return permit
+                if self._state is BreakerState.OPEN:
+                    await self._clock.sleep(self._cooldown_remaining(self._clock.monotonic()))
+                else:
+                    await self._changed()
+        finally:
+            left = waiting[attempt] - 1
+            if left:
+                waiting[attempt] = left
             else:
-                await self._changed()
+                del waiting[attempt]
+                # Waiters with fewer attempts may take a slot now.
+                self._notify()
 
     @contextlib.asynccontextmanager
-    async def permit(self) -> AsyncIterator[Permit]:
+    async def permit(self, attempt: int = 1) -> AsyncIterator[Permit]:
         """``acquire()`` as a context: a permit left unreported at exit is released."""
-        permit = await self.acquire()
+        permit = await self.acquire(attempt)
         try:
             yield permit
         finally:
@@ -413,28 +483,54 @@ class CircuitBreaker:
         if self._recent_seen < len(recent):
             self._recent_seen += 1
 
-    def _record(self, epoch: int, probe: bool, healthy: bool) -> None:
+    def _record(self, epoch: int, probe: bool, healthy: bool, attempt: int = 1) -> None:
         now = self._clock.monotonic()
         failed = 0 if healthy else 1
         self._note_recent(failed)
+        # A retry delivered on attempt n vouches for the n - 1 failures before it.
+        weight = attempt if healthy and attempt > 1 else 1
         if healthy:
             self._last_healthy_at = now
+        if attempt > 1 and (healthy or attempt >= self._last_attempt):
+            self._retry_window.add(now, not healthy, weight)
         if self._state is _CLOSED:
             # Whenever it was sent, an answer received while closed is fresh evidence.
             window = self._window
-            window.add(now, not healthy)
+            window.add(now, not healthy, weight)
             requests = window.requests
-            if requests >= self._min_requests and window.failures / requests > self._open_above:
+            if (
+                requests >= self._min_requests
+                and window.failures / requests > self._open_above
+                and not self._retries_vouch(now)
+            ):
                 self._transition(BreakerState.OPEN, now, requests, window.failures)
             return
         self._tick()
         if self._state is BreakerState.HALF_OPEN and probe and epoch == self._epoch:
-            self._round_requests += 1
+            self._round_answered += 1
+            self._round_requests += weight
             self._round_failures += not healthy
-            self._judge_round(now)
+            if self._retries_vouch(now):
+                # The retries show the handler up, as they would keep a closed breaker closed.
+                self._transition(
+                    BreakerState.CLOSED, now, self._round_requests, self._round_failures
+                )
+            else:
+                self._judge_round(now)
             self._notify()
         else:
             self._ignored += 1
+
+    def _retries_vouch(self, now: float) -> bool:
+        """Whether the retries' answers show the handler up: enough of them, mostly taken."""
+        retries = self._retry_window
+        retries.expire(now)
+        requests = retries.requests
+        return requests >= self._min_requests and retries.failures / requests <= self._open_above
+
+    def _outranked(self, attempt: int) -> bool:
+        """Whether an acquirer with more attempts than ``attempt`` waits for a permit."""
+        return any(waiting > attempt for waiting in self._waiting)
 
     def _release(self, epoch: int, probe: bool) -> None:
         if probe and epoch == self._epoch and self._state is BreakerState.HALF_OPEN:
@@ -443,16 +539,21 @@ class CircuitBreaker:
 
     def _judge_round(self, now: float) -> None:
         size, requests, failures = self._round_size, self._round_requests, self._round_failures
-        # The verdict is the round's error rate once all its answers are in; take
-        # it as soon as the answers still missing can no longer change it.
-        if failures / size > self.config.open_above:
+        # The verdict is the round's error rate once its answers weigh ``size``; take it
+        # as soon as the answers still missing (each weighing one) can no longer change
+        # it. Without retries every answer weighs one and the round is ``size`` probes.
+        whole = max(size, requests)
+        if failures / whole > self.config.open_above:
             self._transition(BreakerState.OPEN, now, requests, failures)
-        elif (failures + size - requests) / size < self.config.close_below:
+        elif (failures + whole - requests) / whole < self.config.close_below:
             self._transition(BreakerState.CLOSED, now, requests, failures)
         elif requests >= size:
-            # In the band: stay half-open and probe another round.
+            # In the band: stay half-open and probe another round. Weighed answers can
+            # fill a round before all its probes answered: those belong to the next one.
+            in_flight = self._round_issued - self._round_answered
             self._probe_rounds += 1
             self._start_round()
+            self._round_issued = in_flight
 
     # --- states ---------------------------------------------------------------
 
@@ -468,11 +569,12 @@ class CircuitBreaker:
         return max(0.0, self._entered_at + self.config.cooldown_s - now)
 
     def _probe_slot_free(self) -> bool:
-        in_flight = self._round_issued - self._round_requests
+        in_flight = self._round_issued - self._round_answered
         return self._round_issued < self._round_size and in_flight < self._probe_concurrency
 
     def _start_round(self) -> None:
-        self._round_issued = self._round_requests = self._round_failures = 0
+        self._round_issued = self._round_answered = 0
+        self._round_requests = self._round_failures = 0
 
     def _transition(self, to: BreakerState, now: float, requests: int, failures: int) -> None:
         change = BreakerTransition(self.name, self._state, to, now, requests, failures)

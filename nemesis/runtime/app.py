@@ -779,7 +779,9 @@ class Proxy:
             metrics=self.metrics,
             integration_file=file,
         )
-        breaker = CircuitBreaker(config.breaker, clock=self._clock, name=name)
+        breaker = CircuitBreaker(
+            config.breaker, clock=self._clock, name=name, retries=len(config.retry.tiers)
+        )
         limits = FlowLimits(
             config.rate_limits,
             clock=self._clock,

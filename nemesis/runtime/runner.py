@@ -425,8 +425,14 @@ class IntegrationRunner:
                     await self._progress.wait()
                 continue
             self._flow_control(reader)
-            if self._breaker is not None and self._breaker.state is BreakerState.OPEN:
+            if (
+                self._breaker is not None
+                and self._breaker.state is BreakerState.OPEN
+                and not self.flow.delayed
+            ):
                 # The handler is down: leave new messages in the topic until it may be probed.
+                # A retry tier reads on (bounded by the buffer): its messages are owed, and
+                # they wait for a permit here, first in line for the probes (the most attempts).
                 await first_of(self._breaker.wait_until_not_open(), self._stopping.wait())
                 continue
             messages = await reader.receive(
@@ -555,8 +561,10 @@ class IntegrationRunner:
         breaker, limiter, count = self._breaker, self._limiter, len(live)
         permit = None
         if breaker is not None and not breaker.closed:
-            # Half-open probes are counted out; while closed a request needs no permit.
-            permit = breaker.try_acquire() or await breaker.acquire()
+            # Half-open probes are counted out, the most attempts first; while closed a
+            # request needs no permit.
+            attempt = _attempt_of(live)
+            permit = breaker.try_acquire(attempt) or await breaker.acquire(attempt)
         try:
             if limiter is not None and not limiter.try_acquire(count):
                 await limiter.acquire(count)
@@ -586,7 +594,7 @@ class IntegrationRunner:
         # The breaker hears the answers in the order they came.
         self._settle_turn()
         if breaker is not None and permit is None:
-            breaker.record(is_healthy(outcome))
+            breaker.record(is_healthy(outcome), _attempt_of(live))
         self._observe(result, count)
         if outcome is Outcome.DELIVERED or outcome is Outcome.DROPPED:
             # Delivered or dropped: finished by the contract, nothing to decide.
@@ -631,8 +639,13 @@ class IntegrationRunner:
                 self._finish_all(finished)
             return
         self._delivered, self._filtered = [], []
-        if self._breaker is not None:
-            self._breaker.record_healthy(len(delivered))
+        breaker = self._breaker
+        if breaker is not None:
+            # A delivered retry vouches for its earlier attempts: told apart from the rest.
+            retried = [attempt for works, _ in delivered if (attempt := _attempt_of(works)) > 1]
+            breaker.record_healthy(len(delivered) - len(retried))
+            for attempt in retried:
+                breaker.record(True, attempt)
         request_s = 0.0
         durations: list[float] = []
         sizes: list[int] = []
@@ -868,6 +881,13 @@ def _session_runs(messages: Sequence[Message]) -> list[Sequence[Message]]:
             start = index
     runs.append(messages[start:])
     return runs
+
+
+def _attempt_of(batch: list[Work]) -> int:
+    """The attempt a request counts as for the breaker: its message's, a batch's smallest."""
+    if len(batch) == 1:
+        return batch[0].attempt
+    return min(work.attempt for work in batch)
 
 
 def _all_alive(batch: list[Work]) -> bool:
