@@ -186,7 +186,7 @@ class KafkaBroker:
 
 
 async def open_kafka(config: KafkaBackendConfig, *, clock: Clock = SYSTEM_CLOCK) -> KafkaBroker:
-    """Connects to the brokers (BrokerError if none answers within ``connect_timeout_s``)."""
+    """Connects to the brokers; a BrokerError naming the reason if none answers in time."""
     admin = AIOKafkaAdminClient(**client_settings(config))
     what = f"connect to {', '.join(config.bootstrap_servers)}"
     try:
