@@ -113,7 +113,7 @@ class KafkaAdmin:
 
     async def list_topics(self) -> Sequence[str]:
         """Every topic but the broker's internal ones (``__consumer_offsets``...), sorted."""
-        names = await kafka_call("list topics", self._client.list_topics(), self._timeout_s)
+        names = await kafka_call_retrying("list topics", self._client.list_topics, self._timeout_s)
         return sorted(str(n) for n in names if not str(n).startswith("__"))
 
     async def partitions(self, name: str) -> int:
@@ -121,8 +121,9 @@ class KafkaAdmin:
         # Not describe_topics: its metadata request lets a broker with
         # auto.create.topics.enable create the topic it is asked about.
         request = MetadataRequest([name], allow_auto_topic_creation=False)
-        response = await kafka_call(
-            f"describe topic {name}", self._client._send_request(request), self._timeout_s
+        # To any broker: one that is down is a retriable error, and the retry asks another.
+        response = await kafka_call_retrying(
+            f"describe topic {name}", lambda: self._client._send_request(request), self._timeout_s
         )
         for topic in response.to_object()["topics"]:
             if topic["topic"] != name:
@@ -311,8 +312,8 @@ class KafkaAdmin:
         cached = self._groups
         if cached is not None and time.monotonic() - cached[0] < GROUPS_TTL_S:
             return cached[1]
-        listed = await kafka_call(
-            "list consumer groups", self._client.list_consumer_groups(), self._timeout_s
+        listed = await kafka_call_retrying(
+            "list consumer groups", self._client.list_consumer_groups, self._timeout_s
         )
         names = sorted({str(group[0]) for group in listed})
         self._groups = (time.monotonic(), names)
