@@ -23,6 +23,7 @@ from nemesis.dlq import (
     Reason,
     Status,
 )
+from nemesis.dlq.core import shown_key
 from nemesis.errors import NemesisError
 from nemesis.runtime.replay import ActionResult, discard, matching_ids, requeue
 from nemesis.terminal import inert, inert_json
@@ -275,7 +276,7 @@ def _row_json(row: DeadLetterRow, *, preview: bool) -> dict[str, Any]:
         "last_action_by": row.last_action_by,
         "last_action_at": row.last_action_at,
         "source": f"{row.source_topic}/{row.source_partition}@{row.source_offset}",
-        "key": row.key,
+        "key": shown_key(row.key),
         "stage": row.stage,
         "metadata": dict(row.metadata),
         "payload_size": row.payload_size,

@@ -104,6 +104,27 @@ def start_from_at(text: str, now: float) -> StartFrom:
     return StartFrom("time", datetime.datetime.fromisoformat(text).timestamp())
 
 
+# A producer header forwarded to the handler: an HTTP token, lowercase, and none that
+# the contract or HTTP framing sets (docs/handler-contract.md, "Producer headers").
+_FORWARDED_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
+_NOT_FORWARDED = frozenset(
+    {"content-type", "content-length", "transfer-encoding", "host", "connection", "te"}
+)
+
+
+def _check_forwarded(names: tuple[str, ...]) -> tuple[str, ...]:
+    for name in names:
+        if not _FORWARDED_NAME.fullmatch(name):
+            raise ValueError(f"{name!r}: a header name is a lowercase HTTP token")
+        if name.startswith(("ce-", "ce_", "nemesis-", "grpc-")) or name in _NOT_FORWARDED:
+            raise ValueError(f"{name!r}: set by Nemesis or by HTTP itself, never forwarded")
+        if name.endswith("-bin"):
+            raise ValueError(f"{name!r}: -bin names are gRPC's binary metadata")
+    if len(set(names)) != len(names):
+        raise ValueError("a header is named twice")
+    return names
+
+
 class SourceConfig(Model):
     topic: Annotated[str, Field(pattern=SOURCE_TOPIC_PATTERN)]
     consumer: Annotated[str, Field(pattern=TOPIC_PATTERN)]
@@ -113,6 +134,13 @@ class SourceConfig(Model):
     # replay flows always start at earliest): see ``START_FROM_HELP``. A duration
     # counts back from when the integration starts reading.
     start_from: Annotated[str, BeforeValidator(parse_start_from)] = "earliest"
+    # The producer's headers (Kafka headers, YDB and embedded metadata) a handler
+    # receives as request headers (gRPC: metadata), matched case-insensitively: the
+    # W3C trace context by default, so a trace goes on through the handler.
+    forward_headers: Annotated[tuple[str, ...], AfterValidator(_check_forwarded)] = (
+        "traceparent",
+        "tracestate",
+    )
 
     def start_position(self, now: float) -> StartFrom:
         """``start_from`` as the broker port takes it."""

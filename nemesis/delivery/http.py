@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import aiohttp
+from multidict import CIMultiDict
 
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import TargetConfig
@@ -29,6 +30,7 @@ from nemesis.delivery.cloudevents import (
     batch_body,
     binary_headers_from,
     constant_headers,
+    full_binary_headers,
     source_for,
 )
 from nemesis.delivery.contract import (
@@ -129,6 +131,8 @@ class HttpTransport:
         own sits between the caller and aiohttp (it would be resumed at every
         suspension of the request).
         """
+        if not event.plain:
+            return self._deliver_in_full(event)
         shared = (event.type, event.message.topic, event.content_type)
         constant = self._constant_headers.get(shared)
         if constant is None:
@@ -137,6 +141,15 @@ class HttpTransport:
         headers = binary_headers_from(constant, event)
         if self._signs:
             # The id as the handler reads it: the ce-id header's value.
+            headers[SIGNATURE_HEADER] = self._contract.sign(headers["ce-id"], body)
+        return self._post(body, headers, (body,))
+
+    def _deliver_in_full(self, event: Event) -> Coroutine[Any, Any, DeliveryResult]:
+        """An event off the fast path: a CloudEvents record, a binary key, forwarded headers."""
+        body = event.body
+        headers = CIMultiDict(full_binary_headers(event, self._source))
+        headers.extend(self._extra_headers)
+        if self._signs:
             headers[SIGNATURE_HEADER] = self._contract.sign(headers["ce-id"], body)
         return self._post(body, headers, (body,))
 
