@@ -10,9 +10,8 @@ scripts it. Other test modules import it from here.
 
 from __future__ import annotations
 
-import base64
-
 import asyncio
+import base64
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
