@@ -23,14 +23,14 @@ import pytest
 from nemesis.dlq import DeadLetterFilter, open_sqlite_dlq
 from nemesis.testing import HandlerServer, Ledger, LedgerEntry
 from tests.conftest import Workspace, integration_yaml, kill_hard, stop_gracefully
-from tests.kafka_broker import TansuBroker, free_port, start_tansu
+from tests.kafka_broker import KafkaBroker, free_port, start_kafka
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture
-def tansu(tmp_path: Path) -> Iterator[TansuBroker]:
-    broker = start_tansu(tmp_path)
+def tansu(tmp_path: Path) -> Iterator[KafkaBroker]:
+    broker = start_kafka(tmp_path)
     yield broker
     broker.stop()
 
@@ -42,7 +42,6 @@ def kafka_config(space: Workspace, bootstrap: str, *, admin_port: int = 0) -> in
         "backend:\n"
         "  kind: kafka\n"
         f"  bootstrap_servers: ['{bootstrap}']\n"
-        "  idempotent_producer: false   # Tansu has no InitProducerId\n"
         "  session_timeout_s: 6\n"
         "  heartbeat_interval_s: 1\n"
         "  connect_timeout_s: 5\n"
@@ -110,7 +109,7 @@ async def wait_committed(space: Workspace, topic: str, consumer: str, timeout_s:
 
 
 async def test_run_delivers_and_commits_every_message(
-    workspace: Workspace, tansu: TansuBroker
+    workspace: Workspace, tansu: KafkaBroker
 ) -> None:
     kafka_config(workspace, tansu.bootstrap)
     ids = publish(workspace, "orders", 10_000)
@@ -127,7 +126,7 @@ async def test_run_delivers_and_commits_every_message(
     assert all(c == end for c, end in offsets), offsets
 
 
-async def test_kill_9_loses_nothing(workspace: Workspace, tansu: TansuBroker) -> None:
+async def test_kill_9_loses_nothing(workspace: Workspace, tansu: KafkaBroker) -> None:
     count, kills, buffer, partitions = 20_000, 3, 500, 4
     kafka_config(workspace, tansu.bootstrap)
     ids = publish(workspace, "orders", count, partitions)
@@ -161,7 +160,7 @@ async def test_kill_9_loses_nothing(workspace: Workspace, tansu: TansuBroker) ->
 
 
 async def test_a_survivor_takes_over_a_killed_members_partitions(
-    tmp_path: Path, tansu: TansuBroker
+    tmp_path: Path, tansu: KafkaBroker
 ) -> None:
     count = 4000
     a, b = Workspace(tmp_path / "a"), Workspace(tmp_path / "b")
@@ -213,7 +212,7 @@ async def test_a_survivor_takes_over_a_killed_members_partitions(
 
 
 async def test_retry_tiers_the_dlq_and_a_requeue_that_reaches_only_its_integration(
-    workspace: Workspace, tansu: TansuBroker
+    workspace: Workspace, tansu: KafkaBroker
 ) -> None:
     count = 200
     kafka_config(workspace, tansu.bootstrap)
@@ -271,7 +270,7 @@ async def test_retry_tiers_the_dlq_and_a_requeue_that_reaches_only_its_integrati
 
 
 async def test_a_broker_that_stops_answering_is_waited_for_reported_and_resumed(
-    workspace: Workspace, tansu: TansuBroker
+    workspace: Workspace, tansu: KafkaBroker
 ) -> None:
     """SIGSTOP the broker under load for longer than readiness tolerates, then SIGCONT."""
     count = 6000
@@ -325,7 +324,7 @@ async def test_a_broker_that_stops_answering_is_waited_for_reported_and_resumed(
     assert {order_id(e) for e in handler.ledger if e.done} == ids
 
 
-def test_the_demo_runs_on_kafka(workspace: Workspace, tansu: TansuBroker) -> None:
+def test_the_demo_runs_on_kafka(workspace: Workspace, tansu: KafkaBroker) -> None:
     result = workspace.cli(
         "demo",
         "--kafka",
@@ -363,7 +362,7 @@ def test_the_demo_runs_on_kafka(workspace: Workspace, tansu: TansuBroker) -> Non
 
 
 async def test_a_broker_restart_is_survived_without_restarting_the_proxy(
-    workspace: Workspace, tansu: TansuBroker
+    workspace: Workspace, tansu: KafkaBroker
 ) -> None:
     """The broker process stops (connections refused) and comes back on the same port.
 

@@ -27,7 +27,12 @@ from aiokafka.structs import OffsetAndMetadata
 
 from nemesis.broker.kafka.config import KafkaBackendConfig
 from nemesis.broker.kafka.connection import client_settings, close_leftover_connections
-from nemesis.broker.kafka.errors import broker_error, error_for_code, kafka_call
+from nemesis.broker.kafka.errors import (
+    broker_error,
+    error_for_code,
+    kafka_call,
+    kafka_call_retrying,
+)
 from nemesis.broker.kafka.mapping import PRODUCER_HEADER, SEQNO_HEADER, header_value
 from nemesis.broker.port import (
     ConsumerSpec,
@@ -183,9 +188,9 @@ class KafkaAdmin:
 
     async def never_read(self, group: str, tps: list[TopicPartition]) -> list[TopicPartition]:
         """The partitions the group never committed a read of (none, or its registration)."""
-        offsets = await kafka_call(
+        offsets = await kafka_call_retrying(
             f"committed offsets of {group}",
-            self._client.list_consumer_group_offsets(group, partitions=tps),
+            lambda: self._client.list_consumer_group_offsets(group, partitions=tps),
             self._timeout_s,
         )
         read = {
@@ -294,9 +299,9 @@ class KafkaAdmin:
 
     async def _committed(self, group: str, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         """The group's committed offset per partition; -1 where it has none."""
-        offsets = await kafka_call(
+        offsets = await kafka_call_retrying(
             f"committed offsets of {group}",
-            self._client.list_consumer_group_offsets(group, partitions=tps),
+            lambda: self._client.list_consumer_group_offsets(group, partitions=tps),
             self._timeout_s,
         )
         found = {tp: int(meta.offset) for tp, meta in offsets.items()}
