@@ -50,7 +50,7 @@ class EventFactory:
         content_type: str | None = None,
     ) -> Event:
         metadata = message.metadata
-        if not metadata and not message.tombstone:
+        if not metadata and not message.headers and not message.tombstone:
             # Most messages carry no metadata: no lookups (this runs for every delivery).
             return Event(
                 message,
