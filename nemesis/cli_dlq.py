@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import getpass
 import sys
 import time
@@ -12,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from nemesis.broker.port import Broker
+from nemesis.broker.port import Broker, is_text_key, key_bytes
 from nemesis.config.models import NemesisConfig, parse_duration
 from nemesis.dlq import (
     MAX_PAGE_ROWS,
@@ -282,6 +283,16 @@ def _row_json(row: DeadLetterRow, *, preview: bool) -> dict[str, Any]:
         "payload_size": row.payload_size,
     }
     document["payload"] = _payload_text(row.payload)
+    if row.key is not None and not is_text_key(row.key):
+        document["key_base64"] = base64.b64encode(key_bytes(row.key)).decode("ascii")
+    if row.headers:
+        # The record's headers as written: [name, base64 of the value, or null].
+        document["headers"] = [
+            [name, None if value is None else base64.b64encode(value).decode("ascii")]
+            for name, value in row.headers
+        ]
+    if row.tombstone:
+        document["tombstone"] = True
     if preview and row.payload_truncated:
         document["payload_truncated"] = True
     return document

@@ -28,12 +28,15 @@ import confluent_kafka
 import confluent_kafka.admin
 import orjson
 import pytest
+import yaml
 from aiohttp import web
 from cloudevents.core.bindings import http as ce_http
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
 
+from nemesis.config.models import IntegrationConfig
 from nemesis.dlq import DeadLetterFilter, DeadLetterRow, PageRequest, open_sqlite_dlq
+from nemesis.runtime.retries import flows_of
 from tests.conftest import Workspace, stop_gracefully
 from tests.kafka_broker import KafkaBroker, free_port, kafka_classpath
 from tests.operability import wait_until_true
@@ -393,7 +396,7 @@ async def test_records_of_the_java_client_and_librdkafka_reach_the_handler_as_wr
         (m.key(), m.value()) for m in await asyncio.to_thread(read_topic, bootstrap, topic)
     ] == [(r.key, r.value) for r in records]
 
-    workspace.write_integration(
+    integration = workspace.write_integration(
         name,
         f"name: {name}\n"
         "owners: [team-test]\n"
@@ -451,6 +454,14 @@ async def test_records_of_the_java_client_and_librdkafka_reach_the_handler_as_wr
         assert row.headers == record.headers
         raw_key = None if row.key is None else row.key.encode("utf-8", "surrogateescape")
         assert raw_key == record.key
+    # An operator sees them too: `nemesis dlq show --json` of the first record.
+    shown = workspace.cli("dlq", "show", by_offset[0].id, "--json")
+    assert shown.returncode == 0, shown.stderr
+    document = orjson.loads(shown.stdout)
+    assert base64.b64decode(document["key_base64"]) == records[0].key
+    assert [
+        (n, None if v is None else base64.b64decode(v)) for n, v in document["headers"]
+    ] == list(records[0].headers)
 
     # A second client reads the retry tier and the replay topic back, byte for byte.
     for internal in (f"nemesis.retry.{name}.1", f"nemesis.replay.{name}"):
@@ -460,9 +471,12 @@ async def test_records_of_the_java_client_and_librdkafka_reach_the_handler_as_wr
             check_copy(message, records[source_offset(message)])
 
     # Every flow committed everything it read: the source, the tier, the replay topic.
-    for group_topic in (topic, f"nemesis.retry.{name}.1", f"nemesis.replay.{name}"):
-        offsets = await asyncio.to_thread(committed, bootstrap, name, group_topic)
-        assert offsets, group_topic
-        assert all(c == end for c, end in offsets.values()), (group_topic, offsets)
-    source = await asyncio.to_thread(committed, bootstrap, name, topic)
+    config = IntegrationConfig.model_validate(yaml.safe_load(integration.read_text()))
+    flows = flows_of(config)
+    assert len(flows) == 3
+    for flow in flows:
+        offsets = await asyncio.to_thread(committed, bootstrap, flow.consumer, flow.topic)
+        assert offsets, flow
+        assert all(c == end for c, end in offsets.values()), (flow, offsets)
+    source = await asyncio.to_thread(committed, bootstrap, config.source.consumer, topic)
     assert sum(end for _, end in source.values()) == len(records)
