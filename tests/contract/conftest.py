@@ -36,7 +36,7 @@ from nemesis.config.models import (
     YdbDlqConfig,
 )
 from nemesis.dlq import DeadLetterStore
-from tests.kafka_broker import KafkaBroker, kafka_backend_config
+from tests.kafka_broker import KafkaBroker, Namespace, kafka_backend_config
 
 YDB_ENDPOINT = os.environ.get("NEMESIS_YDB_ENDPOINT", "")
 YDB_DATABASE = os.environ.get("NEMESIS_YDB_DATABASE", "/local")
@@ -75,6 +75,8 @@ class Backend:
     kind: str
     config: NemesisConfig
     opened: list[Any] = field(default_factory=list)
+    # The case's own topic and consumer names: the kafka cases share one broker.
+    names: Namespace = field(default_factory=Namespace)
 
     async def broker(self) -> Broker:
         """A broker over this backend; a second call is a second process, or a restart."""
