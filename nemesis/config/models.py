@@ -135,7 +135,7 @@ class SourceConfig(Model):
     # counts back from when the integration starts reading.
     start_from: Annotated[str, BeforeValidator(parse_start_from)] = "earliest"
     # The producer's headers (Kafka headers, YDB and embedded metadata) a handler
-    # receives as request headers (gRPC: metadata), matched case-insensitively: the
+    # receives as request headers (gRPC: metadata; docs/handler-contract.md): the
     # W3C trace context by default, so a trace goes on through the handler.
     forward_headers: Annotated[tuple[str, ...], AfterValidator(_check_forwarded)] = (
         "traceparent",

@@ -426,10 +426,16 @@ class CloudRecord:
     data: bytes | None
 
 
+@functools.lru_cache(maxsize=256)  # content types repeat; this runs for every event
+def is_structured(content_type: str) -> bool:
+    """Whether a record's content type says it is a JSON-format event (structured mode)."""
+    return content_type[: len(STRUCTURED_PREFIX)].lower() == STRUCTURED_PREFIX
+
+
 def cloud_record(metadata: Mapping[str, str], value: bytes, tombstone: bool) -> CloudRecord | None:
     """The CloudEvent a record is, by the Kafka binding; None when it is not one."""
     content_type = metadata.get("content-type")
-    if content_type is not None and content_type.lower().startswith(STRUCTURED_PREFIX):
+    if content_type is not None and is_structured(content_type):
         return None if tombstone else _structured_record(value)
     if metadata.get("ce_specversion") != SPECVERSION:
         return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nemesis.broker.port import Message
 from nemesis.config.models import IntegrationConfig
-from nemesis.delivery.cloudevents import cloud_record
+from nemesis.delivery.cloudevents import cloud_record, is_structured
 from nemesis.delivery.port import Event
 from nemesis.topology import META_EVENT_ID
 
@@ -32,12 +32,13 @@ def event_id(message: Message) -> str:
 class EventFactory:
     """Builds events for one integration."""
 
-    __slots__ = ("_content_type", "_forward", "_type_key")
+    __slots__ = ("_content_type", "_forward", "_forward_order", "_type_key")
 
     def __init__(self, config: IntegrationConfig) -> None:
         self._type_key = config.source.type_key
         self._content_type = _CONTENT_TYPES[config.target.format]
         self._forward = frozenset(config.source.forward_headers)
+        self._forward_order = config.source.forward_headers
 
     def message_type(self, message: Message) -> str:
         return message.metadata.get(self._type_key) or DEFAULT_EVENT_TYPE
@@ -60,8 +61,13 @@ class EventFactory:
                 content_type or self._content_type,
                 payload,
             )
-        forwarded = self._forwarded(message)
-        record = cloud_record(metadata, message.value, message.tombstone)
+        forwarded = self._forwarded(message) if self._forward else ()
+        media = metadata.get("content-type")
+        record = (
+            cloud_record(metadata, message.value, message.tombstone)
+            if "ce_specversion" in metadata or (media is not None and is_structured(media))
+            else None
+        )
         if record is not None:
             # A CloudEvent already: its own attributes, and its data (a structured
             # event's, unpacked) unless a pipeline made a payload of its own.
@@ -91,28 +97,25 @@ class EventFactory:
             id=event_id(message),
             type=metadata.get(self._type_key) or DEFAULT_EVENT_TYPE,
             attempt=attempt,
-            content_type=(
-                content_type
-                if content_type is not None
-                else metadata.get("content-type") or self._content_type
-            ),
+            content_type=content_type if content_type is not None else media or self._content_type,
             payload=payload,
             forwarded=forwarded,
         )
 
     def _forwarded(self, message: Message) -> tuple[tuple[str, bytes], ...]:
-        """The producer's headers a handler receives, in order (a null value never)."""
+        """The producer's headers a handler receives, in order (a null value never).
+
+        A Kafka header's name matches whatever its case; a metadata key (YDB,
+        the embedded log) as it is written, lowercase.
+        """
         forward = self._forward
-        if not forward:
-            return ()
         if message.headers:
             return tuple(
-                (name.lower(), value)
+                (lowered, value)
                 for name, value in message.headers
-                if value is not None and name.lower() in forward
+                if value is not None and (lowered := name.lower()) in forward
             )
-        return tuple(
-            (name.lower(), value.encode())
-            for name, value in message.metadata.items()
-            if name.lower() in forward
-        )
+        metadata = message.metadata
+        if forward.isdisjoint(metadata):
+            return ()  # most messages: one set operation in C
+        return tuple((n, metadata[n].encode()) for n in self._forward_order if n in metadata)
