@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiokafka.structs import ConsumerRecord
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
@@ -23,10 +24,13 @@ from cloudevents.core.v1.event import CloudEvent
 from nemesis.broker.kafka.mapping import KafkaSession, headers_of, record_key, record_value
 from nemesis.broker.kafka.mapping import to_message as kafka_message
 from nemesis.broker.port import Message, OutgoingMessage, key_text
-from nemesis.config.models import IntegrationConfig
+from nemesis.config.models import IntegrationConfig, TargetConfig
 from nemesis.delivery.cloudevents import batch_body
 from nemesis.delivery.grpc import GrpcTransport, grpc_transport
+from nemesis.delivery.http_clients import http_transport_for
+from nemesis.delivery.port import Outcome
 from nemesis.runtime.events import EventFactory
+from tests.kafka_broker import free_port
 from tests.test_grpc_delivery import GrpcHandler, target
 
 TRACEPARENT = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -215,3 +219,78 @@ def test_a_key_made_by_key_text_is_the_bytes_kafka_hashes() -> None:
 
     # murmur2 over the record key's bytes, as the Java client: not over replacement characters.
     assert partition_of_key(key_text(b"\xff\xfe"), 97) != partition_of_key("\ufffd\ufffd", 97)
+
+
+@pytest.fixture
+async def http_handler() -> AsyncIterator[tuple[str, list[tuple[list[tuple[str, str]], bytes]]]]:
+    """An HTTP handler on 127.0.0.1 keeping each request's header lines as sent, and its body."""
+    received: list[tuple[list[tuple[str, str]], bytes]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        lines = [(n.decode().lower(), v.decode("latin-1")) for n, v in request.raw_headers]
+        received.append((lines, await request.read()))
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_post("/", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}/", received
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("client", ["h1", "aiohttp"])
+async def test_both_http_clients_send_a_records_headers_as_the_contract_says(
+    client: str, http_handler: tuple[str, list[tuple[list[tuple[str, str]], bytes]]]
+) -> None:
+    url, received = http_handler
+    events = EventFactory(config(forward_headers=["traceparent", "x-dup"]))
+    plain = record(
+        [("x-dup", b"a b"), ("x-dup", b"%\xff"), ("x-dup", None), ("traceparent", TRACEPARENT)],
+        key=b"\xfe\x00",
+        value=None,
+    )
+    transport = http_transport_for(
+        TargetConfig(url=url, transport=client, timeout_s=5),
+        integration="it",
+        max_connections=2,
+    )
+    try:
+        for message in (plain, cloud_binary()):
+            result = await transport.deliver(events(message, 1))
+            assert result.outcome is Outcome.DELIVERED, result
+    finally:
+        await transport.close()
+    (tombstone, tombstone_body), (cloud, cloud_body) = received
+    own = [(n, v) for n, v in tombstone if n.startswith("ce-") or n in ("x-dup", "traceparent")]
+    assert own == [
+        ("ce-specversion", "1.0"),
+        ("ce-id", "orders:1:7"),
+        ("ce-source", "nemesis/it"),
+        ("ce-type", "nemesis.message"),
+        ("ce-time", "2025-12-02T10:06:40.000000Z"),
+        ("ce-topic", "orders"),
+        ("ce-partition", "1"),
+        ("ce-offset", "7"),
+        ("ce-attempt", "1"),
+        ("ce-partitionkeybase64", base64.b64encode(b"\xfe\x00").decode()),
+        ("ce-tombstone", "true"),
+        ("x-dup", "a b"),
+        ("x-dup", "%25%FF"),
+        ("traceparent", TRACEPARENT.decode()),
+    ]
+    assert "content-type" not in dict(tombstone)
+    assert tombstone_body == b""
+    headers = dict(cloud)
+    assert (headers["ce-id"], headers["ce-source"], headers["ce-subject"]) == (
+        "evt-1",
+        "/shop",
+        "order/1",
+    )
+    assert headers["ce-region"] == "%C3%A9u"
+    assert headers["content-type"] == "application/json"
+    assert cloud_body == b'{"n": 1.50}'

@@ -52,6 +52,7 @@ from nemesis.delivery.port import DeliveryResult, Event, config_problem
 from nemesis.delivery.tls import ssl_context
 from nemesis.errors import ConfigError
 
+_NO_CONTENT_TYPE: Final = ("content-type",)
 # Sets of shared headers a transport keeps (one per event type and topic it delivers).
 _CONSTANT_HEADER_SETS: Final = 256
 _NO_TIMEOUT: Final = aiohttp.ClientTimeout(
@@ -151,7 +152,9 @@ class HttpTransport:
         headers.extend(self._extra_headers)
         if self._signs:
             headers[SIGNATURE_HEADER] = self._contract.sign(headers["ce-id"], body)
-        return self._post(body, headers, (body,))
+        # An event without data has no content type: aiohttp must not add its own.
+        skip = () if "content-type" in headers else _NO_CONTENT_TYPE
+        return self._post(body, headers, (body,), skip)
 
     def _constant_for(self, shared: tuple[str, str, str]) -> dict[str, str]:
         if len(self._constant_headers) >= _CONSTANT_HEADER_SETS:
@@ -206,7 +209,11 @@ class HttpTransport:
         )
 
     async def _post(
-        self, body: bytes, headers: Mapping[str, str], sent: Collection[bytes]
+        self,
+        body: bytes,
+        headers: Mapping[str, str],
+        sent: Collection[bytes],
+        skip: tuple[str, ...] = (),
     ) -> DeliveryResult:
         if self._closed:
             return self._contract.wire_error(WireError(WireFailure.CLOSED), None)
@@ -228,6 +235,7 @@ class HttpTransport:
                         self._url,
                         data=body,
                         headers=headers,
+                        skip_auto_headers=skip or None,
                         allow_redirects=False,
                         server_hostname=self._server_hostname,
                     ) as response:
