@@ -48,7 +48,7 @@ from nemesis.dlq import (
     Reason,
     Status,
 )
-from nemesis.dlq.core import shown_key
+from nemesis.dlq.port import shown_key
 from nemesis.dlq.requeue import ActionResult
 from nemesis.errors import InvalidQuery
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import signal
@@ -14,29 +13,21 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
 
-from nemesis import __version__, backends
-from nemesis.admin.server import Service, ServiceFailures, plugin_services, serve_beside
-from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage, WriteStatus
+from nemesis import __version__
 from nemesis.cli_dlq import DlqContext, add_dlq_commands
 from nemesis.cli_offsets import add_offsets_commands
-from nemesis.config.loader import (
-    check_paths,
-    format_problems,
-    load_integrations,
-    load_process_config,
-)
-from nemesis.config.models import NemesisConfig, parse_duration
-from nemesis.dlq import DeadLetterStore
 from nemesis.errors import ConfigError, NemesisError
-from nemesis.heap import settle_heap
 from nemesis.logs import configure_logging
-from nemesis.onboarding import IntegrationRulesChecker
 from nemesis.onboarding.commands import add_onboarding_commands
-from nemesis.pipeline import PipelineChecker, dry_run_file, run_pipeline_tests
-from nemesis.runtime.housekeeping import enforce_dlq_retention
 from nemesis.terminal import inert
 
+# Each command imports what it uses when it runs: `nemesis validate` in a pull request
+# and `nemesis --help` must not pay for the admin API, the brokers' SDKs or the proxy.
 if TYPE_CHECKING:
+    from nemesis.admin.server import Service, ServiceFailures
+    from nemesis.broker.port import Broker, OutgoingMessage
+    from nemesis.config.models import NemesisConfig
+    from nemesis.dlq import DeadLetterStore
     from nemesis.fleet.member import FleetMember
     from nemesis.runtime.app import Proxy
     from nemesis.runtime.reload import ConfigReloader
@@ -59,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except ConfigError as exc:
+        from nemesis.config.loader import format_problems
+
         print(format_problems(exc.problems), file=sys.stderr)
         return EXIT_INVALID
     except NemesisError as exc:
@@ -294,6 +287,8 @@ def _configure_logging(level: str) -> None:
 
 
 def _process_config(args: argparse.Namespace) -> NemesisConfig:
+    from nemesis.config.loader import load_process_config
+
     path: Path | None = args.config
     if path is None and Path("nemesis.yaml").exists():
         path = Path("nemesis.yaml")
@@ -302,6 +297,8 @@ def _process_config(args: argparse.Namespace) -> NemesisConfig:
 
 def run_async(main: Coroutine[Any, Any, int]) -> int:
     """Runs the coroutine on uvloop when it is installed (measured faster), else asyncio."""
+    import asyncio
+
     try:
         import uvloop
     except ImportError:
@@ -313,11 +310,15 @@ def run_async(main: Coroutine[Any, Any, int]) -> int:
 
 async def open_broker(config: NemesisConfig) -> Broker:
     """The configured backend (embedded or ydb)."""
+    from nemesis import backends
+
     return await backends.open_backend(config)
 
 
 async def open_dlq(config: NemesisConfig, broker: Broker | None = None) -> DeadLetterStore:
     """The configured dead-letter store; a YDB store shares the broker's driver."""
+    from nemesis import backends
+
     return await backends.open_dlq(config, broker=broker)
 
 
@@ -368,9 +369,14 @@ async def _run(config: NemesisConfig, latch: _StopLatch | None = None) -> int:
 
 
 async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
+    from nemesis import backends
+    from nemesis.admin.server import ServiceFailures, plugin_services, serve_beside
+    from nemesis.config.loader import load_integrations
     from nemesis.fleet.member import FleetMember, FleetOptions
+    from nemesis.heap import settle_heap
     from nemesis.metrics import Metrics
     from nemesis.runtime.app import Proxy, SupervisorOptions
+    from nemesis.runtime.housekeeping import enforce_dlq_retention
     from nemesis.runtime.reload import ConfigReloader
     from nemesis.runtime.runner import RunnerOptions
 
@@ -487,6 +493,8 @@ def _side_services(
 @contextlib.contextmanager
 def _on_signal(signum: signal.Signals, act: Callable[[], None]) -> Iterator[None]:
     """Calls ``act`` on the signal (SIGHUP: reload the integrations) while in the block."""
+    import asyncio
+
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signum, act)
     try:
@@ -504,6 +512,8 @@ def _integration_file(directory: Path, name: str) -> Path | None:
 
 @contextlib.contextmanager
 def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
+    import asyncio
+
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM)
     for sig in signals:
@@ -521,6 +531,8 @@ def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
 def cmd_fleet_status(args: argparse.Namespace) -> int:
     import time
 
+    from nemesis import backends
+    from nemesis.config.loader import load_integrations
     from nemesis.fleet.status import as_json, describe, fleet_status
 
     config = _process_config(args)
@@ -573,6 +585,7 @@ def cmd_size(args: argparse.Namespace) -> int:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
+    from nemesis.config.loader import format_problems, load_integrations
     from nemesis.runtime.init import init_backend
 
     config = _process_config(args)
@@ -600,6 +613,10 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Exit 1 on any problem, and when there is nothing to validate (a wrong folder)."""
+    from nemesis.config.loader import check_paths, format_problems
+    from nemesis.onboarding import IntegrationRulesChecker
+    from nemesis.pipeline import PipelineChecker
+
     paths: list[Path] = args.paths or [
         p for p in (Path("integrations"), Path("pipelines")) if p.exists()
     ]
@@ -668,6 +685,8 @@ async def _publish(
     A batch is written whole or not at all, so after a failure the input from
     message ``written + duplicates + 1`` on is what to publish again.
     """
+    from nemesis.broker.port import OutgoingMessage
+
     broker = await open_broker(config)
     written = duplicates = 0
     try:
@@ -709,6 +728,8 @@ async def _publish(
 
 
 async def _write(writer: Any, batch: list[OutgoingMessage]) -> tuple[int, int]:
+    from nemesis.broker.port import WriteStatus
+
     results = await writer.write(batch)
     dup = sum(1 for r in results if r.status is WriteStatus.DUPLICATE)
     return len(results) - dup, dup
@@ -728,6 +749,9 @@ def _json_field(payload: bytes, name: str) -> str | None:
 
 
 def cmd_topics_create(args: argparse.Namespace) -> int:
+    from nemesis.broker.port import ConsumerSpec
+    from nemesis.config.models import parse_duration
+
     config = _process_config(args)
 
     async def create() -> int:
@@ -816,6 +840,8 @@ def _print_description(description: Any, as_json: bool, out: TextIO) -> None:
 
 
 def cmd_test_pipelines(args: argparse.Namespace) -> int:
+    from nemesis.pipeline import dry_run_file, run_pipeline_tests
+
     if args.sample is not None:
         pipeline = args.pipeline or (args.paths[0] if len(args.paths) == 1 else None)
         if pipeline is None or pipeline.is_dir():

@@ -9,13 +9,12 @@ import sys
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from nemesis.broker.port import Broker, is_text_key, key_bytes
-from nemesis.config.models import NemesisConfig, parse_duration
-from nemesis.dlq import (
+from nemesis.broker.port import is_text_key, key_bytes
+from nemesis.dlq.port import (
     MAX_PAGE_ROWS,
     DeadLetterFilter,
     DeadLetterRow,
@@ -23,13 +22,17 @@ from nemesis.dlq import (
     PageRequest,
     Reason,
     Status,
+    shown_key,
 )
-from nemesis.dlq.core import shown_key
 from nemesis.errors import NemesisError
-from nemesis.runtime.replay import ActionResult, discard, matching_ids, requeue
 from nemesis.terminal import inert, inert_json
 
-ConfigLoader = Callable[[argparse.Namespace], NemesisConfig]
+if TYPE_CHECKING:
+    from nemesis.broker.port import Broker
+    from nemesis.config.models import NemesisConfig
+    from nemesis.runtime.replay import ActionResult
+
+ConfigLoader = Callable[[argparse.Namespace], "NemesisConfig"]
 Runner = Callable[[Coroutine[Any, Any, int]], int]
 
 
@@ -85,6 +88,8 @@ def _filter_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _filter(args: argparse.Namespace, *, default_status: Status | None = None) -> DeadLetterFilter:
+    from nemesis.config.models import parse_duration
+
     since = None
     if args.since:
         try:
@@ -178,6 +183,8 @@ def cmd_discard(args: argparse.Namespace) -> int:
 
 
 def _act(args: argparse.Namespace, action: str) -> int:
+    from nemesis.runtime.replay import discard, matching_ids, requeue
+
     if bool(args.ids) == bool(args.all_matching):
         raise NemesisError(f"dlq {action}: give row ids, or --all-matching with a filter")
     by = args.by or _os_user()

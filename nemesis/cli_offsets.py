@@ -34,18 +34,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import orjson
 
 from nemesis.broker.port import Broker, PartitionInfo, Seek
 from nemesis.cli_dlq import DlqContext
-from nemesis.config import load_integrations
-from nemesis.config.models import IntegrationConfig, NemesisConfig, start_from_at
-from nemesis.dlq import Action
+from nemesis.dlq.port import Action
 from nemesis.errors import NemesisError, TopicNotFound
-from nemesis.runtime.retries import FlowSpec, flows_of
+
+if TYPE_CHECKING:
+    from nemesis.config.models import IntegrationConfig, NemesisConfig
+    from nemesis.runtime.retries import FlowSpec
 
 ADMIN_TIMEOUT_S = 5.0
 TO_HELP = (
@@ -205,6 +205,8 @@ def _utc(seconds: float) -> str:
 
 
 def cmd_seek(args: argparse.Namespace) -> int:
+    from nemesis.config.models import start_from_at
+
     target = args.to.strip()
     if target.isdigit():
         if args.partition is None:
@@ -228,7 +230,7 @@ def cmd_skip(args: argparse.Namespace) -> int:
     return _change(args, Action.SKIP, f"skip --count {count}", target)
 
 
-Target = Callable[[Broker, FlowSpec, PartitionInfo, str], Any]
+Target = Callable[[Broker, "FlowSpec", PartitionInfo, str], Any]
 
 
 def _seek_target(target: str) -> Target:
@@ -239,6 +241,8 @@ def _seek_target(target: str) -> Target:
             return info.end_offset
         if target.isdigit():
             return int(target)
+        from nemesis.config.models import start_from_at
+
         at = start_from_at(target, time.time()).at
         assert at is not None  # neither earliest nor latest: a time
         return (await broker.admin.offsets_for_time(flow.topic, at))[info.partition]
@@ -343,6 +347,8 @@ async def _check_safe(
     force: bool,
 ) -> str:
     """Why changing the offsets is safe now, or NemesisError saying why it is not."""
+    from nemesis.runtime.retries import flows_of
+
     name = integration.name
     url = admin_url or _admin_url(config)
     state = "the admin API is disabled in the config"
@@ -393,18 +399,24 @@ async def _ask_admin(url: str, name: str, config: NemesisConfig) -> str:
     token = config.admin.token
     if token is not None:
         headers["Authorization"] = f"Bearer {token.get_secret_value()}"
+    import aiohttp  # only seek and skip ask the admin API: not paid by every command
+
     try:
-        async with httpx.AsyncClient(timeout=ADMIN_TIMEOUT_S) as client:
-            answer = await client.get(f"{url}/integrations/{name}", headers=headers)
-    except httpx.HTTPError as exc:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ADMIN_TIMEOUT_S)) as client,
+            client.get(f"{url}/integrations/{name}", headers=headers) as answer,
+        ):
+            code = answer.status
+            body = await answer.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
         return f"the admin API at {url} did not answer ({type(exc).__name__})"
-    if answer.status_code == 404:
+    if code == 404:
         return f"the admin API at {url} does not run it"
-    if answer.status_code != 200:
-        return f"the admin API at {url} answered {answer.status_code}"
+    if code != 200:
+        return f"the admin API at {url} answered {code}"
     try:
-        status = answer.json()
-    except ValueError:
+        status = orjson.loads(body)
+    except orjson.JSONDecodeError:
         return f"the admin API at {url} answered something that is not JSON"
     if not isinstance(status, dict) or not isinstance(status.get("paused"), bool):
         return f"the admin API at {url} answered without a paused state"
@@ -417,6 +429,8 @@ async def _ask_admin(url: str, name: str, config: NemesisConfig) -> str:
 
 
 def _integration(config: NemesisConfig, name: str) -> IntegrationConfig:
+    from nemesis.config import load_integrations
+
     integrations, problems = load_integrations(Path(config.integrations_dir))
     found = integrations.get(name)
     if found is not None:
@@ -430,6 +444,8 @@ def _integration(config: NemesisConfig, name: str) -> IntegrationConfig:
 
 
 def _flows(integration: IntegrationConfig, name: str | None) -> list[FlowSpec]:
+    from nemesis.runtime.retries import flows_of
+
     flows = flows_of(integration)
     if name is None:
         return flows

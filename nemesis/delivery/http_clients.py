@@ -15,7 +15,6 @@ from typing import Final, Protocol
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import TargetConfig
 from nemesis.delivery.h1 import H1Transport
-from nemesis.delivery.http import HttpTransport
 from nemesis.delivery.port import Transport
 
 
@@ -27,10 +26,21 @@ class HttpTransportFactory(Protocol):
     ) -> Transport: ...
 
 
-# target.transport -> the class that implements it. Tests and embedders pass their own.
+def _aiohttp(
+    target: TargetConfig, *, integration: str, max_connections: int, clock: Clock
+) -> Transport:
+    # aiohttp is loaded by the targets that choose it, not by `nemesis validate` of the others.
+    from nemesis.delivery.http import HttpTransport
+
+    return HttpTransport(
+        target, integration=integration, max_connections=max_connections, clock=clock
+    )
+
+
+# target.transport -> what makes it. Tests and embedders pass their own.
 HTTP_TRANSPORTS: Final[Mapping[str, HttpTransportFactory]] = {
     "h1": H1Transport,
-    "aiohttp": HttpTransport,
+    "aiohttp": _aiohttp,
 }
 
 

@@ -74,6 +74,7 @@ from nemesis.dlq.port import (
     Stats,
     Status,
     TimeBucket,
+    shown_key,
 )
 from nemesis.dlq.signature import normalise_error, pattern_signature
 from nemesis.errors import DlqError, InvalidQuery
@@ -255,14 +256,6 @@ def metadata_json(letter: DeadLetter) -> str:
     if record:
         entries[RECORD_ENTRY] = record
     return orjson.dumps(entries).decode()
-
-
-def shown_key(key: str | None) -> str | None:
-    """A key as a person reads it (the ``msg_key`` column): a binary one with replacement
-    characters."""
-    if key is None:
-        return None
-    return no_nul(key if is_text_key(key) else key_bytes(key).decode("utf-8", "replace"))
 
 
 def _record_of(raw: str, shown_key: str | None) -> tuple[dict[str, str], str | None, Headers, bool]:

@@ -25,7 +25,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from nemesis.broker.port import Headers
+from nemesis.broker.port import Headers, is_text_key, key_bytes
 from nemesis.dlq.signature import dead_letter_id, failure_signature
 from nemesis.errors import InvalidQuery
 
@@ -161,6 +161,15 @@ class DeadLetterRow:
     @property
     def payload_truncated(self) -> bool:
         return len(self.payload) < self.payload_size
+
+
+def shown_key(key: str | None) -> str | None:
+    """A key as a person reads it (the stores' ``msg_key`` column): a binary one (see
+    ``nemesis.broker.port.key_text``) with replacement characters, a NUL as U+FFFD."""
+    if key is None:
+        return None
+    text = key if is_text_key(key) else key_bytes(key).decode("utf-8", "replace")
+    return text.replace("\x00", "\ufffd")
 
 
 def _check_time(name: str, value: float | None) -> None:

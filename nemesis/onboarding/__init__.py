@@ -11,6 +11,19 @@
 - ``commands``: the argparse side of the above.
 """
 
-from nemesis.onboarding.rules import IntegrationRulesChecker
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nemesis.onboarding.rules import IntegrationRulesChecker
 
 __all__ = ["IntegrationRulesChecker"]
+
+
+def __getattr__(name: str) -> Any:
+    # The rules load the config models: imported when asked for, so that the CLI's
+    # parser (nemesis.onboarding.commands) loads none of them.
+    if name == "IntegrationRulesChecker":
+        from nemesis.onboarding.rules import IntegrationRulesChecker
+
+        return IntegrationRulesChecker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,23 +13,20 @@ import os
 import sys
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from pydantic import ValidationError
-
-from nemesis.config.loader import load_integration_file
-from nemesis.config.models import TargetConfig
 from nemesis.errors import NemesisError
-from nemesis.onboarding.probe import DEFAULT_DATA, ProbeOptions, check_handler
-from nemesis.onboarding.schema import SCHEMA_KINDS, json_schema
-from nemesis.onboarding.templates import (
+from nemesis.onboarding.choices import (
+    DEFAULT_DATA,
     DEFAULT_PORTS,
     DEFAULT_URLS,
     HANDLER_LANGS,
-    IntegrationSpec,
-    new_handler,
-    new_integration,
+    SCHEMA_KINDS,
 )
+
+# The work is imported by the command that does it (building the parser loads no models).
+if TYPE_CHECKING:
+    from nemesis.onboarding.probe import ProbeOptions
 
 AsyncRunner = Callable[[Coroutine[Any, Any, int]], int]
 
@@ -152,6 +149,8 @@ _LOGIC: Final[Mapping[str, str]] = {
 
 
 def cmd_new_handler(args: argparse.Namespace) -> int:
+    from nemesis.onboarding.templates import new_handler
+
     """``nemesis new handler``."""
     directory: Path = args.directory
     written = new_handler(directory, args.lang, force=args.force)
@@ -178,6 +177,8 @@ def cmd_new_handler(args: argparse.Namespace) -> int:
 
 
 def cmd_new_integration(args: argparse.Namespace) -> int:
+    from nemesis.onboarding.templates import IntegrationSpec, new_integration
+
     """``nemesis new integration``."""
     spec = IntegrationSpec(
         name=args.name,
@@ -198,12 +199,16 @@ def cmd_check_handler(args: argparse.Namespace, run_async: AsyncRunner) -> int:
 
 
 async def _check(options: ProbeOptions, *, as_json: bool) -> int:
+    from nemesis.onboarding.probe import check_handler
+
     report = await check_handler(options)
     print(json.dumps(report.as_dict(), indent=2) if as_json else report.format())
     return EXIT_OK if report.passed else EXIT_FAILED
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
+    from nemesis.onboarding.schema import json_schema
+
     """``nemesis schema``."""
     text = json.dumps(json_schema(args.kind), indent=2) + "\n"
     if args.output is None:
@@ -216,6 +221,9 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def _probe_options(args: argparse.Namespace) -> ProbeOptions:
+    from nemesis.config.loader import load_integration_file
+    from nemesis.onboarding.probe import ProbeOptions
+
     url: str | None = args.url
     timeout_s, batch, headers = 5.0, 0, {}
     signing_env: tuple[str, ...] = ()
@@ -262,6 +270,10 @@ def _probe_options(args: argparse.Namespace) -> ProbeOptions:
 
 
 def _check_target(options: ProbeOptions) -> None:
+    from pydantic import ValidationError
+
+    from nemesis.config.models import TargetConfig
+
     signing = None
     if options.signing_secrets_env:
         signing = {"secrets_env": list(options.signing_secrets_env)}

@@ -41,10 +41,10 @@ from nemesis.config.models import SigningConfig, TargetConfig
 from nemesis.delivery.cloudevents import is_json
 from nemesis.delivery.port import DeliveryResult, Event, Outcome, Transport
 from nemesis.delivery.signing import DEFAULT_TOLERANCE_S
+from nemesis.onboarding.choices import DEFAULT_DATA
 
 PROBE_INTEGRATION: Final = "check-handler"
 PROBE_TOPIC: Final = "nemesis.check-handler"
-DEFAULT_DATA: Final = b'{"nemesis_probe": true}'
 _MALFORMED_JSON: Final = b'{"nemesis_probe": '
 _MALFORMED_BYTES: Final = b"\xff\xfe\x00 not a valid payload"
 # How far in the past the stale probe is signed: well outside any sane tolerance.

@@ -22,7 +22,7 @@ loader accepts.
 from __future__ import annotations
 
 import copy
-from typing import Any, Final, Literal, get_args
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_json_schema
@@ -30,12 +30,12 @@ from pydantic_core import core_schema
 
 from nemesis import __version__
 from nemesis.config.models import NAME_PATTERN, IntegrationConfig, NemesisConfig, parse_duration
+from nemesis.onboarding.choices import SCHEMA_KINDS as SCHEMA_KINDS
+from nemesis.onboarding.choices import SchemaKind as SchemaKind
 from nemesis.pipeline.compiler import PipelineFile
 from nemesis.pipeline.registry import StageRegistry, default_registry
 from nemesis.pipeline.testing import PipelineTestFile
 
-SchemaKind = Literal["integration", "pipeline", "pipeline-test", "process"]
-SCHEMA_KINDS: Final[tuple[SchemaKind, ...]] = get_args(SchemaKind)
 DIALECT: Final = "https://json-schema.org/draft/2020-12/schema"
 
 # What parse_duration accepts, as a pattern: "90", "1.5s", "250ms", "5m", "2h", "7d".

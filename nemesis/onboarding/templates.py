@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Final, Literal, get_args
+from typing import Final
 
 import yaml
 
@@ -34,25 +34,12 @@ from nemesis.config.models import (
     IntegrationConfig,
 )
 from nemesis.errors import NemesisError
+from nemesis.onboarding.choices import DEFAULT_PORTS as DEFAULT_PORTS
+from nemesis.onboarding.choices import DEFAULT_URLS as DEFAULT_URLS
+from nemesis.onboarding.choices import HANDLER_LANGS as HANDLER_LANGS
+from nemesis.onboarding.choices import HandlerLang as HandlerLang
 from nemesis.proto import handler_proto_text
 
-HandlerLang = Literal["python-fastapi", "python-grpc", "go-http", "typescript-node", "java-http"]
-HANDLER_LANGS: Final[tuple[HandlerLang, ...]] = get_args(HandlerLang)
-# Every HTTP template serves where `nemesis new integration` points by default, and clear of
-# the ports `nemesis run` takes on a laptop (8080 for the DLQ viewer, 8081 for the admin API).
-DEFAULT_PORTS: Final[Mapping[HandlerLang, int]] = {
-    "python-fastapi": 8000,
-    "python-grpc": 50051,
-    "go-http": 8000,
-    "typescript-node": 8000,
-    "java-http": 8000,
-}
-DEFAULT_URLS: Final[Mapping[HandlerLang, str]] = {
-    lang: f"grpc://127.0.0.1:{port}"
-    if lang.endswith("-grpc")
-    else f"http://127.0.0.1:{port}/events"
-    for lang, port in DEFAULT_PORTS.items()
-}
 # The Python templates share handler.py (common/); the others are whole in their folder.
 _WITH_COMMON: Final[frozenset[HandlerLang]] = frozenset({"python-fastapi", "python-grpc"})
 # Where a template's own tests find the signing vectors they check the verifier against.

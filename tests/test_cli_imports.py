@@ -1,0 +1,68 @@
+"""``nemesis --help`` and ``nemesis validate`` load only what they use.
+
+Every pull request runs ``nemesis validate``; neither it nor ``--help`` may
+pay for the admin API, the proxy or a broker's SDK. Each case runs the
+command's code path in a fresh interpreter and lists what it imported (the
+start-up time itself is measured by tests/bench/cli_startup.py, not here).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+# What the proxy, the admin API and the backends load; none is needed to print help or to
+# validate files.
+HEAVY = ("fastapi", "starlette", "uvicorn", "aiokafka", "ydb", "grpc", "asyncpg", "aiohttp")
+
+PROBE = """
+import contextlib, io, json, sys
+from nemesis.cli import main
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    try:
+        code = main(sys.argv[1:])
+    except SystemExit as exit:
+        code = exit.code
+print(json.dumps({"code": code, "modules": sorted({m.split(".")[0] for m in sys.modules})}))
+"""
+
+
+def loaded_by(*argv: str) -> tuple[object, set[str]]:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    report = json.loads(done.stdout)
+    return report["code"], set(report["modules"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["validate", "--help"],
+        ["dlq", "list", "--help"],
+        ["validate", "integrations", "pipelines"],
+        ["validate", "nemesis.example.yaml"],
+        ["validate", "deploy/config/nemesis.yaml", "deploy/config/integrations"],
+    ],
+    ids=" ".join,
+)
+def test_the_command_loads_no_proxy_admin_or_broker_sdk(argv: list[str]) -> None:
+    code, modules = loaded_by(*argv)
+    assert code == 0
+    assert sorted(modules & set(HEAVY)) == []
+
+
+def test_help_loads_no_config_models() -> None:
+    _, modules = loaded_by("--help")
+    assert not modules & {"pydantic", "yaml", "prometheus_client"}
