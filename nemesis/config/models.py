@@ -108,7 +108,17 @@ def start_from_at(text: str, now: float) -> StartFrom:
 # the contract or HTTP framing sets (docs/handler-contract.md, "Producer headers").
 _FORWARDED_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
 _NOT_FORWARDED = frozenset(
-    {"content-type", "content-length", "transfer-encoding", "host", "connection", "te"}
+    {
+        "content-type",
+        "content-length",
+        "transfer-encoding",
+        "host",
+        "connection",
+        "te",
+        "user-agent",
+        "accept",
+        "accept-encoding",
+    }
 )
 
 
