@@ -130,6 +130,13 @@ def test_forward_headers_refuses_names_the_contract_owns(names: list[str]) -> No
         config(forward_headers=names)
 
 
+def test_a_forwarded_header_that_target_headers_sets_too_is_refused() -> None:
+    document = config().model_dump()
+    document["target"]["headers"] = {"TraceParent": "00-fixed"}
+    with pytest.raises(ValueError, match=r"traceparent: set by target\.headers too"):
+        IntegrationConfig.model_validate(document)
+
+
 def cloud_binary() -> Message:
     return record(
         [

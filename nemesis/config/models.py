@@ -376,6 +376,24 @@ def _halt_needs_ordering(integration: Any) -> Iterator[tuple[tuple[Hashable, ...
         )
 
 
+def _forwarded_not_set_by_target(integration: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    forwarded = get_path(
+        integration,
+        "source",
+        "forward_headers",
+        default=SourceConfig.model_fields["forward_headers"].default,
+    )
+    own = get_path(integration, "target", "headers", default=None)
+    if not isinstance(forwarded, list | tuple) or not isinstance(own, dict):
+        return
+    both = sorted({str(n).lower() for n in own} & {str(n) for n in forwarded})
+    if both:
+        yield (
+            ("source", "forward_headers"),
+            f"{', '.join(both)}: set by target.headers too; a request carries one or the other",
+        )
+
+
 class IntegrationConfig(Model):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
     owners: Annotated[list[str], Field(min_length=1)]
@@ -393,7 +411,7 @@ class IntegrationConfig(Model):
     # the broker then spreads over every member.
     replicas: Annotated[int, Field(ge=1, le=1000)] | Literal["all"] = 1
 
-    cross_rules = (_halt_needs_ordering,)
+    cross_rules = (_halt_needs_ordering, _forwarded_not_set_by_target)
 
 
 # --- process ------------------------------------------------------------------
