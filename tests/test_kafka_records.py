@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import os
+import shutil
 import subprocess
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
@@ -38,7 +41,7 @@ from nemesis.config.models import IntegrationConfig
 from nemesis.dlq import DeadLetterFilter, DeadLetterRow, PageRequest, open_sqlite_dlq
 from nemesis.runtime.retries import flows_of
 from tests.conftest import Workspace, stop_gracefully
-from tests.kafka_broker import KafkaBroker, free_port, kafka_classpath
+from tests.kafka_broker import KafkaBroker, cache_dir, free_port, kafka_classpath
 from tests.operability import wait_until_true
 from tests.test_kafka_e2e import init, kafka_config
 
@@ -135,13 +138,36 @@ def token(data: bytes | None) -> str:
     return "null" if data is None else "x" + data.hex()
 
 
+def java_producer_classes() -> Path:
+    """``RecordsProducer.java`` compiled by javac once, cached by the source's hash."""
+    digest = hashlib.sha256(JAVA_PROGRAM.read_bytes()).hexdigest()[:16]
+    classes = cache_dir() / f"records-producer-{digest}"
+    if (classes / "RecordsProducer.class").is_file():
+        return classes
+    partial = classes.with_name(f"{classes.name}.{os.getpid()}.part")
+    shutil.rmtree(partial, ignore_errors=True)
+    compiled = subprocess.run(
+        ["javac", "-cp", kafka_classpath(), "-d", str(partial), str(JAVA_PROGRAM)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert compiled.returncode == 0, compiled.stdout + compiled.stderr
+    try:
+        os.replace(partial, classes)
+    except OSError:  # another worker compiled it meanwhile
+        shutil.rmtree(partial, ignore_errors=True)
+    return classes
+
+
 def write_with_java(bootstrap: str, topic: str, records: Sequence[tuple[str, Record]]) -> None:
     lines = [
         "\t".join([codec, token(r.key), token(r.value), *(f"{n}={token(v)}" for n, v in r.headers)])
         for codec, r in records
     ]
+    classpath = os.pathsep.join([str(java_producer_classes()), kafka_classpath()])
     done = subprocess.run(
-        ["java", "-Xmx256m", "-cp", kafka_classpath(), str(JAVA_PROGRAM), bootstrap, topic],
+        ["java", "-Xmx256m", "-cp", classpath, "RecordsProducer", bootstrap, topic],
         input="\n".join(lines) + "\n",
         capture_output=True,
         text=True,

@@ -1,7 +1,8 @@
 // Writes the records the tests describe with the Java client (kafka-clients), as a team's
-// Java service would. Run by tests/test_kafka_records.py as a single-file program:
+// Java service would. tests/test_kafka_records.py compiles it with javac once (cached by
+// its hash) against the classpath of tests/kafka/pom.xml and runs it:
 //
-//   java -cp <the classpath of tests/kafka/pom.xml> RecordsProducer.java BOOTSTRAP TOPIC < records
+//   java -cp <classes>:<classpath> RecordsProducer BOOTSTRAP TOPIC < records
 //
 // One record a line, tab-separated: compression codec, key, value, then any headers as
 // name=value. A key or value is "null" or "x" followed by its bytes in hex ("x" alone:
