@@ -48,6 +48,7 @@ from nemesis.dlq import (
     Reason,
     Status,
 )
+from nemesis.dlq.port import shown_key
 from nemesis.dlq.requeue import ActionResult
 from nemesis.errors import InvalidQuery
 
@@ -224,7 +225,7 @@ def _common(row: DeadLetterRow) -> dict[str, object]:
         "source_topic": row.source_topic,
         "source_partition": row.source_partition,
         "source_offset": row.source_offset,
-        "key": row.key,
+        "key": shown_key(row.key),
         "stage": row.stage,
         "payload_size": row.payload_size,
         "payload_preview": row.payload[:PREVIEW_BYTES].decode("utf-8", errors="replace"),

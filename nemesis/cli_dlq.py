@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import getpass
 import sys
 import time
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from nemesis.broker.port import is_text_key, key_bytes
 from nemesis.dlq.port import (
     MAX_PAGE_ROWS,
     DeadLetterFilter,
@@ -20,6 +22,7 @@ from nemesis.dlq.port import (
     PageRequest,
     Reason,
     Status,
+    shown_key,
 )
 from nemesis.errors import NemesisError
 from nemesis.terminal import inert, inert_json
@@ -281,12 +284,22 @@ def _row_json(row: DeadLetterRow, *, preview: bool) -> dict[str, Any]:
         "last_action_by": row.last_action_by,
         "last_action_at": row.last_action_at,
         "source": f"{row.source_topic}/{row.source_partition}@{row.source_offset}",
-        "key": row.key,
+        "key": shown_key(row.key),
         "stage": row.stage,
         "metadata": dict(row.metadata),
         "payload_size": row.payload_size,
     }
     document["payload"] = _payload_text(row.payload)
+    if row.key is not None and not is_text_key(row.key):
+        document["key_base64"] = base64.b64encode(key_bytes(row.key)).decode("ascii")
+    if row.headers:
+        # The record's headers as written: [name, base64 of the value, or null].
+        document["headers"] = [
+            [name, None if value is None else base64.b64encode(value).decode("ascii")]
+            for name, value in row.headers
+        ]
+    if row.tombstone:
+        document["tombstone"] = True
     if preview and row.payload_truncated:
         document["payload_truncated"] = True
     return document

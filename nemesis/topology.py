@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from nemesis.broker.port import OutgoingMessage
+from nemesis.broker.port import Headers, OutgoingMessage
 
 # Metadata keys Nemesis itself writes (retry tiers, replays); producers should not use them.
 META_PREFIX = "nemesis-"
@@ -54,12 +54,16 @@ def replay_message(
     source_topic: str,
     source_partition: int,
     source_offset: int,
+    headers: Headers = (),
+    tombstone: bool = False,
 ) -> OutgoingMessage:
-    """A dead letter on its way back to its integration's replay topic."""
+    """A dead letter on its way back to its integration's replay topic, as it was read."""
     meta = {k: v for k, v in metadata.items() if not k.startswith(META_PREFIX)}
     meta[META_EVENT_ID] = event
     meta[META_SOURCE_TOPIC] = source_topic
     meta[META_SOURCE_PARTITION] = str(source_partition)
     meta[META_SOURCE_OFFSET] = str(source_offset)
     meta[META_REPLAY] = "1"
-    return OutgoingMessage(value=payload, key=key, metadata=meta)
+    return OutgoingMessage(
+        value=payload, key=key, metadata=meta, headers=headers, tombstone=tombstone
+    )

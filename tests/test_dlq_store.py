@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 import nemesis.dlq.core as dlq_core
 import nemesis.dlq.sqlite as dlq_sqlite
 from nemesis.backends.postgres import PostgresDlqConfig
+from nemesis.broker.port import key_bytes, key_text
 from nemesis.clock import Clock
 from nemesis.dlq import (
     Action,
@@ -52,6 +53,7 @@ from nemesis.dlq.postgres import open_postgres_dlq
 from nemesis.dlq.signature import MAX_PATTERN_CHARS, escape_like
 from nemesis.dlq.ydb import YdbDeadLetterStore
 from nemesis.errors import DlqError, InvalidCursor, InvalidQuery, NemesisError
+from nemesis.topology import replay_message
 from tests.postgres_server import PostgresServer
 from tests.ydb_fake import FAST_RETRY, FakeYdb
 
@@ -385,6 +387,54 @@ async def test_get_returns_what_was_written(store: DeadLetterStore, clock: FakeC
     assert await store.get("0" * 32) is None
     many = await store.get_many([written.id, "0" * 32, written.id])
     assert [r.id for r in many] == [written.id]
+
+
+async def test_a_record_is_kept_as_written_binary_key_headers_and_tombstone(
+    store: DeadLetterStore,
+) -> None:
+    headers = (
+        ("traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+        ("x-dup", b"one"),
+        ("x-null", None),
+        ("x-dup", b"\xff\x00 two"),
+        ("x-empty", b""),
+    )
+    binary_key = key_text(b"\xff\xfe key \x00")
+    kinds = {
+        1: letter(1, payload=b"", key=binary_key, headers=headers, tombstone=True),
+        2: letter(2, payload=b"", key="клиент", headers=headers[:1]),
+        3: letter(3, payload=b"\x80", key=None),
+    }
+    await store.put(list(kinds.values()))
+    listed = {row.source_offset: row for row in (await store.query(DeadLetterFilter())).rows}
+    for offset, written in kinds.items():
+        row = await store.get(written.id)
+        assert row is not None
+        for kept in (row, listed[offset]):
+            assert kept.key == written.key
+            assert kept.headers == written.headers
+            assert kept.tombstone is written.tombstone
+            assert dict(kept.metadata) == dict(written.metadata)
+        # A requeue writes the record back as it was read.
+        again = replay_message(
+            row.payload,
+            event=row.event_id,
+            key=row.key,
+            metadata=row.metadata,
+            source_topic=row.source_topic,
+            source_partition=row.source_partition,
+            source_offset=row.source_offset,
+            headers=row.headers,
+            tombstone=row.tombstone,
+        )
+        assert (again.key, again.headers, again.tombstone) == (
+            written.key,
+            written.headers,
+            written.tombstone,
+        )
+    one = await store.get(kinds[1].id)
+    assert one is not None
+    assert key_bytes(one.key or "") == b"\xff\xfe key \x00"
 
 
 async def test_lists_carry_a_payload_preview_and_long_errors_are_cut(

@@ -37,6 +37,30 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar, runtime_checkable
 
+# A record's headers: (name, value) in order; a value may be None (Kafka allows it).
+Headers = tuple[tuple[str, bytes | None], ...]
+
+
+def key_text(raw: bytes) -> str:
+    """A broker's key as the port's text: UTF-8, each byte that does not decode a lone surrogate."""
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def key_bytes(key: str) -> bytes:
+    """The bytes of a key made by ``key_text`` (UTF-8 for any other text)."""
+    return key.encode("utf-8", "surrogateescape")
+
+
+def is_text_key(key: str) -> bool:
+    """Whether a key is UTF-8 text (not a binary key held by ``key_text``)."""
+    if key.isascii():
+        return True
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
 
 @runtime_checkable
 class PartitionSession(Protocol):
@@ -66,6 +90,16 @@ class Message:
     ``created_at`` is the producer's time and ``written_at`` the broker's,
     both as Unix seconds. ``metadata`` holds the per-message string pairs
     (YDB metadata items; retry tiers keep their bookkeeping there).
+
+    Kept as the producer wrote them (Kafka): ``key`` is text, and a key that
+    is not UTF-8 holds each byte that does not decode as a lone surrogate
+    (``key_text``; ``key_bytes`` gives the bytes back). ``headers`` are the
+    record's own headers, in order, duplicates and null values included
+    (Nemesis' ``nemesis-*`` bookkeeping is never among them); ``metadata``
+    is their string view then: the last value of each header that is UTF-8
+    text. ``tombstone`` marks a record without a value (``value`` is empty
+    then), unlike an empty one. A backend without headers or null values
+    leaves them empty and False.
     """
 
     topic: str
@@ -79,6 +113,8 @@ class Message:
     created_at: float = 0.0
     written_at: float = 0.0
     session: PartitionSession | None = None
+    headers: Headers = ()
+    tombstone: bool = False
 
     @property
     def alive(self) -> bool:
@@ -94,6 +130,11 @@ class OutgoingMessage:
     else round-robin. ``seqno`` with the writer's producer id enables
     de-duplication: a message whose seqno is not above the last one written
     by that producer is skipped.
+
+    ``key``, ``headers`` and ``tombstone`` as in ``Message``: a backend with
+    headers writes ``headers`` as they are, then the ``metadata`` pairs whose
+    names they lack (a retry tier's copy of a record: its headers, then
+    Nemesis' bookkeeping).
     """
 
     value: bytes
@@ -102,6 +143,8 @@ class OutgoingMessage:
     partition: int | None = None
     seqno: int | None = None
     created_at: float | None = None
+    headers: Headers = ()
+    tombstone: bool = False
 
 
 class WriteStatus(enum.Enum):

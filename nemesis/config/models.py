@@ -104,6 +104,37 @@ def start_from_at(text: str, now: float) -> StartFrom:
     return StartFrom("time", datetime.datetime.fromisoformat(text).timestamp())
 
 
+# A producer header forwarded to the handler: an HTTP token, lowercase, and none that
+# the contract or HTTP framing sets (docs/handler-contract.md, "Producer headers").
+_FORWARDED_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
+_NOT_FORWARDED = frozenset(
+    {
+        "content-type",
+        "content-length",
+        "transfer-encoding",
+        "host",
+        "connection",
+        "te",
+        "user-agent",
+        "accept",
+        "accept-encoding",
+    }
+)
+
+
+def _check_forwarded(names: tuple[str, ...]) -> tuple[str, ...]:
+    for name in names:
+        if not _FORWARDED_NAME.fullmatch(name):
+            raise ValueError(f"{name!r}: a header name is a lowercase HTTP token")
+        if name.startswith(("ce-", "ce_", "nemesis-", "grpc-")) or name in _NOT_FORWARDED:
+            raise ValueError(f"{name!r}: set by Nemesis or by HTTP itself, never forwarded")
+        if name.endswith("-bin"):
+            raise ValueError(f"{name!r}: -bin names are gRPC's binary metadata")
+    if len(set(names)) != len(names):
+        raise ValueError("a header is named twice")
+    return names
+
+
 class SourceConfig(Model):
     topic: Annotated[str, Field(pattern=SOURCE_TOPIC_PATTERN)]
     consumer: Annotated[str, Field(pattern=TOPIC_PATTERN)]
@@ -113,6 +144,13 @@ class SourceConfig(Model):
     # replay flows always start at earliest): see ``START_FROM_HELP``. A duration
     # counts back from when the integration starts reading.
     start_from: Annotated[str, BeforeValidator(parse_start_from)] = "earliest"
+    # The producer's headers (Kafka headers, YDB and embedded metadata) a handler
+    # receives as request headers (gRPC: metadata; docs/handler-contract.md): the
+    # W3C trace context by default, so a trace goes on through the handler.
+    forward_headers: Annotated[tuple[str, ...], AfterValidator(_check_forwarded)] = (
+        "traceparent",
+        "tracestate",
+    )
 
     def start_position(self, now: float) -> StartFrom:
         """``start_from`` as the broker port takes it."""
@@ -339,6 +377,24 @@ def _halt_needs_ordering(integration: Any) -> Iterator[tuple[tuple[Hashable, ...
         )
 
 
+def _forwarded_not_set_by_target(integration: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    forwarded = get_path(
+        integration,
+        "source",
+        "forward_headers",
+        default=SourceConfig.model_fields["forward_headers"].default,
+    )
+    own = get_path(integration, "target", "headers", default=None)
+    if not isinstance(forwarded, list | tuple) or not isinstance(own, dict):
+        return
+    both = sorted({str(n).lower() for n in own} & {str(n) for n in forwarded})
+    if both:
+        yield (
+            ("source", "forward_headers"),
+            f"{', '.join(both)}: set by target.headers too; a request carries one or the other",
+        )
+
+
 class IntegrationConfig(Model):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
     owners: Annotated[list[str], Field(min_length=1)]
@@ -356,7 +412,7 @@ class IntegrationConfig(Model):
     # the broker then spreads over every member.
     replicas: Annotated[int, Field(ge=1, le=1000)] | Literal["all"] = 1
 
-    cross_rules = (_halt_needs_ordering,)
+    cross_rules = (_halt_needs_ordering, _forwarded_not_set_by_target)
 
 
 # --- process ------------------------------------------------------------------

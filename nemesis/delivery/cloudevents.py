@@ -21,13 +21,15 @@ from __future__ import annotations
 import base64
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from urllib.parse import quote, unquote
 
 import msgspec
 import orjson
 
+from nemesis.broker.port import is_text_key, key_bytes
 from nemesis.delivery.port import Event
 
 SPECVERSION = "1.0"
@@ -242,6 +244,15 @@ def batch_body(events: Sequence[Event], source: str) -> bytes:
     payload). Only when that fails is each payload checked, and the ones that
     are not JSON travel as base64.
     """
+    if not all(event.plain for event in events):
+        return b"[%b]" % b",".join(
+            [
+                orjson.dumps(
+                    structured_event(e, source) if e.plain else general_structured_event(e, source)
+                )
+                for e in events
+            ]
+        )
     source_json = _json_string(source)
     body = _batch_in_one_format(events, source_json)
     if body is None:
@@ -383,3 +394,205 @@ def _json_string(text: str) -> bytes:
 @functools.lru_cache(maxsize=256)
 def _is_json_cached(content_type: str) -> bool:
     return is_json(content_type)
+
+
+# --- records that are CloudEvents already, and events off the fast path ------------------
+#
+# A record written in the CloudEvents Kafka binding (binary mode: ``ce_*`` headers,
+# structured mode: a ``content-type: application/cloudevents+json`` record whose value
+# is the JSON event) keeps its own attributes; Nemesis' coordinates travel as extensions
+# beside them (docs/handler-contract.md, "Records that are CloudEvents").
+
+STRUCTURED_PREFIX = "application/cloudevents+json"
+# Nemesis' own extensions, added to every event whose attributes do not name them already.
+NEMESIS_EXTENSIONS = ("topic", "partition", "offset", "attempt")
+KEY_BASE64 = "partitionkeybase64"  # a key that is not UTF-8, base64 (RFC 4648, padded)
+TOMBSTONE = "tombstone"  # "true" on a record without a value
+_REQUIRED = ("id", "source", "type")
+_ATTRIBUTE_NAME = re.compile(r"[a-z0-9]{1,64}")
+_ANY_OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+@dataclass(frozen=True, slots=True)
+class CloudRecord:
+    """A record that is a CloudEvent: its attributes (not ``specversion``) and its data.
+
+    ``data`` None: the event has none (a binary-mode tombstone, or a structured
+    event without ``data``). ``attributes`` holds ``datacontenttype`` when the
+    event has one.
+    """
+
+    attributes: dict[str, str]
+    data: bytes | None
+
+
+@functools.lru_cache(maxsize=256)  # content types repeat; this runs for every event
+def is_structured(content_type: str) -> bool:
+    """Whether a record's content type says it is a JSON-format event (structured mode)."""
+    return content_type[: len(STRUCTURED_PREFIX)].lower() == STRUCTURED_PREFIX
+
+
+def cloud_record(metadata: Mapping[str, str], value: bytes, tombstone: bool) -> CloudRecord | None:
+    """The CloudEvent a record is, by the Kafka binding; None when it is not one."""
+    content_type = metadata.get("content-type")
+    if content_type is not None and is_structured(content_type):
+        return None if tombstone else _structured_record(value)
+    if metadata.get("ce_specversion") != SPECVERSION:
+        return None
+    attributes = {
+        name[3:]: text
+        for name, text in metadata.items()
+        if name.startswith("ce_")
+        and name != "ce_specversion"
+        and _ATTRIBUTE_NAME.fullmatch(name[3:])
+    }
+    if not all(attributes.get(name) for name in _REQUIRED):
+        return None
+    if content_type is not None:
+        attributes["datacontenttype"] = content_type
+    return CloudRecord(attributes, None if tombstone else value)
+
+
+def _structured_record(value: bytes) -> CloudRecord | None:
+    """A JSON-format event (CloudEvents JSON format): attributes as strings, data as bytes."""
+    try:
+        members = _ANY_OBJECT.decode(value)
+    except msgspec.DecodeError:
+        return None
+    attributes: dict[str, str] = {}
+    for name, raw in members.items():
+        if name in ("data", "data_base64") or not _ATTRIBUTE_NAME.fullmatch(name):
+            continue
+        text = _attribute_text(orjson.loads(bytes(raw)))
+        if text is not None:
+            attributes[name] = text
+    if attributes.pop("specversion", None) != SPECVERSION:
+        return None
+    if not all(attributes.get(name) for name in _REQUIRED):
+        return None
+    data: bytes | None = None
+    if "data_base64" in members:
+        encoded = orjson.loads(bytes(members["data_base64"]))
+        try:
+            data = base64.b64decode(encoded, validate=True) if isinstance(encoded, str) else None
+        except ValueError:
+            return None
+    elif "data" in members:
+        raw_data = bytes(members["data"])
+        content_type = attributes.get("datacontenttype")
+        if content_type is None or is_json(content_type):
+            # JSON data is delivered as the JSON text the producer wrote, byte for byte.
+            data = raw_data
+            attributes.setdefault("datacontenttype", "application/json")
+        else:
+            # A string that is not JSON content: the string's own UTF-8 (JSON format, 3.1).
+            text = orjson.loads(raw_data)
+            data = text.encode() if isinstance(text, str) else raw_data
+    return CloudRecord(attributes, data)
+
+
+def _attribute_text(value: object) -> str | None:
+    """An attribute's JSON value as the string a binary-mode header carries; None: absent."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return None
+
+
+def encode_forwarded(value: bytes) -> str:
+    """A forwarded header's bytes as an HTTP field value, losslessly.
+
+    Visible ASCII and inner spaces pass as they are; ``%``, control bytes,
+    bytes above 0x7E and a leading or trailing space become ``%XX``.
+    ``urllib.parse.unquote_to_bytes`` gives the bytes back. A trace context
+    (``traceparent``, ``tracestate``) is always plain ASCII, so it passes unchanged.
+    """
+    if _PLAIN_FORWARDED.fullmatch(value):
+        return value.decode("ascii")
+    return "".join(
+        chr(byte)
+        if (0x21 <= byte <= 0x7E and byte != 0x25) or (byte == 0x20 and 0 < i < len(value) - 1)
+        else "%%%02X" % byte  # noqa: UP031
+        for i, byte in enumerate(value)
+    )
+
+
+# Visible ASCII but "%", with inner spaces: a value that passes as it is.
+_PLAIN_FORWARDED = re.compile(rb"(?:[!-$&-~](?:[ !-$&-~]*[!-$&-~])?)?")
+
+
+def attributes_of(event: Event, source: str) -> dict[str, str]:
+    """Every CloudEvents attribute of an event but ``datacontenttype``, as strings.
+
+    A record that is a CloudEvent keeps its own (``Event.attributes``); Nemesis
+    adds its coordinates (``NEMESIS_EXTENSIONS``), the key as ``partitionkey``
+    (UTF-8) or ``partitionkeybase64`` (any other bytes) and ``tombstone`` where
+    the event does not carry an attribute of that name.
+    """
+    message = event.message
+    own = event.attributes
+    if own is None:
+        attributes = {"id": event.id, "source": source, "type": event.type}
+        time = event_time(event)
+        if time is not None:
+            attributes["time"] = time
+    else:
+        attributes = {name: text for name, text in own.items() if name != "datacontenttype"}
+    coordinates = (message.topic, str(message.partition), str(message.offset), str(event.attempt))
+    for name, text in zip(NEMESIS_EXTENSIONS, coordinates, strict=True):
+        attributes.setdefault(name, text)
+    key = message.key
+    if key is not None and "partitionkey" not in attributes:
+        if is_text_key(key):
+            attributes["partitionkey"] = key
+        else:
+            attributes.setdefault(KEY_BASE64, base64.b64encode(key_bytes(key)).decode("ascii"))
+    if message.tombstone:
+        attributes.setdefault(TOMBSTONE, "true")
+    return attributes
+
+
+def has_data(event: Event) -> bool:
+    """Whether the event carries data (a tombstone, or a CloudEvent without data, does not)."""
+    return bool(event.content_type)
+
+
+def full_binary_headers(event: Event, source: str) -> list[tuple[str, str]]:
+    """Every header of one event in binary mode, for an event off the fast path.
+
+    The same names as ``binary_headers_from``; besides, the record's own
+    CloudEvents attributes, a binary key, the tombstone mark and the forwarded
+    producer headers (duplicates as repeated fields, in order).
+    """
+    headers = [("ce-specversion", SPECVERSION)]
+    headers += [
+        (f"ce-{name}", encode_header_value(text))
+        for name, text in attributes_of(event, source).items()
+    ]
+    if has_data(event) and event.content_type:
+        headers.append(("content-type", safe_content_type(event.content_type)))
+    headers += [(name, encode_forwarded(value)) for name, value in event.forwarded]
+    return headers
+
+
+def general_structured_event(event: Event, source: str) -> dict[str, object]:
+    """One event off the fast path in the CloudEvents JSON format (a batch element)."""
+    structured: dict[str, object] = {"specversion": SPECVERSION}
+    structured.update((name, _utf8(text)) for name, text in attributes_of(event, source).items())
+    for name, value in event.forwarded:
+        if name in ("traceparent", "tracestate") and name not in structured:
+            # The CloudEvents distributed-tracing extension: a batch has one request's
+            # headers, so each event's trace context travels inside it.
+            structured[name] = encode_forwarded(value)
+    if not has_data(event):
+        return structured
+    body = event.body
+    structured["datacontenttype"] = _utf8(event.content_type)
+    if is_json(event.content_type) and is_json_text(body):
+        structured["data"] = orjson.Fragment(body)
+    else:
+        structured["data_base64"] = base64.b64encode(body).decode("ascii")
+    return structured

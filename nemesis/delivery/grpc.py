@@ -36,7 +36,7 @@ from grpc import aio
 from nemesis import __version__
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import TargetConfig
-from nemesis.delivery.cloudevents import SPECVERSION, source_for
+from nemesis.delivery.cloudevents import SPECVERSION, attributes_of, encode_forwarded, source_for
 from nemesis.delivery.contract import (
     RETRY_AFTER_HEADER,
     SIGNATURE_HEADER,
@@ -92,6 +92,8 @@ def retry_after_s(trailers: Mapping[str, str], now: float) -> float | None:
 def event_message(event: Event, source: str) -> pb.Event:
     """One event as ``nemesis.v1.Event``: the attributes of the HTTP contract, typed."""
     message = event.message
+    if not event.plain:
+        return _full_event_message(event, source)
     proto = pb.Event(
         id=_utf8(event.id),
         source=_utf8(source),
@@ -111,6 +113,45 @@ def event_message(event: Event, source: str) -> pb.Event:
     if message.key is not None:
         proto.partition_key = _utf8(message.key)
     return proto
+
+
+# Attributes with a typed field of their own in nemesis.v1.Event.
+_TYPED = frozenset({"id", "source", "type", "time", "topic", "partition", "offset", "attempt"})
+
+
+def _full_event_message(event: Event, source: str) -> pb.Event:
+    """An event off the fast path: a CloudEvents record's own attributes, a binary key."""
+    message = event.message
+    attributes = attributes_of(event, source)
+    proto = pb.Event(
+        id=_utf8(attributes["id"]),
+        source=_utf8(attributes["source"]),
+        spec_version=SPECVERSION,
+        type=_utf8(attributes["type"]),
+        data_content_type=_utf8(event.content_type),
+        data=event.body,
+        topic=_utf8(message.topic),
+        partition=message.partition,
+        offset=message.offset,
+        attempt=event.attempt,
+    )
+    time = attributes.get("time")
+    if time is not None:
+        try:
+            proto.time.FromJsonString(time)
+        except ValueError:
+            proto.extensions["time"] = _utf8(time)  # not RFC 3339 as protobuf reads it
+    if "partitionkey" in attributes:
+        proto.partition_key = _utf8(attributes.pop("partitionkey"))
+    for name, text in attributes.items():
+        if name not in _TYPED:
+            proto.extensions[name] = _utf8(text)
+    return proto
+
+
+def forwarded_metadata(event: Event) -> tuple[tuple[str, str], ...]:
+    """The forwarded producer headers as call metadata, encoded as over HTTP."""
+    return tuple((name, encode_forwarded(value)) for name, value in event.forwarded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +223,8 @@ class GrpcTransport:
             return self._closed_result()
         proto = event_message(event, self._source)
         metadata = self._metadata
+        if event.forwarded:
+            metadata = (*metadata, *forwarded_metadata(event))
         if self._contract.signs:
             metadata = (*metadata, (SIGNATURE_HEADER, self._contract.sign(proto.id, proto.data)))
         request = pb.DeliverRequest(event=proto)

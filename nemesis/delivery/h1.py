@@ -70,6 +70,7 @@ from nemesis.delivery.cloudevents import (
     batch_body,
     binary_header_lines,
     constant_headers,
+    full_binary_headers,
     source_for,
 )
 from nemesis.delivery.contract import (
@@ -576,6 +577,8 @@ class H1Transport:
 
     def deliver(self, event: Event) -> Coroutine[Any, Any, DeliveryResult]:
         """POSTs one event in CloudEvents binary mode."""
+        if not event.plain:
+            return self._deliver_in_full(event)
         shared = (event.type, event.message.topic, event.content_type)
         head = self._constant_heads.get(shared)
         if head is None:
@@ -585,6 +588,19 @@ class H1Transport:
         if self._signs:
             # The id as the handler reads it: the ce-id header's value.
             lines += f"{SIGNATURE_HEADER}: {self._contract.sign(event_id, body)}\r\n"
+        return self._post(head, lines, body, (body,))
+
+    def _deliver_in_full(self, event: Event) -> Coroutine[Any, Any, DeliveryResult]:
+        """An event off the fast path: a CloudEvents record, a binary key, forwarded headers."""
+        body = event.body
+        headers = full_binary_headers(event, self._source)
+        # Every value is percent-encoded or a number: no line holds a CR, LF or NUL.
+        head = self._target.request_line + "".join(f"{n}: {v}\r\n" for n, v in headers)
+        head += self._extra_head
+        lines = ""
+        if self._signs:
+            event_id = next(value for name, value in headers if name == "ce-id")
+            lines = f"{SIGNATURE_HEADER}: {self._contract.sign(event_id, body)}\r\n"
         return self._post(head, lines, body, (body,))
 
     def deliver_batch(self, events: Sequence[Event]) -> Coroutine[Any, Any, DeliveryResult]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import aiohttp
+from multidict import CIMultiDict
 
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import TargetConfig
@@ -29,6 +30,7 @@ from nemesis.delivery.cloudevents import (
     batch_body,
     binary_headers_from,
     constant_headers,
+    full_binary_headers,
     source_for,
 )
 from nemesis.delivery.contract import (
@@ -50,6 +52,7 @@ from nemesis.delivery.port import DeliveryResult, Event, config_problem
 from nemesis.delivery.tls import ssl_context
 from nemesis.errors import ConfigError
 
+_NO_CONTENT_TYPE: Final = ("content-type",)
 # Sets of shared headers a transport keeps (one per event type and topic it delivers).
 _CONSTANT_HEADER_SETS: Final = 256
 _NO_TIMEOUT: Final = aiohttp.ClientTimeout(
@@ -129,6 +132,8 @@ class HttpTransport:
         own sits between the caller and aiohttp (it would be resumed at every
         suspension of the request).
         """
+        if not event.plain:
+            return self._deliver_in_full(event)
         shared = (event.type, event.message.topic, event.content_type)
         constant = self._constant_headers.get(shared)
         if constant is None:
@@ -139,6 +144,17 @@ class HttpTransport:
             # The id as the handler reads it: the ce-id header's value.
             headers[SIGNATURE_HEADER] = self._contract.sign(headers["ce-id"], body)
         return self._post(body, headers, (body,))
+
+    def _deliver_in_full(self, event: Event) -> Coroutine[Any, Any, DeliveryResult]:
+        """An event off the fast path: a CloudEvents record, a binary key, forwarded headers."""
+        body = event.body
+        headers = CIMultiDict(full_binary_headers(event, self._source))
+        headers.extend(self._extra_headers)
+        if self._signs:
+            headers[SIGNATURE_HEADER] = self._contract.sign(headers["ce-id"], body)
+        # An event without data has no content type: aiohttp must not add its own.
+        skip = () if "content-type" in headers else _NO_CONTENT_TYPE
+        return self._post(body, headers, (body,), skip)
 
     def _constant_for(self, shared: tuple[str, str, str]) -> dict[str, str]:
         if len(self._constant_headers) >= _CONSTANT_HEADER_SETS:
@@ -193,7 +209,11 @@ class HttpTransport:
         )
 
     async def _post(
-        self, body: bytes, headers: Mapping[str, str], sent: Collection[bytes]
+        self,
+        body: bytes,
+        headers: Mapping[str, str],
+        sent: Collection[bytes],
+        skip: tuple[str, ...] = (),
     ) -> DeliveryResult:
         if self._closed:
             return self._contract.wire_error(WireError(WireFailure.CLOSED), None)
@@ -215,6 +235,7 @@ class HttpTransport:
                         self._url,
                         data=body,
                         headers=headers,
+                        skip_auto_headers=skip or None,
                         allow_redirects=False,
                         server_hostname=self._server_hostname,
                     ) as response:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from nemesis.broker.port import Message
+from nemesis.broker.port import Message, is_text_key
 from nemesis.errors import ConfigProblem
 
 
@@ -36,18 +36,39 @@ class Outcome(enum.Enum):
 
 @dataclass(slots=True)
 class Event:
-    """One message on its way to a handler, with what the handler contract adds."""
+    """One message on its way to a handler, with what the handler contract adds.
+
+    ``attributes``: a record that is a CloudEvent already keeps its own
+    (id, source, type, time, subject, datacontenttype, extensions...;
+    ``nemesis.delivery.cloudevents.cloud_record``); None for any other.
+    ``forwarded``: the producer's headers on the integration's
+    ``source.forward_headers``, in order, duplicates kept.
+    """
 
     message: Message
     id: str  # stable across retries: the handler's idempotency key (ce-id)
     type: str  # ce-type
     attempt: int = 1
-    content_type: str = "application/json"
+    content_type: str = "application/json"  # "": none (an event without data)
     payload: bytes | None = None  # the pipeline's output; the message value when None
+    attributes: dict[str, str] | None = None
+    forwarded: tuple[tuple[str, bytes], ...] = ()
 
     @property
     def body(self) -> bytes:
         return self.message.value if self.payload is None else self.payload
+
+    @property
+    def plain(self) -> bool:
+        """Whether the transports' fast path encodes it: Nemesis' attributes and a text key only."""
+        message = self.message
+        key = message.key
+        return (
+            self.attributes is None
+            and not self.forwarded
+            and not message.tombstone
+            and (key is None or is_text_key(key))
+        )
 
 
 @dataclass(slots=True)  # not frozen: one is made per request, and frozen ones cost 3x to make

@@ -19,7 +19,15 @@ ids, signatures and the payload (bytes) are untouched.
 The columns are the same in every store: times in whole microseconds since
 1970 (``*_us``, clamped to the store's ``Times``: a signed 64-bit column
 keeps times before 1970, an unsigned one starts there), ``history`` and
-``metadata`` as JSON text, the payload as bytes. Lists are ordered by
+``metadata`` as JSON text, the payload as bytes.
+
+What a string map cannot hold of a record travels in the ``metadata``
+JSON under ``RECORD_ENTRY`` (``nemesis-record``; ``nemesis-*`` names are
+Nemesis' own, never a producer's): its headers (``headers``, a list of
+``[name, base64 or null]``), a key that is not UTF-8 (``key_base64``; the
+``msg_key`` column holds it with replacement characters, for display) and
+``tombstone``. A row without them has no such entry, so the stores need no
+column of their own for it and the rows written before it read the same. Lists are ordered by
 (``dead_lettered_us``, a per-store tie-breaker: ``tiebreak_column``)
 descending and paged by keyset.
 
@@ -32,6 +40,7 @@ an audit entry equal to a recent one (``same_action``) is not appended again.
 from __future__ import annotations
 
 import abc
+import base64
 import math
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +48,7 @@ from typing import Any, TypeVar
 
 import orjson
 
+from nemesis.broker.port import Headers, is_text_key, key_bytes, key_text
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.dlq.cursor import decode_cursor, encode_cursor
 from nemesis.dlq.port import (
@@ -64,6 +74,7 @@ from nemesis.dlq.port import (
     Stats,
     Status,
     TimeBucket,
+    shown_key,
 )
 from nemesis.dlq.signature import normalise_error, pattern_signature
 from nemesis.errors import DlqError, InvalidQuery
@@ -73,6 +84,7 @@ Row = Mapping[str, Any]
 Key = tuple[int, int]  # (dead_lettered_us, tie-breaker): a row's place in a list
 
 SCHEMA_VERSION = 1
+RECORD_ENTRY = "nemesis-record"  # in the metadata JSON: headers, a binary key, a tombstone
 # Candidates a text search examines per page: a page answers in tens of
 # milliseconds even when nothing matches among a million rows.
 TEXT_SCAN_ROWS = 20_000
@@ -227,8 +239,44 @@ def history(raw: str | None) -> tuple[PastFailure, ...]:
     )
 
 
+def metadata_json(letter: DeadLetter) -> str:
+    """The ``metadata`` column of a letter: its metadata, and its record's rest (see above)."""
+    entries: dict[str, object] = dict(letter.metadata)
+    entries.pop(RECORD_ENTRY, None)
+    record: dict[str, object] = {}
+    if letter.headers:
+        record["headers"] = [
+            [no_nul(name), None if value is None else base64.b64encode(value).decode("ascii")]
+            for name, value in letter.headers
+        ]
+    if letter.key is not None and not is_text_key(letter.key):
+        record["key_base64"] = base64.b64encode(key_bytes(letter.key)).decode("ascii")
+    if letter.tombstone:
+        record["tombstone"] = True
+    if record:
+        entries[RECORD_ENTRY] = record
+    return orjson.dumps(entries).decode()
+
+
+def _record_of(raw: str, shown_key: str | None) -> tuple[dict[str, str], str | None, Headers, bool]:
+    """The metadata, key, headers and tombstone of a row's ``metadata`` column and key."""
+    entries = orjson.loads(raw)
+    record = entries.pop(RECORD_ENTRY, None)
+    if not isinstance(record, dict):
+        return entries, shown_key, (), False
+    headers: Headers = tuple(
+        (str(name), None if value is None else base64.b64decode(value))
+        for name, value in record.get("headers", ())
+    )
+    key = shown_key
+    if isinstance(record.get("key_base64"), str):
+        key = key_text(base64.b64decode(record["key_base64"]))
+    return entries, key, headers, record.get("tombstone") is True
+
+
 def letter_row(r: Row) -> DeadLetterRow:
     """A row by column name; a list's row holds a payload preview under ``payload``."""
+    metadata, key, headers, tombstone = _record_of(r["metadata"], r["msg_key"])
     return DeadLetterRow(
         id=r["id"],
         integration=r["integration"],
@@ -248,13 +296,15 @@ def letter_row(r: Row) -> DeadLetterRow:
         source_topic=r["source_topic"],
         source_partition=r["source_partition"],
         source_offset=r["source_offset"],
-        key=r["msg_key"],
+        key=key,
         stage=r["stage"],
-        metadata=orjson.loads(r["metadata"]),
+        metadata=metadata,
         # A database may answer NULL for a piece of an empty value (SQLite's substr does).
         payload=bytes(r["payload"] or b""),
         payload_size=r["payload_size"],
         history=history(r["history"]),
+        headers=headers,
+        tombstone=tombstone,
     )
 
 
@@ -392,12 +442,12 @@ def fold_failures(
                 "source_topic": no_nul(letter.source_topic),
                 "source_partition": letter.source_partition,
                 "source_offset": letter.source_offset,
-                "msg_key": _no_nul_or_none(letter.key),
+                "msg_key": shown_key(letter.key),
                 "stage": _no_nul_or_none(letter.stage),
                 "payload_size": len(letter.payload),
                 "error": error,
                 "history": None,
-                "metadata": orjson.dumps(dict(letter.metadata)).decode(),
+                "metadata": metadata_json(letter),
                 "payload": letter.payload,
             }
             new.add(letter_id)

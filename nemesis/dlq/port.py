@@ -25,6 +25,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from nemesis.broker.port import Headers, is_text_key, key_bytes
 from nemesis.dlq.signature import dead_letter_id, failure_signature
 from nemesis.errors import InvalidQuery
 
@@ -76,6 +77,11 @@ class DeadLetter:
     which a requeue must carry in ``nemesis-event-id`` so that a new failure
     finds the same row. ``dead_lettered_at`` None means now (the store's
     clock); ``first_failure_at`` None means ``dead_lettered_at``.
+
+    ``key``, ``headers`` and ``tombstone`` are the record's as the broker
+    port holds them (``nemesis.broker.port.Message``): a binary key, the
+    headers with their duplicates and null values, and a null value are
+    kept, and a requeue writes them back as they were.
     """
 
     integration: str
@@ -93,6 +99,8 @@ class DeadLetter:
     stage: str | None = None  # the pipeline stage that failed, if one did
     first_failure_at: float | None = None
     dead_lettered_at: float | None = None
+    headers: Headers = ()
+    tombstone: bool = False  # the record had no value (``payload`` is empty)
 
     @property
     def id(self) -> str:
@@ -147,10 +155,21 @@ class DeadLetterRow:
     payload: bytes
     payload_size: int
     history: tuple[PastFailure, ...] = ()
+    headers: Headers = ()  # as in ``DeadLetter``
+    tombstone: bool = False
 
     @property
     def payload_truncated(self) -> bool:
         return len(self.payload) < self.payload_size
+
+
+def shown_key(key: str | None) -> str | None:
+    """A key as a person reads it (the stores' ``msg_key`` column): a binary one (see
+    ``nemesis.broker.port.key_text``) with replacement characters, a NUL as U+FFFD."""
+    if key is None:
+        return None
+    text = key if is_text_key(key) else key_bytes(key).decode("utf-8", "replace")
+    return text.replace("\x00", "\ufffd")
 
 
 def _check_time(name: str, value: float | None) -> None:

@@ -86,6 +86,8 @@ async def requeue(
                             source_topic=row.source_topic,
                             source_partition=row.source_partition,
                             source_offset=row.source_offset,
+                            headers=row.headers,
+                            tombstone=row.tombstone,
                         )
                         for row in chunk
                     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from nemesis.broker.port import Message
 from nemesis.config.models import IntegrationConfig
+from nemesis.delivery.cloudevents import cloud_record, is_structured
 from nemesis.delivery.port import Event
 from nemesis.topology import META_EVENT_ID
 
@@ -31,11 +32,13 @@ def event_id(message: Message) -> str:
 class EventFactory:
     """Builds events for one integration."""
 
-    __slots__ = ("_content_type", "_type_key")
+    __slots__ = ("_content_type", "_forward", "_forward_order", "_type_key")
 
     def __init__(self, config: IntegrationConfig) -> None:
         self._type_key = config.source.type_key
         self._content_type = _CONTENT_TYPES[config.target.format]
+        self._forward = frozenset(config.source.forward_headers)
+        self._forward_order = config.source.forward_headers
 
     def message_type(self, message: Message) -> str:
         return message.metadata.get(self._type_key) or DEFAULT_EVENT_TYPE
@@ -48,7 +51,7 @@ class EventFactory:
         content_type: str | None = None,
     ) -> Event:
         metadata = message.metadata
-        if not metadata:
+        if not metadata and not message.headers and not message.tombstone:
             # Most messages carry no metadata: no lookups (this runs for every delivery).
             return Event(
                 message,
@@ -58,11 +61,61 @@ class EventFactory:
                 content_type or self._content_type,
                 payload,
             )
+        forwarded = self._forwarded(message) if self._forward else ()
+        media = metadata.get("content-type")
+        record = (
+            cloud_record(metadata, message.value, message.tombstone)
+            if "ce_specversion" in metadata or (media is not None and is_structured(media))
+            else None
+        )
+        if record is not None:
+            # A CloudEvent already: its own attributes, and its data (a structured
+            # event's, unpacked) unless a pipeline made a payload of its own.
+            attributes = record.attributes
+            if payload is None and record.data is not None:
+                payload = record.data
+            elif payload is None:
+                payload, content_type = b"", ""
+            return Event(
+                message=message,
+                id=attributes["id"],
+                type=attributes["type"],
+                attempt=attempt,
+                content_type=(
+                    content_type
+                    if content_type is not None
+                    else attributes.get("datacontenttype") or self._content_type
+                ),
+                payload=payload,
+                attributes=attributes,
+                forwarded=forwarded,
+            )
+        if message.tombstone and payload is None:
+            payload, content_type = b"", ""  # no data: no body, no content type
         return Event(
             message=message,
             id=event_id(message),
             type=metadata.get(self._type_key) or DEFAULT_EVENT_TYPE,
             attempt=attempt,
-            content_type=content_type or metadata.get("content-type") or self._content_type,
+            content_type=content_type if content_type is not None else media or self._content_type,
             payload=payload,
+            forwarded=forwarded,
         )
+
+    def _forwarded(self, message: Message) -> tuple[tuple[str, bytes], ...]:
+        """The producer's headers a handler receives, in order (a null value never).
+
+        A Kafka header's name matches whatever its case; a metadata key (YDB,
+        the embedded log) as it is written, lowercase.
+        """
+        forward = self._forward
+        if message.headers:
+            return tuple(
+                (lowered, value)
+                for name, value in message.headers
+                if value is not None and (lowered := name.lower()) in forward
+            )
+        metadata = message.metadata
+        if forward.isdisjoint(metadata):
+            return ()  # most messages: one set operation in C
+        return tuple((n, metadata[n].encode()) for n in self._forward_order if n in metadata)

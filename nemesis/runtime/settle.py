@@ -209,6 +209,8 @@ class Settlement:
                     key=message.key,
                     metadata=meta,
                     created_at=message.created_at or None,
+                    headers=message.headers,
+                    tombstone=message.tombstone,
                 )
             ]
         )
@@ -234,6 +236,8 @@ class Settlement:
                     http_status=failure.http_status,
                     key=message.key,
                     metadata=source_metadata(message),
+                    headers=message.headers,
+                    tombstone=message.tombstone,
                     stage=failure.stage,
                     first_failure_at=work.first_failure_at or first_failure_at(message) or now,
                     dead_lettered_at=now,

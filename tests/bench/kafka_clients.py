@@ -4,8 +4,7 @@ Against an Apache Kafka broker (tests/kafka_broker.py) on 127.0.0.1, in one run,
 client: produce rate (batches of 1,000 awaited as the backend's writer does,
 acks=all) and consume rate (one group member reading everything), each with
 the client process's CPU per message. The broker is pinned to core 1, the
-client to core 0, when there are two. confluent-kafka is not a dependency:
-`pip install confluent-kafka` to include it.
+client to core 0, when there are two. confluent-kafka comes with the dev extra.
 
 Usage: `python tests/bench/kafka_clients.py [--messages N]`.
 """

@@ -173,3 +173,56 @@ async def test_init_creates_what_a_configuration_needs_and_is_idempotent(
     assert [str(s) for s in again.missing] == [f"topic {ns('nowhere')}: missing ({ns('gamma')})"]
     dlq = await backend.dlq(broker)
     assert await dlq.count(DeadLetterFilter()) == 0
+
+
+async def test_a_producers_trace_context_reaches_the_handler_through_a_tier_the_dlq_and_a_requeue(
+    backend: Backend,
+) -> None:
+    """``source.forward_headers`` (the W3C trace context by default) on every backend:
+    Kafka headers, YDB and embedded metadata (docs/handler-contract.md)."""
+    ns = backend.names
+    count = 5
+    broker = await backend.broker()
+    dlq = await backend.dlq(broker)
+    await broker.admin.create_topic(
+        ns("orders"), partitions=1, consumers=[ConsumerSpec(ns("it"))], exist_ok=True
+    )
+    traces = {n: (f"00-{n + 1:032x}-{n + 1:016x}-01", f"shop=t{n},edge=e{n}") for n in range(count)}
+    writer = await broker.writer(ns("orders"))
+    await writer.write(
+        [
+            OutgoingMessage(
+                value=orjson.dumps({"n": n}),
+                metadata={"traceparent": parent, "tracestate": state, "x-other": "no"},
+            )
+            for n, (parent, state) in traces.items()
+        ]
+    )
+    await writer.close()
+    async with HandlerServer() as handler:
+        handler.when(lambda e: e.receipt == 1, status=503)  # to the retry tier
+        handler.when(lambda e: e.receipt == 2, status=422)  # from the tier to the DLQ
+        config = integration(ns, "it", handler.url, retry={"tiers": ["100ms"]})
+        proxy = Proxy(broker, {ns("it"): config}, dlq=dlq, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        try:
+            for _ in range(1200):
+                if await dlq.count(DeadLetterFilter()) >= count:
+                    break
+                await asyncio.sleep(0.05)
+            ids = [row.id for row in (await dlq.query(DeadLetterFilter())).rows]
+            assert len(ids) == count
+            await requeue(dlq, broker, ids, by="alice")
+            await handler.ledger.wait_for(count, timeout_s=60)
+        finally:
+            proxy.stop()
+            await task
+    arrivals = list(handler.ledger)
+    assert len(arrivals) == 3 * count
+    for entry in arrivals:
+        parent, state = traces[n_of(entry)]
+        assert (entry.headers.get("traceparent"), entry.headers.get("tracestate")) == (
+            parent,
+            state,
+        )
+        assert "x-other" not in entry.headers  # not on the integration's list

@@ -1,10 +1,20 @@
 """Kafka records <-> the port's messages, and the partition session of a group member.
 
-A record's key is the message key (UTF-8); its headers are the message
-metadata, except three that Nemesis' writers add and readers take off again:
+A record is kept as its producer wrote it: the key's bytes (``key_text``:
+a key that is not UTF-8 too), a null value as a tombstone, and every header,
+in order, duplicates and null values included, as the message's
+``headers``; ``metadata`` is their string view (the last value of each
+header that is UTF-8 text), which the type lookup and the pipelines read.
+
+Nemesis' own headers stay out of ``headers``: the ``nemesis-*`` bookkeeping
+of a retry tier or a replay (in ``metadata`` only, never written by a
+producer), and three that Nemesis' writers add and readers take off again:
 ``__producer`` (the writer's producer id), ``__seqno`` (its sequence number,
 for de-duplication) and ``__created`` (a ``created_at`` older than the write,
-as a retry tier keeps its source message's).
+as a retry tier keeps its source message's). A write puts a message's
+``headers`` first, as they are, then its ``metadata`` pairs that they lack
+(its bookkeeping), then Nemesis' own: a record copied to a retry tier and
+read back has the headers it had.
 
 Kafka keeps one time per record: the time of the write (the producer's
 clock, or the broker's where the topic has
@@ -14,10 +24,10 @@ clock, or the broker's where the topic has
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from nemesis.broker.port import Message, OutgoingMessage
+from nemesis.broker.port import Message, OutgoingMessage, key_bytes, key_text
+from nemesis.topology import META_PREFIX
 
 PRODUCER_HEADER = "__producer"
 SEQNO_HEADER = "__seqno"
@@ -71,51 +81,88 @@ class KafkaSession:
 def to_message(record: Any, session: KafkaSession) -> Message:
     """The port's message for an aiokafka ``ConsumerRecord``."""
     metadata: dict[str, str] = {}
+    headers: list[tuple[str, bytes | None]] = []
     producer_id: str | None = None
     seqno: int | None = None
     created_at: float | None = None
     for name, raw in record.headers or ():
-        value = raw.decode("utf-8", "replace") if raw is not None else ""
-        if name == PRODUCER_HEADER:
-            producer_id = value
-        elif name == SEQNO_HEADER:
-            seqno = int(value) if value.isdigit() else None
-        elif name == CREATED_HEADER:
-            created_at = _float(value)
+        if name in _OWN_HEADERS:
+            value = _text(raw) or ""
+            if name == PRODUCER_HEADER:
+                producer_id = value
+            elif name == SEQNO_HEADER:
+                seqno = int(value) if value.isdigit() else None
+            else:
+                created_at = _float(value)
+            continue
+        if name.startswith(META_PREFIX):
+            metadata[name] = _text(raw) or ""
+            continue
+        headers.append((name, None if raw is None else bytes(raw)))
+        text = _text(raw)
+        if text is not None:
+            metadata[name] = text
         else:
-            metadata[name] = value
+            metadata.pop(name, None)  # the view holds a header's last value, or nothing
     timestamp_s = record.timestamp / 1000 if record.timestamp is not None else 0.0
     key = record.key
+    value = record.value
     return Message(
         topic=record.topic,
         partition=record.partition,
         offset=record.offset,
-        value=record.value if record.value is not None else b"",
-        key=key.decode("utf-8", "replace") if key is not None else None,
+        value=value if value is not None else b"",
+        key=key_text(key) if key is not None else None,
         metadata=metadata,
         producer_id=producer_id,
         seqno=seqno,
         created_at=timestamp_s if created_at is None else created_at,
         written_at=timestamp_s,
         session=session,
+        headers=tuple(headers),
+        tombstone=value is None,
     )
+
+
+def _text(raw: bytes | None) -> str | None:
+    """A header value as UTF-8 text; None for a null value or bytes that are not UTF-8."""
+    if raw is None:
+        return None
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def record_key(message: OutgoingMessage) -> bytes | None:
+    """The record key of a message: the bytes its key stands for."""
+    return None if message.key is None else key_bytes(message.key)
+
+
+def record_value(message: OutgoingMessage) -> bytes | None:
+    """The record value: None for a tombstone."""
+    return None if message.tombstone else message.value
 
 
 def headers_of(
     message: OutgoingMessage, producer_id: str, seqno: int | None
-) -> list[tuple[str, bytes]]:
-    """The record headers for a message: its metadata, then Nemesis' own."""
-    headers = [(name, value.encode()) for name, value in _items(message.metadata)]
+) -> list[tuple[str, bytes | None]]:
+    """The record headers for a message: its headers, the metadata they lack, Nemesis' own."""
+    headers: list[tuple[str, bytes | None]] = [
+        (name, value) for name, value in message.headers if name not in _OWN_HEADERS
+    ]
+    present = {name for name, _ in headers}
+    headers += [
+        (name, value.encode())
+        for name, value in message.metadata.items()
+        if name not in present and name not in _OWN_HEADERS
+    ]
     headers.append((PRODUCER_HEADER, producer_id.encode()))
     if seqno is not None:
         headers.append((SEQNO_HEADER, str(seqno).encode()))
     if message.created_at is not None:
         headers.append((CREATED_HEADER, repr(message.created_at).encode()))
     return headers
-
-
-def _items(metadata: Mapping[str, str]) -> list[tuple[str, str]]:
-    return [(k, v) for k, v in metadata.items() if k not in _OWN_HEADERS]
 
 
 def _float(text: str) -> float | None:

@@ -37,8 +37,8 @@ from aiokafka.errors import KafkaError
 from aiokafka.partitioner import murmur2
 
 from nemesis.broker.kafka.errors import broker_error
-from nemesis.broker.kafka.mapping import headers_of
-from nemesis.broker.port import OutgoingMessage, WriteResult, WriteStatus
+from nemesis.broker.kafka.mapping import headers_of, record_key, record_value
+from nemesis.broker.port import OutgoingMessage, WriteResult, WriteStatus, key_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ LastSeqno = Callable[[str, int, str], Awaitable[int]]
 
 def partition_of_key(key: str, partitions: int) -> int:
     """Kafka's default partition for a key: murmur2 of its bytes, as the Java client."""
-    return int(murmur2(key.encode("utf-8")) & 0x7FFFFFFF) % partitions
+    return int(murmur2(key_bytes(key)) & 0x7FFFFFFF) % partitions
 
 
 def default_producer_id() -> str:
@@ -169,8 +169,8 @@ class KafkaWriter:
                     futures.append(
                         await producer.send(
                             topic,
-                            message.value,
-                            key=message.key.encode("utf-8") if message.key is not None else None,
+                            record_value(message),
+                            key=record_key(message),
                             partition=partition,
                             headers=headers_of(message, producer_id, message.seqno),
                         )
