@@ -147,7 +147,23 @@ class KafkaAdmin:
                 raise TopicNotFound(f"topic {name} does not exist")
             if code:
                 raise error_for_code(code, f"drop topic {name}")
+        await self._until_unlisted(name)
         self._forget_groups()
+
+    async def _until_unlisted(self, name: str) -> None:
+        """Waits until the brokers' metadata no longer lists a dropped topic.
+
+        DeleteTopics answers once the controller has recorded the deletion; each
+        broker applies it to the metadata it serves a moment later, so a listing
+        right after the answer may still name the topic. A drop is done when the
+        topic is gone from what readers and writers see, or after the timeout
+        (the deletion itself is final either way).
+        """
+        deadline = time.monotonic() + self._timeout_s
+        pause = 0.01
+        while name in await self.list_topics() and time.monotonic() < deadline:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.5)
 
     # --- consumers ----------------------------------------------------------------
 
