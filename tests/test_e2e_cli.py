@@ -288,7 +288,7 @@ def test_demo_runs_and_delivers(workspace: Workspace) -> None:
     assert dead > 0  # orders above 480 are rejected by the sample handler
     assert (workspace.root / "demo" / "integrations" / "demo-orders.yaml").exists()
     # The viewer's user and this run's password, as the README says.
-    [viewer] = [line for line in result.stdout.splitlines() if "dlq-viewer:" in line]
+    [viewer] = [line for line in result.stdout.splitlines() if "DLQ viewer:" in line]
     assert re.search(r"http://127\.0\.0\.1:\d+/ \(demo / \S+\)$", viewer), viewer
 
     # The demo's parting hint runs as printed, with .venv/bin on PATH (the README's step).

@@ -116,16 +116,33 @@ def ids_of(handler: HandlerServer) -> list[str]:
     return [str(json.loads(e.body)["id"]) for e in handler.ledger if e.done]
 
 
-async def until(check: object, what: str, timeout_s: float = 60) -> None:
-    assert callable(check)
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not reached: {what}"
-        await asyncio.sleep(0.1)
-
-
 def lags(space: Space) -> list[int]:
     return [int(str(p["lag"])) for p in space.show()]
+
+
+async def until_lags(space: Space, expected: list[int], what: str, timeout_s: float = 60) -> None:
+    """Waits until the main flow's lags are ``expected``, then checks the CLI shows them.
+
+    Polled in this process, on the log itself (as ``offsets show`` computes the
+    lag): a CLI process per look would cost a Python start-up each.
+    """
+    broker = await space.workspace.open_broker()
+
+    async def current() -> list[int]:
+        description = await broker.admin.describe_topic("orders")
+        return [
+            p.end_offset - max(p.committed.get("loyalty", p.start_offset), p.start_offset)
+            for p in sorted(description.partitions, key=lambda p: p.partition)
+        ]
+
+    try:
+        deadline = time.monotonic() + timeout_s
+        while (found := await current()) != expected:
+            assert time.monotonic() < deadline, f"not reached: {what} ({found})"
+            await asyncio.sleep(0.1)
+    finally:
+        await broker.close()
+    assert lags(space) == expected, what
 
 
 async def test_start_from_latest_delivers_only_what_was_published_after_it_started(
@@ -142,10 +159,10 @@ async def test_start_from_latest_delivers_only_what_was_published_after_it_start
         )
         proxy = await space.start()
         # The readers took their partitions at the end: nothing is left to deliver.
-        await until(lambda: lags(space) == [0, 0], "the main flow starts at the end")
+        await until_lags(space, [0, 0], "the main flow starts at the end")
         space.publish(*(f"new-{n}" for n in range(4)))
         await handler.ledger.wait_for(4, timeout_s=60)
-        await until(lambda: lags(space) == [0, 0], "everything new committed")
+        await until_lags(space, [0, 0], "everything new committed")
         assert await stop_gracefully(proxy) == 0, space.workspace.logs()
     # At least once: a redelivery may repeat one, but nothing older comes.
     assert set(ids_of(handler)) == {f"new-{n}" for n in range(4)}
@@ -169,7 +186,7 @@ async def test_start_from_a_time_starts_at_the_first_message_at_or_after_it(
         )
         proxy = await space.start()
         await handler.ledger.wait_for(2, timeout_s=60)
-        await until(lambda: lags(space) == [0], "everything after the time committed")
+        await until_lags(space, [0], "everything after the time committed")
         assert await stop_gracefully(proxy) == 0, space.workspace.logs()
     assert set(ids_of(handler)) == {"b-0", "b-1"}
 
@@ -196,7 +213,7 @@ async def test_show_prints_committed_end_and_lag_per_partition(space: Space) -> 
         space.workspace.write_integration("loyalty", integration_yaml("loyalty", handler.url))
         proxy = await space.start()
         await handler.ledger.wait_for(10, timeout_s=60)
-        await until(lambda: lags(space) == [0, 0], "the first ten committed")
+        await until_lags(space, [0, 0], "the first ten committed")
         assert await stop_gracefully(proxy) == 0, space.workspace.logs()
     committed = {p["partition"]: p["committed"] for p in space.show()}
     space.publish(*(f"later-{n}" for n in range(7)))
@@ -229,7 +246,7 @@ async def test_seek_and_skip_are_refused_while_it_runs_unpaused_even_with_force(
         space.workspace.write_integration("loyalty", integration_yaml("loyalty", handler.url))
         proxy = await space.start()
         await handler.ledger.wait_for(2, timeout_s=60)
-        await until(lambda: lags(space) == [0], "both committed")
+        await until_lags(space, [0], "both committed")
         for command in (
             ("offsets", "seek", "loyalty", "--to", "earliest"),
             ("offsets", "skip", "loyalty", "--count", "1", "--force"),
@@ -270,7 +287,7 @@ async def test_skip_while_paused_passes_over_exactly_the_poison_message(
         )
         proxy = await space.start()
         await handler.ledger.wait_for(1, timeout_s=60)
-        await until(lambda: lags(space) == [0], "m-0 committed")
+        await until_lags(space, [0], "m-0 committed")
         await space.admin("pause")
         space.publish("poison", "m-1")
         assert lags(space) == [2]
@@ -283,7 +300,7 @@ async def test_skip_while_paused_passes_over_exactly_the_poison_message(
 
         await space.admin("resume")
         await handler.ledger.wait_for(2, timeout_s=60)
-        await until(lambda: lags(space) == [0], "m-1 committed")
+        await until_lags(space, [0], "m-1 committed")
         assert await stop_gracefully(proxy) == 0, space.workspace.logs()
     assert set(ids_of(handler)) == {"m-0", "m-1"}
     assert all(json.loads(e.body)["id"] != "poison" for e in handler.ledger)

@@ -135,4 +135,6 @@ def test_the_quick_start_puts_the_venv_on_path_before_any_nemesis_command() -> N
     assert not re.search(r"^nemesis ", before, re.MULTILINE), "a command before the PATH step"
     # The viewer's credentials: the demo's one user, and where its password is printed.
     assert "Sign in as `demo`" in quick_start
+    assert "on the `DLQ viewer:` line" in quick_start
+    assert 'name="DLQ viewer"' in (REPO / "dlq_viewer" / "service.py").read_text()
     assert "name: demo," in (REPO / "nemesis" / "demo.py").read_text()
