@@ -528,6 +528,7 @@ class Proxy:
         name = group.name
         where = {"integration": name, "flow": flow.name}
         delay_s = self._supervisor.restart_delay_s
+        restarts = self.metrics.flow_restarts.labels(name, flow.name)  # at 0 from the start
         while not self._halted(group):
             try:
                 await self._prepare_flow(group, flow)
@@ -554,6 +555,7 @@ class Proxy:
                     delay_s,
                     extra=where,
                 )
+                restarts.inc()
                 await self._sleep_unless_halted(group, delay_s)
                 delay_s = min(delay_s * 2, self._supervisor.max_restart_delay_s)
                 continue
@@ -575,6 +577,7 @@ class Proxy:
                         extra=where,
                     )
                 group.issues[flow.name] = "failed; restarting"
+                restarts.inc()
             else:
                 return
             await self._sleep_unless_halted(group, delay_s)
@@ -584,6 +587,8 @@ class Proxy:
         """Keeps the internal flows running over one shared reader; restarts them together."""
         name = group.name
         delay_s = self._supervisor.restart_delay_s
+        # Every internal flow restarts when one fails: each restart is counted.
+        restarts = [self.metrics.flow_restarts.labels(name, flow.name) for flow in flows]
         while not self._halted(group):
             try:
                 for flow in flows:
@@ -600,6 +605,8 @@ class Proxy:
                     delay_s,
                     extra={"integration": name},
                 )
+                for counter in restarts:
+                    counter.inc()
                 await self._sleep_unless_halted(group, delay_s)
                 delay_s = min(delay_s * 2, self._supervisor.max_restart_delay_s)
                 continue
@@ -616,6 +623,8 @@ class Proxy:
                     extra={"integration": name, "flow": flow.name},
                 )
                 group.issues[flow.name] = "failed; restarting"
+            for counter in restarts:
+                counter.inc()
             await self._sleep_unless_halted(group, delay_s)
             delay_s = min(delay_s * 2, self._supervisor.max_restart_delay_s)
 

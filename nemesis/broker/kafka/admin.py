@@ -27,6 +27,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from nemesis.broker.kafka.config import KafkaBackendConfig
 from nemesis.broker.kafka.connection import client_settings, close_leftover_connections
+from nemesis.broker.kafka.decoding import undecodable
 from nemesis.broker.kafka.errors import broker_error, error_for_code, kafka_call
 from nemesis.broker.kafka.mapping import PRODUCER_HEADER, SEQNO_HEADER, header_value
 from nemesis.broker.port import (
@@ -411,7 +412,9 @@ class Peeker:
 
         Kafka keeps no time per partition: the last record's timestamp is it.
         The read also corrects an end offset that a broker reports short (Tansu
-        0.6 answers the last batch's first offset + 1).
+        0.6 answers the last batch's first offset + 1). A last batch that cannot
+        be decoded (``nemesis.broker.kafka.decoding``) gives its end and time
+        from its header.
         """
         found: dict[TopicPartition, tuple[int, float | None]] = {tp: (ends[tp], None) for tp in tps}
         readable = [tp for tp in tps if ends[tp] > starts[tp]]
@@ -425,19 +428,44 @@ class Peeker:
                 for tp in readable:
                     consumer.seek(tp, ends[tp] - 1)
                 deadline = time.monotonic() + self._timeout_s
-                while time.monotonic() < deadline:
-                    batches = await kafka_call(
-                        what, consumer.getmany(*readable, timeout_ms=200), self._timeout_s
-                    )
-                    if not batches:
+                while readable and time.monotonic() < deadline:
+                    batches = await self._last_records(consumer, readable, found, what)
+                    if batches is None:
                         break
                     for tp, records in batches.items():
+                        if not records:
+                            continue
                         last = records[-1]
                         end = max(found[tp][0], last.offset + 1)
                         found[tp] = (end, last.timestamp / 1000 if last.timestamp else None)
             finally:
                 consumer.assign([])
         return found
+
+    async def _last_records(
+        self,
+        consumer: AIOKafkaConsumer,
+        readable: list[TopicPartition],
+        found: dict[TopicPartition, tuple[int, float | None]],
+        what: str,
+    ) -> Mapping[TopicPartition, Sequence[Any]] | None:
+        """One read of ``tails``; None when nothing came. Takes undecodable partitions out."""
+        try:
+            batches = await kafka_call(
+                what, consumer.getmany(*readable, timeout_ms=200), self._timeout_s
+            )
+        except Exception as exc:
+            bad = undecodable(
+                exc.__cause__ if isinstance(exc, BrokerError) and exc.__cause__ else exc
+            )
+            if bad is None:
+                raise
+            tp = TopicPartition(bad.topic, bad.partition)
+            found[tp] = (max(found[tp][0], bad.next_offset), bad.written_at)
+            consumer.pause(tp)
+            readable.remove(tp)
+            return {TopicPartition(bad.topic, p): records for p, records in bad.taken.items()}
+        return batches or None
 
     async def last_seqno(self, topic: str, partition: int, producer_id: str) -> int:
         """The highest seqno ``producer_id`` wrote in the partition's last records; 0 if none."""
