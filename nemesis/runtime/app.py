@@ -60,6 +60,7 @@ from nemesis.runtime.retries import FlowSpec, flows_of, tier_topic
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
 from nemesis.runtime.sizing import LiveSizing
 from nemesis.runtime.telemetry import IntegrationSnapshot, ProxySnapshot, metric_families
+from nemesis.topology import register_internal
 
 log = logging.getLogger(__name__)
 
@@ -684,14 +685,10 @@ class Proxy:
     async def _prepare_flow(self, group: IntegrationGroup, flow: FlowSpec) -> None:
         """Registers the consumer; creates the retry tier and replay topics Nemesis owns."""
         admin = self.broker.admin
-        if flow.name != "main":
-            await admin.create_topic(
-                flow.topic,
-                partitions=self._supervisor.internal_partitions,
-                consumers=[ConsumerSpec(flow.consumer)],
-                exist_ok=True,
-            )
-        await admin.add_consumer(flow.topic, ConsumerSpec(flow.consumer))
+        if flow.name == "main":
+            await admin.add_consumer(flow.topic, ConsumerSpec(flow.consumer))
+        else:
+            await self._prepare_internal(flow.topic, group.name)
         if self.dlq is None or group.config.delivery.ordering != "none":
             return
         async with group.setup:  # the flows start together; one opens the tier writers
@@ -699,13 +696,17 @@ class Proxy:
                 return
             for tier in range(1, len(group.config.retry.tiers) + 1):
                 topic = tier_topic(group.name, tier)
-                await admin.create_topic(
-                    topic,
-                    partitions=self._supervisor.internal_partitions,
-                    consumers=[ConsumerSpec(group.name)],
-                    exist_ok=True,
-                )
+                await self._prepare_internal(topic, group.name)
                 group.tier_writers.append(await self.broker.writer(topic))
+
+    async def _prepare_internal(self, topic: str, integration: str) -> None:
+        """Creates one of the integration's own topics and registers its internal consumer."""
+        admin = self.broker.admin
+        # Without consumers: register_internal carries a former consumer's offsets over.
+        await admin.create_topic(
+            topic, partitions=self._supervisor.internal_partitions, exist_ok=True
+        )
+        await register_internal(admin, topic, integration)
 
     def _make_runner(
         self, group: IntegrationGroup, flow: FlowSpec, shared: SharedReader | None = None

@@ -156,8 +156,18 @@ class KafkaAdmin:
         # Marked as a registration: a reader with another start (latest, a time) takes
         # such a partition as never committed.
         offsets = {tp: OffsetAndMetadata(offset, REGISTERED) for tp, offset in starts.items()}
-        # False: the group has members; it exists, and they commit their own offsets.
-        await self._commit_as(consumer.name, offsets, f"register {consumer.name} on {topic}")
+        if not await self._commit_as(
+            consumer.name, offsets, f"register {consumer.name} on {topic}"
+        ) and not await self.is_registered(topic, consumer.name):
+            # The group has members, and none of them read this topic (they would have
+            # committed on it): Kafka takes no commit from outside a group with members.
+            raise BrokerError(
+                f"cannot register consumer {consumer.name} on topic {topic}: the Kafka"
+                f" consumer group {consumer.name} has live members reading other topics, and"
+                " a group with members takes no commit from outside it; give the"
+                " integration a consumer of its own (source.consumer), or stop the group's"
+                " other readers first"
+            )
         self._forget_groups()
 
     async def _commit_as(
