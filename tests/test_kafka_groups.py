@@ -1,0 +1,162 @@
+"""Consumer groups on Kafka: the internal flows' group of their own, and registrations refused.
+
+On Kafka a consumer is a group across topics, and a group that has members
+takes no commit from outside it, so a registration (``nemesis init``, a
+flow's start) of a group whose members read other topics is refused. The
+internal flows (retry tiers, replay) read as ``nemesis.internal.<name>``,
+so an integration's main consumer (its name, by default) never meets them;
+a registration the broker refuses is an error, and a flow that cannot start
+is counted in ``nemesis_flow_restarts_total``. Through the real CLI, against
+a real Kafka-protocol broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from nemesis.testing import HandlerServer
+from tests.conftest import Workspace, integration_yaml, stop_gracefully
+from tests.kafka_broker import TansuBroker, start_tansu
+from tests.operability import samples, wait_until_true
+from tests.test_kafka_stall import kafka_workspace
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def tansu(tmp_path: Path) -> Iterator[TansuBroker]:
+    broker = start_tansu(tmp_path)
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+async def other_application(tansu: TansuBroker) -> AsyncIterator[AIOKafkaConsumer]:
+    """Another application's live member of group ``shared``, reading topic ``other``."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=tansu.bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic("other", 1, 1)])
+    finally:
+        await admin.close()
+    consumer = AIOKafkaConsumer(
+        "other", bootstrap_servers=tansu.bootstrap, group_id="shared", enable_auto_commit=False
+    )
+    await consumer.start()
+    await consumer.getmany(timeout_ms=2000)  # joined: the group has a member now
+    assert consumer.assignment()
+    yield consumer
+    await consumer.stop()
+
+
+def status(admin: str, name: str) -> dict[str, object]:
+    try:
+        return dict(httpx.get(f"{admin}/integrations/{name}", timeout=5).json())
+    except httpx.HTTPError:
+        return {}
+
+
+def flow_stats(admin: str, name: str, flow: str) -> dict[str, object]:
+    flows = status(admin, name).get("flows", [])
+    assert isinstance(flows, list)
+    return next((f for f in flows if f["flow"] == flow), {})
+
+
+def restarts(admin: str, name: str, flow: str) -> float:
+    try:
+        scrape = samples(httpx.get(f"{admin}/metrics", timeout=5).text)
+    except httpx.HTTPError:
+        return 0.0
+    return sum(
+        value
+        for labels, value in scrape.get("nemesis_flow_restarts_total", [])
+        if labels.get("integration") == name and labels.get("flow") == flow
+    )
+
+
+def shared_consumer_yaml(url: str) -> str:
+    return (
+        "name: loyalty\n"
+        "owners: [team-test]\n"
+        "source: {topic: orders, consumer: shared}\n"
+        f"target: {{url: '{url}', timeout_s: 5}}\n"
+    )
+
+
+async def test_an_integration_added_to_a_running_proxy_starts_beside_its_internal_flows(
+    workspace: Workspace, tansu: TansuBroker
+) -> None:
+    """The internal flows read before the source topic exists; the main flow starts after."""
+    admin = kafka_workspace(workspace, tansu.bootstrap)
+    async with HandlerServer() as handler:
+        workspace.write_integration("loyalty", integration_yaml("loyalty", handler.url, workers=4))
+        proxy = await workspace.start("run")
+        # The replay flow (the integration's own topic) reads, its group joined.
+        await wait_until_true(
+            lambda: (
+                int(str(flow_stats(admin, "loyalty", "replay").get("assigned_partitions", 0))) > 0
+            ),
+            timeout_s=90,
+            step_s=0.5,
+        )
+        created = await asyncio.to_thread(
+            workspace.cli, "topics", "create", "orders", "--partitions", "2"
+        )
+        assert created.returncode == 0, created.stderr
+        lines = b"".join(json.dumps({"n": n}).encode() + b"\n" for n in range(20))
+        (workspace.root / "orders.jsonl").write_bytes(lines)
+        published = await asyncio.to_thread(
+            workspace.cli, "publish", "orders", "--file", "orders.jsonl", "--lines"
+        )
+        assert published.returncode == 0, published.stderr
+        done = await asyncio.to_thread(workspace.cli, "init")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "consumer nemesis.replay.loyalty/nemesis.internal.loyalty" in done.stdout
+        await handler.ledger.wait_for(20, timeout_s=90)
+        assert {json.loads(e.body)["n"] for e in handler.ledger if e.done} == set(range(20))
+        assert await stop_gracefully(proxy) == 0, workspace.logs()
+
+
+async def test_init_reports_a_registration_the_broker_refuses(
+    workspace: Workspace, tansu: TansuBroker, other_application: AIOKafkaConsumer
+) -> None:
+    kafka_workspace(workspace, tansu.bootstrap)
+    created = await asyncio.to_thread(
+        workspace.cli, "topics", "create", "orders", "--partitions", "2"
+    )
+    assert created.returncode == 0, created.stderr
+    workspace.write_integration("loyalty", shared_consumer_yaml("http://127.0.0.1:9/"))
+    # In a thread: the other application's member keeps its heartbeats meanwhile.
+    done = await asyncio.to_thread(workspace.cli, "init")
+    assert done.returncode != 0, done.stdout
+    assert "consumer orders/shared: added" not in done.stdout
+    assert "cannot register consumer shared on topic orders" in done.stderr, done.stderr
+    assert "live members reading other topics" in done.stderr, done.stderr
+
+
+async def test_a_flow_that_cannot_start_counts_its_restarts(
+    workspace: Workspace, tansu: TansuBroker, other_application: AIOKafkaConsumer
+) -> None:
+    admin = kafka_workspace(workspace, tansu.bootstrap)
+    created = await asyncio.to_thread(
+        workspace.cli, "topics", "create", "orders", "--partitions", "2"
+    )
+    assert created.returncode == 0, created.stderr
+    async with HandlerServer() as handler:
+        workspace.write_integration("loyalty", shared_consumer_yaml(handler.url))
+        proxy = await workspace.start("run")
+        await wait_until_true(
+            lambda: restarts(admin, "loyalty", "main") >= 2, timeout_s=90, step_s=0.5
+        )
+        issues = status(admin, "loyalty").get("issues", {})
+        assert isinstance(issues, dict)
+        assert "cannot register consumer shared on topic orders" in str(issues.get("main")), issues
+        assert await stop_gracefully(proxy) == 0, workspace.logs()
