@@ -119,9 +119,9 @@ async def test_an_integration_added_to_a_running_proxy_starts_beside_its_interna
         assert published.returncode == 0, published.stderr
         done = await asyncio.to_thread(workspace.cli, "init")
         assert done.returncode == 0, done.stdout + done.stderr
-        assert "consumer nemesis.replay.loyalty/nemesis.internal.loyalty" in done.stdout
         await handler.ledger.wait_for(20, timeout_s=90)
         assert {json.loads(e.body)["n"] for e in handler.ledger if e.done} == set(range(20))
+        assert "consumer nemesis.replay.loyalty/nemesis.internal.loyalty" in done.stdout
         assert await stop_gracefully(proxy) == 0, workspace.logs()
 
 
