@@ -251,4 +251,3 @@ async def test_a_stalled_partition_shows_and_the_others_flow_through_the_proxy(
         )
         assert delivered(handler) == before
         assert await stop_gracefully(proxy) == 0, workspace.logs()
-
