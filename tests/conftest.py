@@ -16,9 +16,14 @@ import pytest
 
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.config.models import EmbeddedBackendConfig
+from tests.kafka_broker import kafka
 from tests.postgres_server import postgres_dsn, postgres_server
 
-__all__ = ["postgres_dsn", "postgres_server"]  # fixtures: a PostgreSQL server, a database per test
+__all__ = [
+    "kafka",
+    "postgres_dsn",
+    "postgres_server",
+]  # fixtures: Kafka, PostgreSQL, a database per test
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,7 @@
 """The kafka backend beyond the contract suite: its configuration, and the group's fencing.
 
-Against a real Kafka-protocol broker (Tansu) started per case on 127.0.0.1.
+Against Apache Kafka (``tests/kafka_broker.py``): the session's broker, each case
+with topics and groups of its own (``Namespace``).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from nemesis.broker.port import ConsumerSpec, Message, OutgoingMessage, TopicRea
 from nemesis.config.interpolation import expand
 from nemesis.config.models import NemesisConfig
 from nemesis.errors import BrokerError, TopicNotFound
-from tests.kafka_broker import TansuBroker, kafka_backend_config, start_tansu
+from tests.kafka_broker import KafkaNode, Namespace, kafka_backend_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,15 +33,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def tansu(tmp_path: Path) -> Iterator[TansuBroker]:
-    broker = start_tansu(tmp_path)
-    yield broker
-    broker.stop()
+def ns() -> Namespace:
+    return Namespace()
 
 
 @pytest.fixture
-async def broker(tansu: TansuBroker) -> AsyncIterator[KafkaBroker]:
-    opened = await open_kafka(kafka_backend_config(tansu.bootstrap))
+async def broker(kafka: KafkaNode) -> AsyncIterator[KafkaBroker]:
+    opened = await open_kafka(kafka_backend_config(kafka.bootstrap))
     yield opened
     await opened.close()
 
@@ -138,28 +137,28 @@ async def test_an_unreachable_broker_is_a_broker_error_in_time(tmp_path: Path) -
     assert time.monotonic() - started < 30
 
 
-async def test_a_reader_needs_a_registered_consumer(broker: KafkaBroker) -> None:
-    await broker.admin.create_topic("t", partitions=1)
+async def test_a_reader_needs_a_registered_consumer(broker: KafkaBroker, ns: Namespace) -> None:
+    await broker.admin.create_topic(ns("t"), partitions=1)
     with pytest.raises(TopicNotFound, match="nemesis init"):
-        await broker.reader("t", "stranger")
+        await broker.reader(ns("t"), ns("stranger"))
     with pytest.raises(TopicNotFound):
-        await broker.reader("missing", "stranger")
+        await broker.reader(ns("missing"), ns("stranger"))
     # Asking about a missing topic does not create it (brokers may auto-create on metadata).
-    assert "missing" not in await broker.admin.list_topics()
+    assert ns("missing") not in await broker.admin.list_topics()
 
 
 async def test_revocation_ends_a_session_at_once_and_its_commit_is_ignored(
-    broker: KafkaBroker,
+    broker: KafkaBroker, ns: Namespace
 ) -> None:
-    await broker.admin.create_topic("t", partitions=2, consumers=[ConsumerSpec("c")])
-    writer = await broker.writer("t")
+    await broker.admin.create_topic(ns("t"), partitions=2, consumers=[ConsumerSpec(ns("c"))])
+    writer = await broker.writer(ns("t"))
     await writer.write([OutgoingMessage(value=b"%d" % i, partition=i % 2) for i in range(10)])
-    first = await broker.reader("t", "c")
+    first = await broker.reader(ns("t"), ns("c"))
     taken = await receive(first, 10)
     sessions = {m.session for m in taken}
     assert all(isinstance(s, KafkaSession) and s.alive for s in sessions)
 
-    second = await broker.reader("t", "c")
+    second = await broker.reader(ns("t"), ns("c"))
     # The first member learns of the rebalance from its heartbeat: its sessions end then.
     deadline = time.monotonic() + 30
     while any(s is not None and s.alive for s in sessions):
@@ -168,21 +167,21 @@ async def test_revocation_ends_a_session_at_once_and_its_commit_is_ignored(
     assert not any(m.alive for m in taken)
     await first.commit([m for m in taken if m.partition == 0])  # stale: ignored
 
-    description = await broker.admin.describe_topic("t")
-    assert [p.committed["c"] for p in description.partitions] == [0, 0]
+    description = await broker.admin.describe_topic(ns("t"))
+    assert [p.committed[ns("c")] for p in description.partitions] == [0, 0]
     await first.close()
     again = await receive(second, 10)
     assert sorted(m.value for m in again) == sorted(m.value for m in taken)
 
 
 async def test_a_commit_after_the_group_moved_on_is_refused_by_the_generation(
-    broker: KafkaBroker, tansu: TansuBroker
+    broker: KafkaBroker, kafka: KafkaNode, ns: Namespace
 ) -> None:
     """A member that stalled past its session still thinks it holds its partition; the
     coordinator, a generation further, refuses its commit."""
-    await broker.admin.create_topic("t", partitions=1, consumers=[ConsumerSpec("c")])
-    await (await broker.writer("t")).write([OutgoingMessage(value=b"%d" % i) for i in range(5)])
-    first = await broker.reader("t", "c")
+    await broker.admin.create_topic(ns("t"), partitions=1, consumers=[ConsumerSpec(ns("c"))])
+    await (await broker.writer(ns("t"))).write([OutgoingMessage(value=b"%d" % i) for i in range(5)])
+    first = await broker.reader(ns("t"), ns("c"))
     taken = await receive(first, 5)
     (session,) = {m.session for m in taken}
     assert session is not None
@@ -193,9 +192,9 @@ async def test_a_commit_after_the_group_moved_on_is_refused_by_the_generation(
     seen: list[bytes] = []
 
     async def second_member() -> None:
-        other = await open_kafka(kafka_backend_config(tansu.bootstrap))
+        other = await open_kafka(kafka_backend_config(kafka.bootstrap))
         try:
-            reader = await other.reader("t", "c")
+            reader = await other.reader(ns("t"), ns("c"))
             joined.set()
             seen.extend(m.value for m in await receive(reader, 5, timeout_s=60))
             await asyncio.to_thread(release.wait, 60)
@@ -216,17 +215,19 @@ async def test_a_commit_after_the_group_moved_on_is_refused_by_the_generation(
         alive_before = session.alive
         await first.commit(taken[:3])
         assert (alive_before, session.alive) == (True, False)
-        description = await broker.admin.describe_topic("t")
-        assert description.partitions[0].committed["c"] == 0
+        description = await broker.admin.describe_topic(ns("t"))
+        assert description.partitions[0].committed[ns("c")] == 0
     finally:
         release.set()
         await asyncio.to_thread(thread.join, 30)
 
 
-async def test_pausing_a_partition_holds_back_only_that_partition(broker: KafkaBroker) -> None:
-    await broker.admin.create_topic("t", partitions=2, consumers=[ConsumerSpec("c")])
-    writer = await broker.writer("t")
-    reader = await broker.reader("t", "c")
+async def test_pausing_a_partition_holds_back_only_that_partition(
+    broker: KafkaBroker, ns: Namespace
+) -> None:
+    await broker.admin.create_topic(ns("t"), partitions=2, consumers=[ConsumerSpec(ns("c"))])
+    writer = await broker.writer(ns("t"))
+    reader = await broker.reader(ns("t"), ns("c"))
     await writer.write([OutgoingMessage(value=b"a", partition=0)])
     first = await receive(reader, 1)
     reader.pause(first[0].session)  # type: ignore[arg-type]
@@ -240,18 +241,18 @@ async def test_pausing_a_partition_holds_back_only_that_partition(broker: KafkaB
 
 
 async def test_a_retried_write_with_the_same_seqnos_writes_only_what_is_missing(
-    broker: KafkaBroker,
+    broker: KafkaBroker, ns: Namespace
 ) -> None:
-    await broker.admin.create_topic("t", partitions=3)
-    writer = await broker.writer("t", producer_id="orders-importer")
+    await broker.admin.create_topic(ns("t"), partitions=3)
+    writer = await broker.writer(ns("t"), producer_id=ns("orders-importer"))
     first = await writer.write([OutgoingMessage(value=b"%d" % s, seqno=s) for s in (1, 2, 3)])
     home = {r.partition for r in first}
     assert len(home) == 1  # unkeyed seqno writes go to the producer's home partition
     # A new writer of the same producer (a restart) finds its last seqno in the partition.
-    again = await (await broker.writer("t", producer_id="orders-importer")).write(
+    again = await (await broker.writer(ns("t"), producer_id=ns("orders-importer"))).write(
         [OutgoingMessage(value=b"%d" % s, seqno=s) for s in (2, 3, 4)]
     )
     assert [r.status.value for r in again] == ["duplicate", "duplicate", "written"]
-    description = await broker.admin.describe_topic("t")
+    description = await broker.admin.describe_topic(ns("t"))
     (partition,) = home
     assert description.partitions[partition].end_offset == 4

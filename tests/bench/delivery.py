@@ -13,7 +13,7 @@ Prints, on the host it runs on:
   (e) p50/p99 latency added by the proxy at 1,000 msg/s (target p99 <= 1.2 ms),
   (f) peak RSS of the proxy process,
   (k) with --only kafka: (a) and (c) on the embedded log and on a Kafka-protocol
-      broker (Tansu, from the dev extra, started on 127.0.0.1), side by side.
+      broker (Apache Kafka, tests/kafka_broker.py, started on 127.0.0.1), side by side.
 
 The handler (tests/bench/fast_handler.py) and the proxy run pinned to different
 cores when the machine has two. Usage: `make bench` or
@@ -136,8 +136,7 @@ class Workspace:
         backend = (
             f"{{kind: embedded, path: {self.db}}}"
             if kafka is None
-            # Tansu has no InitProducerId: no idempotent producer.
-            else f"{{kind: kafka, bootstrap_servers: ['{kafka}'], idempotent_producer: false}}"
+            else f"{{kind: kafka, bootstrap_servers: ['{kafka}']}}"
         )
         (root / "nemesis.yaml").write_text(
             f"backend: {backend}\ndata_dir: .\n"
@@ -204,9 +203,7 @@ async def fill(
         from nemesis.broker.kafka.broker import open_kafka
         from nemesis.broker.kafka.config import KafkaBackendConfig
 
-        broker = await open_kafka(
-            KafkaBackendConfig(bootstrap_servers=[kafka], idempotent_producer=False)
-        )
+        broker = await open_kafka(KafkaBackendConfig(bootstrap_servers=[kafka]))
     try:
         await broker.admin.create_topic(
             topic, partitions=partitions, consumers=[ConsumerSpec(topic)], exist_ok=True
@@ -616,7 +613,7 @@ def percentile(values: Sequence[float], pct: float) -> float:
 
 
 PARTS = ("delivery", "log", "latency")
-# Not in the default run: it needs the Tansu broker of the dev extra.
+# Not in the default run: it starts Apache Kafka (Maven and a JDK; see tests/kafka_broker.py).
 OPTIONAL_PARTS = ("kafka",)
 
 
@@ -645,22 +642,22 @@ async def main(args: argparse.Namespace) -> None:
 
 
 async def kafka_part(root: Path, args: argparse.Namespace) -> None:
-    """(k): (a) and (c) on the embedded log and on Kafka (Tansu), in the same run."""
+    """(k): (a) and (c) on the embedded log and on Apache Kafka, in the same run."""
     sys.path.insert(0, str(REPO))  # the test broker's starter lives in tests/
-    from tests.kafka_broker import start_tansu
+    from tests.kafka_broker import start_kafka
 
     (root / "kafka").mkdir()
-    tansu = start_tansu(root / "kafka")
+    kafka_broker = start_kafka(root / "kafka")
     handler = Handler()
     cores = os.sched_getaffinity(0)
     if (os.cpu_count() or 1) >= 2:
         # The broker and this process beside the handler: the proxy has core 0 alone.
-        assert tansu.process is not None
-        os.sched_setaffinity(tansu.process.pid, {1})
+        assert kafka_broker.process is not None
+        os.sched_setaffinity(kafka_broker.process.pid, {1})
         os.sched_setaffinity(0, {1})
     rates: dict[str, tuple[list[float], ProxyRun]] = {}
     try:
-        for kind, kafka in (("embedded", None), ("kafka", tansu.bootstrap)):
+        for kind, kafka in (("embedded", None), ("kafka", kafka_broker.bootstrap)):
             space = Workspace(root / f"k-{kind}", kafka=kafka)
             single = [
                 (await through_proxy(space, handler, f"k{n}", args.messages, args.workers, 1)).rate
@@ -670,11 +667,9 @@ async def kafka_part(root: Path, args: argparse.Namespace) -> None:
             rates[kind] = (single, batched)
     finally:
         handler.close()
-        tansu.stop()
+        kafka_broker.stop()
         os.sched_setaffinity(0, cores)
-    print(
-        "  (k) the same proxy on each backend (Tansu 0.6, memory storage, on the handler's core):"
-    )
+    print("  (k) the same proxy on each backend (Apache Kafka, one broker, on the handler's core):")
     for kind, (single, batched) in rates.items():
         print(
             f"      {kind:<9} (a) 1 msg/request: {statistics.median(single):>10,.0f} msg/s"

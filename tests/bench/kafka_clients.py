@@ -1,6 +1,6 @@
 """Kafka client libraries for the kafka backend: aiokafka against confluent-kafka (librdkafka).
 
-Against a Tansu broker (the dev extra) on 127.0.0.1, in one run, prints per
+Against an Apache Kafka broker (tests/kafka_broker.py) on 127.0.0.1, in one run, prints per
 client: produce rate (batches of 1,000 awaited as the backend's writer does,
 acks=all) and consume rate (one group member reading everything), each with
 the client process's CPU per message. The broker is pinned to core 1, the
@@ -153,28 +153,30 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=100_000)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from tests.kafka_broker import start_tansu
+    from tests.kafka_broker import start_kafka
 
     clients = ["aiokafka"]
     if importlib.util.find_spec("confluent_kafka") is not None:
         clients.append("confluent-kafka")
     with tempfile.TemporaryDirectory(prefix="nemesis-kafka-bench-") as tmp:
-        tansu = start_tansu(Path(tmp))
+        kafka_broker = start_kafka(Path(tmp))
         try:
             if (os.cpu_count() or 1) >= 2:
-                assert tansu.process is not None
-                os.sched_setaffinity(tansu.process.pid, {1})
-            print(f"\nKafka clients against Tansu 0.6 (memory), {args.messages:,} messages each")
+                assert kafka_broker.process is not None
+                os.sched_setaffinity(kafka_broker.process.pid, {1})
+            print(
+                f"\nKafka clients against Apache Kafka (one broker), {args.messages:,} messages each"
+            )
             for client in clients:
                 topic = f"bench-{client}"
-                create_topic(tansu.bootstrap, topic)
+                create_topic(kafka_broker.bootstrap, topic)
                 out = subprocess.run(
                     [
                         sys.executable,
                         __file__,
                         "--child",
                         client,
-                        tansu.bootstrap,
+                        kafka_broker.bootstrap,
                         topic,
                         str(args.messages),
                     ],
@@ -190,7 +192,7 @@ def main() -> None:
                     f" ({rates['consume_cpu_us']:.1f} us CPU each)"
                 )
         finally:
-            tansu.stop()
+            kafka_broker.stop()
 
 
 if __name__ == "__main__":

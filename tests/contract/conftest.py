@@ -1,8 +1,9 @@
 """The backends the contract cases run against: embedded, kafka, and YDB when configured.
 
-The kafka cases run against a real Kafka-protocol broker (Tansu, from the
-dev extra) that each case starts on 127.0.0.1 and stops when it ends, with
-the sqlite DLQ.
+The kafka cases run against Apache Kafka (``tests/kafka_broker.py``): one
+broker per session on 127.0.0.1, shared by the cases, each naming its topics
+and groups with a prefix of its own; the backend has its default settings
+(the idempotent producer on), and the sqlite DLQ.
 
 The YDB cases run when ``NEMESIS_YDB_ENDPOINT`` (and, unless it is
 ``/local``, ``NEMESIS_YDB_DATABASE``) name a server, e.g. ``ydbplatform/local-ydb``
@@ -35,7 +36,7 @@ from nemesis.config.models import (
     YdbDlqConfig,
 )
 from nemesis.dlq import DeadLetterStore
-from tests.kafka_broker import kafka_backend_config, start_tansu
+from tests.kafka_broker import KafkaBroker, Namespace, kafka_backend_config
 
 YDB_ENDPOINT = os.environ.get("NEMESIS_YDB_ENDPOINT", "")
 YDB_DATABASE = os.environ.get("NEMESIS_YDB_DATABASE", "/local")
@@ -74,6 +75,8 @@ class Backend:
     kind: str
     config: NemesisConfig
     opened: list[Any] = field(default_factory=list)
+    # The case's own topic and consumer names: the kafka cases share one broker.
+    names: Namespace = field(default_factory=Namespace)
 
     async def broker(self) -> Broker:
         """A broker over this backend; a second call is a second process, or a restart."""
@@ -100,24 +103,6 @@ def embedded_config(directory: Path) -> NemesisConfig:
         dlq=SqliteDlqConfig(path=str(directory / "dlq.db")),
         data_dir=str(directory),
     )
-
-
-# Cases the kafka backend implements for Kafka but the test broker (Tansu 0.6) cannot
-# show, as observed: strict, so a broker that can makes them fail until taken out.
-TANSU_GAPS = {
-    "test_latest_starts_after_what_was_written_before_the_reader": (
-        "Tansu drops offset-commit metadata, which tells a consumer's registration from a read"
-    ),
-    "test_a_time_starts_at_the_first_message_written_at_or_after_it": (
-        "Tansu drops offset-commit metadata, which tells a consumer's registration from a read"
-    ),
-    "test_seek_moves_a_committed_offset_back_and_forth": (
-        "Tansu refuses a commit from outside a group that has had members (unknown member)"
-    ),
-    "test_live_readers_lists_an_open_reader_and_forgets_a_closed_one": (
-        "Tansu's DescribeGroups lists no members of a live group"
-    ),
-}
 
 
 def kafka_config(bootstrap: str, directory: Path) -> NemesisConfig:
@@ -160,13 +145,10 @@ async def drop_everything(config: NemesisConfig) -> None:
 @pytest.fixture(params=BACKENDS)
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     kind = request.param
-    if kind == "kafka" and request.node.originalname in TANSU_GAPS:
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason=TANSU_GAPS[request.node.originalname])
-        )
-    tansu = start_tansu(tmp_path) if kind == "kafka" else None
-    if tansu is not None:
-        config = kafka_config(tansu.bootstrap, tmp_path)
+    if kind == "kafka":
+        # Started on first use, so a run of the other backends' cases needs no JVM.
+        broker: KafkaBroker = request.getfixturevalue("kafka")
+        config = kafka_config(broker.bootstrap, tmp_path)
     elif kind == "embedded":
         config = embedded_config(tmp_path)
     else:
@@ -178,5 +160,3 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         await under_test.close()
         if kind == "ydb":
             await drop_everything(config)
-        if tansu is not None:
-            tansu.stop()

@@ -24,17 +24,19 @@ from nemesis.runtime.retries import internal_consumer, replay_topic, tier_topic
 from nemesis.runtime.runner import RunnerOptions
 from nemesis.testing import HandlerServer, LedgerEntry
 from tests.contract.conftest import Backend
+from tests.kafka_broker import Namespace
 
 pytestmark = pytest.mark.timeout(120)
 
 FAST = RunnerOptions(receive_timeout_s=0.05, commit_interval_s=0.02, shutdown_grace_s=2)
 
 
-def integration(name: str, url: str, **sections: Any) -> IntegrationConfig:
+def integration(ns: Namespace, name: str, url: str, **sections: Any) -> IntegrationConfig:
+    """Integration ``name`` (in the case's namespace) reading the case's ``orders``."""
     document: dict[str, Any] = {
-        "name": name,
+        "name": ns(name),
         "owners": [f"team-{name}"],
-        "source": {"topic": "orders", "consumer": name},
+        "source": {"topic": ns("orders"), "consumer": ns(name)},
         "target": {"url": url, "timeout_s": 2},
         "delivery": {"workers": 8, "buffer": 200},
         "retry": {"tiers": ["200ms", "400ms"]},
@@ -44,11 +46,11 @@ def integration(name: str, url: str, **sections: Any) -> IntegrationConfig:
     return IntegrationConfig.model_validate(document)
 
 
-async def publish(broker: Broker, count: int, consumer: str = "it") -> None:
+async def publish(broker: Broker, ns: Namespace, count: int, consumer: str = "it") -> None:
     await broker.admin.create_topic(
-        "orders", partitions=2, consumers=[ConsumerSpec(consumer)], exist_ok=True
+        ns("orders"), partitions=2, consumers=[ConsumerSpec(ns(consumer))], exist_ok=True
     )
-    writer = await broker.writer("orders")
+    writer = await broker.writer(ns("orders"))
     await writer.write(
         [
             OutgoingMessage(value=orjson.dumps({"n": n}), metadata={"type": "order.created"})
@@ -63,13 +65,16 @@ def n_of(entry: LedgerEntry) -> int:
 
 
 async def test_each_retry_tier_waits_its_delay(backend: Backend) -> None:
+    ns = backend.names
     count = 20
     broker = await backend.broker()
     dlq = await backend.dlq(broker)
-    await publish(broker, count)
+    await publish(broker, ns, count)
     async with HandlerServer() as handler:
         handler.fail_first(2, status=503)
-        proxy = Proxy(broker, {"it": integration("it", handler.url)}, dlq=dlq, runner_options=FAST)
+        proxy = Proxy(
+            broker, {ns("it"): integration(ns, "it", handler.url)}, dlq=dlq, runner_options=FAST
+        )
         task = asyncio.create_task(proxy.run())
         await handler.ledger.wait_for(count, timeout_s=60)
         proxy.stop()
@@ -80,7 +85,7 @@ async def test_each_retry_tier_waits_its_delay(backend: Backend) -> None:
         assert [e.attempt for e in arrivals] == [1, 2, 3]
         # One ce-id, at the source coordinates, on every attempt.
         assert {(e.topic, e.partition, e.offset) for e in arrivals} == {
-            ("orders", arrivals[0].partition, arrivals[0].offset)
+            (ns("orders"), arrivals[0].partition, arrivals[0].offset)
         }
         first, second, third = (e.received_wall for e in arrivals)
         assert second - first >= 0.2 - 0.01
@@ -90,13 +95,16 @@ async def test_each_retry_tier_waits_its_delay(backend: Backend) -> None:
 async def test_a_rejected_message_is_dead_lettered_once_and_requeue_brings_it_back(
     backend: Backend,
 ) -> None:
+    ns = backend.names
     count = 30
     broker = await backend.broker()
     dlq = await backend.dlq(broker)
-    await publish(broker, count)
+    await publish(broker, ns, count)
     async with HandlerServer() as handler:
         handler.when(lambda e: e.attempt is not None and n_of(e) % 5 == 0, status=422)
-        proxy = Proxy(broker, {"it": integration("it", handler.url)}, dlq=dlq, runner_options=FAST)
+        proxy = Proxy(
+            broker, {ns("it"): integration(ns, "it", handler.url)}, dlq=dlq, runner_options=FAST
+        )
         task = asyncio.create_task(proxy.run())
         try:
             await handler.ledger.wait_for(count - count // 5, timeout_s=60)
@@ -129,61 +137,65 @@ async def test_init_carries_the_former_internal_consumers_offsets_over(
     backend: Backend,
 ) -> None:
     """Internal topics read as the integration's name before: the new consumer starts there."""
+    ns = backend.names
+    alpha, internal = ns("alpha"), internal_consumer(ns("alpha"))
     broker = await backend.broker()
-    await broker.admin.create_topic("orders", partitions=2)
-    tier = tier_topic("alpha", 1)
-    await broker.admin.create_topic(tier, partitions=2, consumers=[ConsumerSpec("alpha")])
+    await broker.admin.create_topic(ns("orders"), partitions=2)
+    tier = tier_topic(alpha, 1)
+    await broker.admin.create_topic(tier, partitions=2, consumers=[ConsumerSpec(alpha)])
     writer = await broker.writer(tier)
     await writer.write([OutgoingMessage(b"x", partition=n % 2) for n in range(10)])
     await writer.close()
-    await broker.admin.seek(tier, "alpha", 0, 3)
-    await broker.admin.seek(tier, "alpha", 1, 5)
+    await broker.admin.seek(tier, alpha, 0, 3)
+    await broker.admin.seek(tier, alpha, 1, 5)
     report = await init_backend(
-        backend.config, [integration("alpha", "http://127.0.0.1:9/")], broker=broker
+        backend.config, [integration(ns, "alpha", "http://127.0.0.1:9/")], broker=broker
     )
-    assert f"consumer {tier}/{internal_consumer('alpha')}: added (alpha)" in report.lines()
+    assert f"consumer {tier}/{internal}: added ({alpha})" in report.lines()
     described = await broker.admin.describe_topic(tier)
-    assert {p.partition: p.committed[internal_consumer("alpha")] for p in described.partitions} == {
-        0: 3,
-        1: 5,
-    }
+    assert {p.partition: p.committed[internal] for p in described.partitions} == {0: 3, 1: 5}
     # A topic the former consumer never read starts at its oldest message, as any new one.
-    replay = await broker.admin.describe_topic(replay_topic("alpha"))
-    assert internal_consumer("alpha") in replay.consumers
+    assert internal in (await broker.admin.describe_topic(replay_topic(alpha))).consumers
 
 
 async def test_init_creates_what_a_configuration_needs_and_is_idempotent(
     backend: Backend,
 ) -> None:
+    ns = backend.names
     broker = await backend.broker()
-    await broker.admin.create_topic("orders", partitions=2)
+    await broker.admin.create_topic(ns("orders"), partitions=2)
     configs = [
-        integration("alpha", "http://127.0.0.1:9/"),
-        integration("beta", "http://127.0.0.1:9/", delivery={"ordering": "key"}),
-        integration("gamma", "http://127.0.0.1:9/", source={"topic": "nowhere", "consumer": "g"}),
+        integration(ns, "alpha", "http://127.0.0.1:9/"),
+        integration(ns, "beta", "http://127.0.0.1:9/", delivery={"ordering": "key"}),
+        integration(
+            ns,
+            "gamma",
+            "http://127.0.0.1:9/",
+            source={"topic": ns("nowhere"), "consumer": ns("g")},
+        ),
     ]
     first = await init_backend(backend.config, configs, broker=broker)
     assert not first.ok
-    assert [(s.name, s.integration) for s in first.missing] == [("nowhere", "gamma")]
+    assert [(s.name, s.integration) for s in first.missing] == [(ns("nowhere"), ns("gamma"))]
     created = {s.name for s in first.steps if s.kind == "topic" and s.outcome is Outcome.CREATED}
     # Unordered alpha gets its tiers; ordered beta retries in place: only its replay topic.
     assert created == {
-        tier_topic("alpha", 1),
-        tier_topic("alpha", 2),
-        replay_topic("alpha"),
-        replay_topic("beta"),
+        tier_topic(ns("alpha"), 1),
+        tier_topic(ns("alpha"), 2),
+        replay_topic(ns("alpha")),
+        replay_topic(ns("beta")),
     }
-    orders = await broker.admin.describe_topic("orders")
-    assert orders.consumers == ["alpha", "beta"]
+    orders = await broker.admin.describe_topic(ns("orders"))
+    assert orders.consumers == [ns("alpha"), ns("beta")]
     # The internal flows read as a consumer of their own, never the main flow's.
-    assert (await broker.admin.describe_topic(tier_topic("alpha", 2))).consumers == [
-        internal_consumer("alpha")
+    assert (await broker.admin.describe_topic(tier_topic(ns("alpha"), 2))).consumers == [
+        internal_consumer(ns("alpha"))
     ]
     assert first.steps[-1].kind == "dlq"
     assert first.steps[-1].outcome is Outcome.READY
 
     again = await init_backend(backend.config, configs, broker=broker)
     assert again.changed == ()
-    assert [str(s) for s in again.missing] == ["topic nowhere: missing (gamma)"]
+    assert [str(s) for s in again.missing] == [f"topic {ns('nowhere')}: missing ({ns('gamma')})"]
     dlq = await backend.dlq(broker)
     assert await dlq.count(DeadLetterFilter()) == 0

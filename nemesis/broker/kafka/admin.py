@@ -28,7 +28,12 @@ from aiokafka.structs import OffsetAndMetadata
 from nemesis.broker.kafka.config import KafkaBackendConfig
 from nemesis.broker.kafka.connection import client_settings, close_leftover_connections
 from nemesis.broker.kafka.decoding import undecodable
-from nemesis.broker.kafka.errors import broker_error, error_for_code, kafka_call
+from nemesis.broker.kafka.errors import (
+    broker_error,
+    error_for_code,
+    kafka_call,
+    kafka_call_retrying,
+)
 from nemesis.broker.kafka.mapping import PRODUCER_HEADER, SEQNO_HEADER, header_value
 from nemesis.broker.port import (
     ConsumerSpec,
@@ -109,7 +114,7 @@ class KafkaAdmin:
 
     async def list_topics(self) -> Sequence[str]:
         """Every topic but the broker's internal ones (``__consumer_offsets``...), sorted."""
-        names = await kafka_call("list topics", self._client.list_topics(), self._timeout_s)
+        names = await kafka_call_retrying("list topics", self._client.list_topics, self._timeout_s)
         return sorted(str(n) for n in names if not str(n).startswith("__"))
 
     async def partitions(self, name: str) -> int:
@@ -117,8 +122,9 @@ class KafkaAdmin:
         # Not describe_topics: its metadata request lets a broker with
         # auto.create.topics.enable create the topic it is asked about.
         request = MetadataRequest([name], allow_auto_topic_creation=False)
-        response = await kafka_call(
-            f"describe topic {name}", self._client._send_request(request), self._timeout_s
+        # To any broker: one that is down is a retriable error, and the retry asks another.
+        response = await kafka_call_retrying(
+            f"describe topic {name}", lambda: self._client._send_request(request), self._timeout_s
         )
         for topic in response.to_object()["topics"]:
             if topic["topic"] != name:
@@ -194,9 +200,9 @@ class KafkaAdmin:
 
     async def never_read(self, group: str, tps: list[TopicPartition]) -> list[TopicPartition]:
         """The partitions the group never committed a read of (none, or its registration)."""
-        offsets = await kafka_call(
+        offsets = await kafka_call_retrying(
             f"committed offsets of {group}",
-            self._client.list_consumer_group_offsets(group, partitions=tps),
+            lambda: self._client.list_consumer_group_offsets(group, partitions=tps),
             self._timeout_s,
         )
         read = {
@@ -305,9 +311,9 @@ class KafkaAdmin:
 
     async def _committed(self, group: str, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         """The group's committed offset per partition; -1 where it has none."""
-        offsets = await kafka_call(
+        offsets = await kafka_call_retrying(
             f"committed offsets of {group}",
-            self._client.list_consumer_group_offsets(group, partitions=tps),
+            lambda: self._client.list_consumer_group_offsets(group, partitions=tps),
             self._timeout_s,
         )
         found = {tp: int(meta.offset) for tp, meta in offsets.items()}
@@ -317,8 +323,8 @@ class KafkaAdmin:
         cached = self._groups
         if cached is not None and time.monotonic() - cached[0] < GROUPS_TTL_S:
             return cached[1]
-        listed = await kafka_call(
-            "list consumer groups", self._client.list_consumer_groups(), self._timeout_s
+        listed = await kafka_call_retrying(
+            "list consumer groups", self._client.list_consumer_groups, self._timeout_s
         )
         names = sorted({str(group[0]) for group in listed})
         self._groups = (time.monotonic(), names)

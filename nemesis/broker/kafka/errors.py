@@ -9,7 +9,7 @@ the coordinator is away) forever.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from aiokafka import errors
@@ -62,6 +62,28 @@ async def kafka_call(what: str, call: Awaitable[T], timeout_s: float) -> T:
     try:
         async with asyncio.timeout(timeout_s):
             return await call
+    except (errors.KafkaError, TimeoutError, OSError) as exc:
+        raise broker_error(exc, what) from exc
+
+
+async def kafka_call_retrying(what: str, call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+    """``kafka_call`` that repeats ``call()`` on retriable errors until the deadline.
+
+    For the calls aiokafka does not retry itself, such as finding a group's
+    coordinator: a fresh cluster answers "coordinator not available" while it
+    creates its offsets topic, and a coordinator that moved says so once.
+    """
+    backoff_s = 0.1
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                try:
+                    return await call()
+                except errors.KafkaError as exc:
+                    if not exc.retriable:
+                        raise
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 1.0)
     except (errors.KafkaError, TimeoutError, OSError) as exc:
         raise broker_error(exc, what) from exc
 

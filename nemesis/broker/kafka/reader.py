@@ -146,18 +146,26 @@ class KafkaReader:
         )
 
     async def _position(self, partitions: Any) -> None:
-        """Moves newly assigned partitions the group never read to where reading starts."""
+        """Moves newly assigned partitions the group never read to where reading starts.
+
+        The client starts fetching a new assignment from the group's committed
+        offset (its registration) while this runs: the partitions stay paused
+        until they are moved, so no record from before the start is handed out.
+        """
         mine = [tp for tp in partitions if tp.topic == self._topic]
         if self._start_positions is None or not mine:
             return
+        self._consumer.pause(*mine)  # before the first await: no fetch is handed out
         try:
             positions = await self._start_positions(mine)
         except BrokerError as exc:
             # The group's own position (its registration, or auto_offset_reset) stands.
             logger.warning("%s as %s: start position unknown: %s", self._topic, self._group, exc)
-            return
+            positions = {}
         for tp, offset in positions.items():
             self._consumer.seek(tp, offset)
+        assigned = self._consumer.assignment()
+        self._consumer.resume(*[tp for tp in mine if tp in assigned])
 
     # --- receiving ----------------------------------------------------------------
 
