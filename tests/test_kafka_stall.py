@@ -1,89 +1,88 @@
 """Kafka records that cannot be decoded: the partition stalls alone, in plain sight.
 
-A batch is written at the protocol level (a raw produce request), as a
-broken or exotic producer would: lz4 bytes that are no lz4 frame (where the
-lz4 library is missing, the codec alone stops the client), gzip bytes cut
-short, a CRC that does not match. (A codec id Kafka does not define is
-refused by the brokers on produce.) The reader hands out every
-other partition's records and the bad partition's records ahead of the
-batch, names the partition and the reason, and commits nothing past it; the
-lag counts what waits behind it. End to end through ``nemesis run``: the
-admin status, ``nemesis_stalled_partitions`` and the commit lag show it, and
-no flow restarts.
+Brokers check a batch when it is written, not when it is read, so the tests
+break one where it rests: a batch written whole is rewritten in the
+broker's log segment, in place and at the same length, the ways a consumer
+meets them: a codec id Kafka does not define, lz4 or gzip bytes that do not
+decompress (where the lz4 library is missing, the codec alone stops the
+client), a CRC that does not match. The reader hands out every other
+partition's records and the bad partition's records ahead of the batch,
+names the partition and the reason, and commits nothing past it; the lag
+counts what waits behind it. End to end through ``nemesis run``: the admin
+status, ``nemesis_stalled_partitions`` and the commit lag show it, no flow
+restarts, and ``nemesis offsets skip`` passes over the batch.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import struct
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.protocol.produce import ProduceRequest
-from aiokafka.record.default_records import DefaultRecordBatchBuilder
+from aiokafka import AIOKafkaProducer
 from aiokafka.record.util import calc_crc32c
 
 from nemesis.broker.kafka.broker import KafkaBroker, open_kafka
 from nemesis.broker.port import ConsumerSpec, Message
 from nemesis.testing import HandlerServer
 from tests.conftest import Workspace, integration_yaml, stop_gracefully
-from tests.kafka_broker import Namespace, TansuBroker, free_port, kafka_backend_config, start_tansu
+from tests.kafka_broker import KafkaNode, Namespace, free_port, kafka_backend_config
 from tests.operability import samples, value_of, wait_until_true
 
 pytestmark = pytest.mark.timeout(240)
 
-# The v2 batch header: attributes at byte 21, the CRC (of everything after it) at 17,
-# the batch length (of everything after it) at 8; the records start at byte 61.
-_ATTRIBUTES, _CRC, _LENGTH, _RECORDS = 21, 17, 8, 61
-GZIP, LZ4 = 1, 3
+# The v2 batch header: the batch length (of what follows it) at byte 8, the CRC (of
+# everything after it) at 17, the attributes (the codec in their low 3 bits) at 21.
+_LENGTH, _CRC, _ATTRIBUTES, _RECORDS = 8, 17, 21, 61
+CODECS = {"unknown codec": 7, "lz4 garbage": 3, "gzip garbage": 1, "bad crc": 0}
 
 
-def undecodable_batch(values: list[bytes], kind: str) -> bytes:
-    """A record batch of ``values`` that no client can decode, broken the ``kind`` way."""
-    builder = DefaultRecordBatchBuilder(
-        magic=2,
-        compression_type=0,
-        is_transactional=0,
-        producer_id=-1,
-        producer_epoch=-1,
-        base_sequence=-1,
-        batch_size=1 << 20,
-    )
-    for delta, value in enumerate(values):
-        builder.append(delta, timestamp=None, key=None, value=value, headers=[])
-    raw = bytearray(builder.build())
-    codec = {"lz4 garbage": LZ4, "gzip cut short": GZIP, "bad crc": 0}[kind]
-    if kind == "gzip cut short":
-        raw = raw[:_RECORDS] + bytearray(gzip.compress(bytes(raw[_RECORDS:]))[:-12])
-        struct.pack_into(">i", raw, _LENGTH, len(raw) - 12)
-    (attributes,) = struct.unpack_from(">h", raw, _ATTRIBUTES)
-    struct.pack_into(">h", raw, _ATTRIBUTES, (attributes & ~0x07) | codec)
-    crc = calc_crc32c(bytes(raw[_ATTRIBUTES:]))
-    struct.pack_into(">I", raw, _CRC, crc ^ 1 if kind == "bad crc" else crc)
-    return bytes(raw)
+def break_batch(
+    node: KafkaNode, topic: str, partition: int, offsets: tuple[int, int], kind: str
+) -> None:
+    """Rewrites the batch of ``offsets`` (first, last) in its log segment, ``kind``'s way."""
+    base_offset = offsets[0]
+    segment = node.data_dir / f"{topic}-{partition}" / "00000000000000000000.log"
+    with segment.open("r+b") as log:
+        data = log.read()
+        position = 0
+        while position + _RECORDS <= len(data):
+            (offset,) = struct.unpack_from(">q", data, position)
+            (length,) = struct.unpack_from(">i", data, position + _LENGTH)
+            if offset == base_offset:
+                break
+            position += 12 + length
+        else:
+            raise AssertionError(f"no batch at offset {base_offset} in {segment}")
+        batch = bytearray(data[position : position + 12 + length])
+        (last_delta,) = struct.unpack_from(">i", batch, _ATTRIBUTES + 2)
+        assert base_offset + last_delta == offsets[1], "the records are not one batch"
+        (attributes,) = struct.unpack_from(">h", batch, _ATTRIBUTES)
+        struct.pack_into(">h", batch, _ATTRIBUTES, (attributes & ~0x07) | CODECS[kind])
+        crc = calc_crc32c(bytes(batch[_ATTRIBUTES:]))
+        struct.pack_into(">I", batch, _CRC, crc ^ 1 if kind == "bad crc" else crc)
+        log.seek(position)
+        log.write(batch)
 
 
 async def write(
-    bootstrap: str, topic: str, plan: list[tuple[int, bytes | list[bytes]]], kind: str
+    node: KafkaNode, topic: str, plan: list[tuple[int, bytes | list[bytes]]], kind: str
 ) -> None:
-    """Writes ``plan`` in order: a value as one record, a list of values as one bad batch."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=False)
+    """Writes ``plan`` in order: a value as one record, a list of values as one batch, broken."""
+    producer = AIOKafkaProducer(bootstrap_servers=node.bootstrap, linger_ms=50)
     await producer.start()
     try:
         for partition, value in plan:
             if isinstance(value, bytes):
                 await producer.send_and_wait(topic, value, partition=partition)
                 continue
-            leader = producer.client.cluster.leader_for_partition(TopicPartition(topic, partition))
-            request = ProduceRequest(
-                None, -1, 10_000, [(topic, [(partition, undecodable_batch(value, kind))])]
-            )
-            await producer.client.send(leader, request)
+            sent = [await producer.send(topic, v, partition=partition) for v in value]
+            offsets = [(await future).offset for future in sent]
+            assert offsets == list(range(offsets[0], offsets[0] + len(value))), offsets
+            break_batch(node, topic, partition, (offsets[0], offsets[-1]), kind)
     finally:
         await producer.stop()
 
@@ -104,15 +103,8 @@ def plan_of(good_before: int, bad: int, good_after: int) -> list[tuple[int, byte
 
 
 @pytest.fixture
-def tansu(tmp_path: Path) -> Iterator[TansuBroker]:
-    broker = start_tansu(tmp_path)
-    yield broker
-    broker.stop()
-
-
-@pytest.fixture
-async def broker(tansu: TansuBroker) -> AsyncIterator[KafkaBroker]:
-    opened = await open_kafka(kafka_backend_config(tansu.bootstrap))
+async def broker(kafka: KafkaNode) -> AsyncIterator[KafkaBroker]:
+    opened = await open_kafka(kafka_backend_config(kafka.bootstrap))
     yield opened
     await opened.close()
 
@@ -120,14 +112,14 @@ async def broker(tansu: TansuBroker) -> AsyncIterator[KafkaBroker]:
 # --- the reader --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["lz4 garbage", "gzip cut short", "bad crc"])
+@pytest.mark.parametrize("kind", list(CODECS))
 async def test_a_batch_that_cannot_be_decoded_stalls_its_partition_alone(
-    broker: KafkaBroker, tansu: TansuBroker, kind: str
+    broker: KafkaBroker, kafka: KafkaNode, kind: str
 ) -> None:
     name = Namespace()
     topic = name("orders")
     await broker.admin.create_topic(topic, partitions=2, consumers=[ConsumerSpec(name("c"))])
-    await write(tansu.bootstrap, topic, plan_of(3, 2, 3), kind)
+    await write(kafka, topic, plan_of(3, 2, 3), kind)
     reader = await broker.reader(topic, name("c"))
     received: list[Message] = []
     deadline = time.monotonic() + 60
@@ -166,7 +158,6 @@ def kafka_workspace(space: Workspace, bootstrap: str) -> str:
         "backend:\n"
         "  kind: kafka\n"
         f"  bootstrap_servers: ['{bootstrap}']\n"
-        "  idempotent_producer: false   # Tansu has no InitProducerId\n"
         "  session_timeout_s: 6\n"
         "  heartbeat_interval_s: 1\n"
         "  connect_timeout_s: 5\n"
@@ -207,26 +198,26 @@ def lag_of(admin: str, partition: int) -> float | None:
 
 
 async def test_a_stalled_partition_shows_and_the_others_flow_through_the_proxy(
-    workspace: Workspace, tansu: TansuBroker
+    workspace: Workspace, kafka: KafkaNode
 ) -> None:
-    admin = kafka_workspace(workspace, tansu.bootstrap)
-    created = workspace.cli("topics", "create", "orders", "--partitions", "2")
+    admin = kafka_workspace(workspace, kafka.bootstrap)
+    name = Namespace()
+    topic, integration = name("orders"), name("loyalty")
+    created = workspace.cli("topics", "create", topic, "--partitions", "2")
     assert created.returncode == 0, created.stderr
-    await write(tansu.bootstrap, "orders", plan_of(4, 3, 5), "gzip cut short")
+    await write(kafka, topic, plan_of(4, 3, 5), "gzip garbage")
     async with HandlerServer() as handler:
-        workspace.write_integration("loyalty", integration_yaml("loyalty", handler.url, workers=4))
+        yaml = integration_yaml(integration, handler.url, topic=topic, workers=4)
+        workspace.write_integration(integration, yaml)
         done = workspace.cli("init")
         assert done.returncode == 0, done.stdout + done.stderr
         proxy = await workspace.start("run")
         before = {(0, n) for n in range(9)} | {(1, n) for n in range(4)}
         await wait_until_true(lambda: delivered(handler) == before, timeout_s=90, step_s=0.2)
 
-        def status() -> dict[str, object]:
-            response = httpx.get(f"{admin}/integrations/loyalty", timeout=5)
-            return dict(response.json())
-
         def stalled() -> list[dict[str, object]]:
-            flows = status().get("flows", [])
+            response = httpx.get(f"{admin}/integrations/{integration}", timeout=5)
+            flows = response.json().get("flows", [])
             assert isinstance(flows, list)
             return [
                 s for flow in flows if flow["flow"] == "main" for s in flow["stalled_partitions"]
@@ -234,20 +225,26 @@ async def test_a_stalled_partition_shows_and_the_others_flow_through_the_proxy(
 
         await wait_until_true(lambda: bool(stalled()), timeout_s=30, step_s=0.2)
         (stall,) = stalled()
-        assert (stall["topic"], stall["partition"]) == ("orders", 1)
-        assert "offset 4" in str(stall["reason"]), stall
-        assert "EOFError" in str(stall["reason"]), stall
+        assert (stall["topic"], stall["partition"]) == (topic, 1)
+        assert "offset 4: a record batch (offsets 4-6)" in str(stall["reason"]), stall
         # The bad batch and the five records behind it are unread: the lag says so.
         await wait_until_true(lambda: lag_of(admin, 1) == 8, timeout_s=30, step_s=0.2)
         metrics = scrape(admin)
-        assert (
-            value_of(metrics, "nemesis_stalled_partitions", integration="loyalty", flow="main") == 1
-        )
+        where = {"integration": integration, "flow": "main"}
+        assert value_of(metrics, "nemesis_stalled_partitions", **where) == 1
         assert lag_of(admin, 0) == 0
         # It stalled; it did not crash: the main flow never restarted.
-        assert (
-            value_of(metrics, "nemesis_flow_restarts_total", integration="loyalty", flow="main")
-            == 0
-        )
+        assert value_of(metrics, "nemesis_flow_restarts_total", **where) == 0
         assert delivered(handler) == before
+        assert await stop_gracefully(proxy) == 0, workspace.logs()
+
+        # The operator passes over the three records of the batch; the rest flows.
+        skipped = workspace.cli(
+            "offsets", "skip", integration, "--count", "3", "--partition", "1", "--force"
+        )
+        assert skipped.returncode == 0, skipped.stdout + skipped.stderr
+        proxy = await workspace.start("run")
+        every = before | {(1, n) for n in range(4, 9)}
+        await wait_until_true(lambda: delivered(handler) == every, timeout_s=90, step_s=0.2)
+        await wait_until_true(lambda: lag_of(admin, 1) == 0, timeout_s=30, step_s=0.2)
         assert await stop_gracefully(proxy) == 0, workspace.logs()
