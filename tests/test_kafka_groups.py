@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -24,7 +23,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from nemesis.testing import HandlerServer
 from tests.conftest import Workspace, integration_yaml, stop_gracefully
-from tests.kafka_broker import TansuBroker, start_tansu
+from tests.kafka_broker import KafkaNode, Namespace
 from tests.operability import samples, wait_until_true
 from tests.test_kafka_stall import kafka_workspace
 
@@ -32,27 +31,28 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 @pytest.fixture
-def tansu(tmp_path: Path) -> Iterator[TansuBroker]:
-    broker = start_tansu(tmp_path)
-    yield broker
-    broker.stop()
+def name() -> Namespace:
+    return Namespace()
 
 
 @pytest.fixture
-async def other_application(tansu: TansuBroker) -> AsyncIterator[AIOKafkaConsumer]:
+async def other_application(kafka: KafkaNode, name: Namespace) -> AsyncIterator[AIOKafkaConsumer]:
     """Another application's live member of group ``shared``, reading topic ``other``."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=tansu.bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic("other", 1, 1)])
+        await admin.create_topics([NewTopic(name("other"), 1, 1)])
     finally:
         await admin.close()
     consumer = AIOKafkaConsumer(
-        "other", bootstrap_servers=tansu.bootstrap, group_id="shared", enable_auto_commit=False
+        name("other"),
+        bootstrap_servers=kafka.bootstrap,
+        group_id=name("shared"),
+        enable_auto_commit=False,
     )
     await consumer.start()
-    await consumer.getmany(timeout_ms=2000)  # joined: the group has a member now
-    assert consumer.assignment()
+    # Joined: the group has a member now.
+    await wait_until_true(lambda: bool(consumer.assignment()), timeout_s=30, step_s=0.1)
     yield consumer
     await consumer.stop()
 
@@ -82,81 +82,87 @@ def restarts(admin: str, name: str, flow: str) -> float:
     )
 
 
-def shared_consumer_yaml(url: str) -> str:
+def shared_consumer_yaml(name: Namespace, url: str) -> str:
     return (
-        "name: loyalty\n"
+        f"name: {name('loyalty')}\n"
         "owners: [team-test]\n"
-        "source: {topic: orders, consumer: shared}\n"
+        f"source: {{topic: {name('orders')}, consumer: {name('shared')}}}\n"
         f"target: {{url: '{url}', timeout_s: 5}}\n"
     )
 
 
 async def test_an_integration_added_to_a_running_proxy_starts_beside_its_internal_flows(
-    workspace: Workspace, tansu: TansuBroker
+    workspace: Workspace, kafka: KafkaNode, name: Namespace
 ) -> None:
     """The internal flows read before the source topic exists; the main flow starts after."""
-    admin = kafka_workspace(workspace, tansu.bootstrap)
+    admin = kafka_workspace(workspace, kafka.bootstrap)
+    integration, topic = name("loyalty"), name("orders")
     async with HandlerServer() as handler:
-        workspace.write_integration("loyalty", integration_yaml("loyalty", handler.url, workers=4))
+        yaml = integration_yaml(integration, handler.url, topic=topic, workers=4)
+        workspace.write_integration(integration, yaml)
         proxy = await workspace.start("run")
+
+        def replay_reads() -> bool:
+            stats = flow_stats(admin, integration, "replay")
+            return int(str(stats.get("assigned_partitions", 0))) > 0
+
         # The replay flow (the integration's own topic) reads, its group joined.
-        await wait_until_true(
-            lambda: (
-                int(str(flow_stats(admin, "loyalty", "replay").get("assigned_partitions", 0))) > 0
-            ),
-            timeout_s=90,
-            step_s=0.5,
-        )
+        await wait_until_true(replay_reads, timeout_s=90, step_s=0.5)
         created = await asyncio.to_thread(
-            workspace.cli, "topics", "create", "orders", "--partitions", "2"
+            workspace.cli, "topics", "create", topic, "--partitions", "2"
         )
         assert created.returncode == 0, created.stderr
         lines = b"".join(json.dumps({"n": n}).encode() + b"\n" for n in range(20))
         (workspace.root / "orders.jsonl").write_bytes(lines)
         published = await asyncio.to_thread(
-            workspace.cli, "publish", "orders", "--file", "orders.jsonl", "--lines"
+            workspace.cli, "publish", topic, "--file", "orders.jsonl", "--lines"
         )
         assert published.returncode == 0, published.stderr
         done = await asyncio.to_thread(workspace.cli, "init")
         assert done.returncode == 0, done.stdout + done.stderr
         await handler.ledger.wait_for(20, timeout_s=90)
         assert {json.loads(e.body)["n"] for e in handler.ledger if e.done} == set(range(20))
-        assert "consumer nemesis.replay.loyalty/nemesis.internal.loyalty" in done.stdout
+        assert (
+            f"consumer nemesis.replay.{integration}/nemesis.internal.{integration}" in done.stdout
+        )
         assert await stop_gracefully(proxy) == 0, workspace.logs()
 
 
 async def test_init_reports_a_registration_the_broker_refuses(
-    workspace: Workspace, tansu: TansuBroker, other_application: AIOKafkaConsumer
+    workspace: Workspace, kafka: KafkaNode, name: Namespace, other_application: AIOKafkaConsumer
 ) -> None:
-    kafka_workspace(workspace, tansu.bootstrap)
+    kafka_workspace(workspace, kafka.bootstrap)
     created = await asyncio.to_thread(
-        workspace.cli, "topics", "create", "orders", "--partitions", "2"
+        workspace.cli, "topics", "create", name("orders"), "--partitions", "2"
     )
     assert created.returncode == 0, created.stderr
-    workspace.write_integration("loyalty", shared_consumer_yaml("http://127.0.0.1:9/"))
+    workspace.write_integration(name("loyalty"), shared_consumer_yaml(name, "http://127.0.0.1:9/"))
     # In a thread: the other application's member keeps its heartbeats meanwhile.
     done = await asyncio.to_thread(workspace.cli, "init")
     assert done.returncode != 0, done.stdout
-    assert "consumer orders/shared: added" not in done.stdout
-    assert "cannot register consumer shared on topic orders" in done.stderr, done.stderr
+    assert f"consumer {name('orders')}/{name('shared')}: added" not in done.stdout
+    refused = f"cannot register consumer {name('shared')} on topic {name('orders')}"
+    assert refused in done.stderr, done.stderr
     assert "live members reading other topics" in done.stderr, done.stderr
 
 
 async def test_a_flow_that_cannot_start_counts_its_restarts(
-    workspace: Workspace, tansu: TansuBroker, other_application: AIOKafkaConsumer
+    workspace: Workspace, kafka: KafkaNode, name: Namespace, other_application: AIOKafkaConsumer
 ) -> None:
-    admin = kafka_workspace(workspace, tansu.bootstrap)
+    admin = kafka_workspace(workspace, kafka.bootstrap)
     created = await asyncio.to_thread(
-        workspace.cli, "topics", "create", "orders", "--partitions", "2"
+        workspace.cli, "topics", "create", name("orders"), "--partitions", "2"
     )
     assert created.returncode == 0, created.stderr
     async with HandlerServer() as handler:
-        workspace.write_integration("loyalty", shared_consumer_yaml(handler.url))
+        workspace.write_integration(name("loyalty"), shared_consumer_yaml(name, handler.url))
         proxy = await workspace.start("run")
+        integration = name("loyalty")
         await wait_until_true(
-            lambda: restarts(admin, "loyalty", "main") >= 2, timeout_s=90, step_s=0.5
+            lambda: restarts(admin, integration, "main") >= 2, timeout_s=90, step_s=0.5
         )
-        issues = status(admin, "loyalty").get("issues", {})
+        issues = status(admin, integration).get("issues", {})
         assert isinstance(issues, dict)
-        assert "cannot register consumer shared on topic orders" in str(issues.get("main")), issues
+        refused = f"cannot register consumer {name('shared')} on topic {name('orders')}"
+        assert refused in str(issues.get("main")), issues
         assert await stop_gracefully(proxy) == 0, workspace.logs()
