@@ -5,10 +5,13 @@ once it has members or committed offsets. ``add_consumer`` therefore commits
 the partitions' start offsets for a group that has none on the topic (a group
 that reads it already, or has committed, is left alone), so the consumer is
 registered, shows in ``describe_topic`` and starts at the oldest retained
-message, as on the other backends. A topic's consumers are the groups with
-committed offsets on it. A cluster may hold thousands of groups: the group
-list, and which of them have offsets on a topic, are asked for at most every
-``GROUPS_TTL_S``; in between, a describe asks only the topic's known groups.
+message, as on the other backends. Kafka takes no commit from outside a group
+that has members: registering a group whose members read other topics only
+is refused (``BrokerError``), never reported as done. A topic's consumers
+are the groups with committed offsets on it. A cluster may hold thousands of
+groups: the group list, and which of them have offsets on a topic, are asked
+for at most every ``GROUPS_TTL_S``; in between, a describe asks only the
+topic's known groups.
 """
 
 from __future__ import annotations
