@@ -197,6 +197,7 @@ def lag_of(admin: str, partition: int) -> float | None:
     return found[0] if found else None
 
 
+@pytest.mark.slow
 async def test_a_stalled_partition_shows_and_the_others_flow_through_the_proxy(
     workspace: Workspace, kafka: KafkaNode
 ) -> None:
