@@ -341,6 +341,12 @@ class Metrics:
             ["integration", "flow"],
             buckets=RATE_LIMIT_WAIT_BUCKETS_S,
         )
+        self.flow_restarts = self._loop_counter(
+            "nemesis_flow_restarts",
+            "Restarts of a flow after it failed or could not start (a broker that refused it,"
+            " a record that crashed its reader); a flow waiting for its topic is not counted.",
+            ["integration", "flow"],
+        )
         self.disabled_type_skips = self._loop_counter(
             "nemesis_disabled_type_skips",
             "Messages acknowledged without delivery because their type was in"

@@ -1,7 +1,11 @@
 """The topics Nemesis owns and the metadata it writes on them: names both sides agree on.
 
 Each integration has its own retry tier topics (``nemesis.retry.<integration>.<n>``)
-and replay topic (``nemesis.replay.<integration>``). A message Nemesis writes
+and replay topic (``nemesis.replay.<integration>``), which its flows read as the
+consumer ``nemesis.internal.<integration>``: a name of their own, never the main
+flow's (on Kafka a consumer is a group across topics, and a group with members
+reading one topic cannot be registered on another from outside it; names
+starting with ``nemesis.`` are refused as a source's consumer). A message Nemesis writes
 to one of them carries the original bytes and metadata plus the ``nemesis-*``
 keys below. The proxy's flows read these topics; the DLQ's requeue path (the
 CLI, the viewer) writes to the replay topics. Both take the names from here,
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from nemesis.broker.port import Headers, OutgoingMessage
+from nemesis.broker.port import ConsumerSpec, Headers, OutgoingMessage, TopicAdmin
 
 # Metadata keys Nemesis itself writes (retry tiers, replays); producers should not use them.
 META_PREFIX = "nemesis-"
@@ -38,6 +42,32 @@ def tier_topic(integration: str, tier: int) -> str:
 def replay_topic(integration: str) -> str:
     """The topic requeued dead letters of an integration go through."""
     return f"nemesis.replay.{integration}"
+
+
+def internal_consumer(integration: str) -> str:
+    """The consumer an integration's retry tier and replay flows read their topics as."""
+    return f"nemesis.internal.{integration}"
+
+
+async def register_internal(admin: TopicAdmin, topic: str, integration: str) -> bool:
+    """Registers the internal consumer on one of the integration's own topics; True if new.
+
+    Where the topic was read before as the consumer named like the integration
+    (the internal flows' consumer of Nemesis up to 0.x, the main flow's on
+    Kafka), the new consumer starts at that consumer's committed offsets, so an
+    upgrade neither reads a retry tier again from its start nor skips it.
+    """
+    consumer = internal_consumer(integration)
+    described = await admin.describe_topic(topic)
+    if consumer in described.consumers:
+        return False
+    await admin.add_consumer(topic, ConsumerSpec(consumer))
+    if integration in described.consumers:
+        for partition in described.partitions:
+            offset = partition.committed.get(integration, partition.start_offset)
+            if offset > partition.start_offset:
+                await admin.seek(topic, consumer, partition.partition, offset)
+    return True
 
 
 def is_internal(topic: str) -> bool:

@@ -89,6 +89,7 @@ FAMILIES = {
         "nemesis_workers_busy",
         "nemesis_workers_configured",
         "nemesis_runner_state",
+        "nemesis_flow_restarts",
     ],
     "commits": [
         "nemesis_commits",

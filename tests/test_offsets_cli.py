@@ -234,7 +234,7 @@ async def test_show_prints_committed_end_and_lag_per_partition(space: Space) -> 
     for p in shown:
         assert f"{p['partition']:>9} {p['committed']:>12} {p['end']:>12} {p['lag']:>10}" in out
     # Retry tiers and replay are listed too, with their own consumers.
-    assert "flow replay: topic nemesis.replay.loyalty, consumer loyalty" in out
+    assert "flow replay: topic nemesis.replay.loyalty, consumer nemesis.internal.loyalty" in out
 
 
 async def test_seek_and_skip_are_refused_while_it_runs_unpaused_even_with_force(

@@ -42,7 +42,7 @@ from nemesis.dlq import DeadLetterFilter, Status, open_sqlite_dlq
 from nemesis.dlq.requeue import requeue
 from nemesis.runtime.app import Proxy
 from nemesis.testing.clock import FakeClock
-from nemesis.topology import replay_topic
+from nemesis.topology import internal_consumer, replay_topic
 
 ALICE, BOB, ROOT = STANDARD_ACCESS.people
 ROOT_TOKEN = "nmsv_standalone-root-token-0123456789"
@@ -104,7 +104,7 @@ async def test_a_missing_replay_topic_gets_as_many_partitions_as_the_source(
     assert result.count == 5
     described = await broker.admin.describe_topic(replay_topic("orders-a"))
     assert len(described.partitions) == 3
-    assert list(described.consumers) == ["orders-a"]
+    assert list(described.consumers) == [internal_consumer("orders-a")]
     assert sum(p.end_offset for p in described.partitions) == 5
 
 
@@ -124,7 +124,8 @@ async def test_an_existing_replay_topic_is_used_as_the_broker_describes_it(
     assert result.count == 4
     described = await broker.admin.describe_topic(replay_topic("orders-a"))
     assert len(described.partitions) == 2
-    assert list(described.consumers) == ["orders-a"]  # the replay flow's consumer is added
+    # The replay flow's consumer is added.
+    assert list(described.consumers) == [internal_consumer("orders-a")]
 
 
 async def test_owners_come_from_the_integrations_directory_and_follow_its_edits(

@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from nemesis.broker.port import Broker, ConsumerSpec
+from nemesis.broker.port import Broker
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.dlq.port import (
     MAX_SELECT_IDS,
@@ -35,7 +35,7 @@ from nemesis.dlq.port import (
     Status,
 )
 from nemesis.errors import TopicNotFound
-from nemesis.topology import replay_message, replay_topic
+from nemesis.topology import register_internal, replay_message, replay_topic
 
 _WRITE_BATCH = 500
 
@@ -104,21 +104,14 @@ async def _replay_topic_of(broker: Broker, integration: str, source_topic: str) 
     """The integration's replay topic, made ready to take messages its consumer reads."""
     topic = replay_topic(integration)
     try:
-        described = await broker.admin.describe_topic(topic)
+        await broker.admin.describe_topic(topic)
     except TopicNotFound:
         try:
             partitions = len((await broker.admin.describe_topic(source_topic)).partitions)
         except TopicNotFound:
             partitions = 1  # the source is gone too: one partition keeps the messages in order
-        await broker.admin.create_topic(
-            topic,
-            partitions=max(1, partitions),
-            consumers=[ConsumerSpec(integration)],
-            exist_ok=True,
-        )
-        return topic
-    if integration not in described.consumers:
-        await broker.admin.add_consumer(topic, ConsumerSpec(integration))
+        await broker.admin.create_topic(topic, partitions=max(1, partitions), exist_ok=True)
+    await register_internal(broker.admin, topic, integration)
     return topic
 
 

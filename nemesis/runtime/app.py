@@ -60,6 +60,7 @@ from nemesis.runtime.retries import FlowSpec, flows_of, tier_topic
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
 from nemesis.runtime.sizing import LiveSizing
 from nemesis.runtime.telemetry import IntegrationSnapshot, ProxySnapshot, metric_families
+from nemesis.topology import register_internal
 
 log = logging.getLogger(__name__)
 
@@ -528,6 +529,7 @@ class Proxy:
         name = group.name
         where = {"integration": name, "flow": flow.name}
         delay_s = self._supervisor.restart_delay_s
+        restarts = self.metrics.flow_restarts.labels(name, flow.name)  # at 0 from the start
         while not self._halted(group):
             try:
                 await self._prepare_flow(group, flow)
@@ -554,6 +556,7 @@ class Proxy:
                     delay_s,
                     extra=where,
                 )
+                restarts.inc()
                 await self._sleep_unless_halted(group, delay_s)
                 delay_s = min(delay_s * 2, self._supervisor.max_restart_delay_s)
                 continue
@@ -575,6 +578,7 @@ class Proxy:
                         extra=where,
                     )
                 group.issues[flow.name] = "failed; restarting"
+                restarts.inc()
             else:
                 return
             await self._sleep_unless_halted(group, delay_s)
@@ -584,6 +588,8 @@ class Proxy:
         """Keeps the internal flows running over one shared reader; restarts them together."""
         name = group.name
         delay_s = self._supervisor.restart_delay_s
+        # Every internal flow restarts when one fails: each restart is counted.
+        restarts = [self.metrics.flow_restarts.labels(name, flow.name) for flow in flows]
         while not self._halted(group):
             try:
                 for flow in flows:
@@ -600,6 +606,8 @@ class Proxy:
                     delay_s,
                     extra={"integration": name},
                 )
+                for counter in restarts:
+                    counter.inc()
                 await self._sleep_unless_halted(group, delay_s)
                 delay_s = min(delay_s * 2, self._supervisor.max_restart_delay_s)
                 continue
@@ -616,6 +624,8 @@ class Proxy:
                     extra={"integration": name, "flow": flow.name},
                 )
                 group.issues[flow.name] = "failed; restarting"
+            for counter in restarts:
+                counter.inc()
             await self._sleep_unless_halted(group, delay_s)
             delay_s = min(delay_s * 2, self._supervisor.max_restart_delay_s)
 
@@ -675,14 +685,10 @@ class Proxy:
     async def _prepare_flow(self, group: IntegrationGroup, flow: FlowSpec) -> None:
         """Registers the consumer; creates the retry tier and replay topics Nemesis owns."""
         admin = self.broker.admin
-        if flow.name != "main":
-            await admin.create_topic(
-                flow.topic,
-                partitions=self._supervisor.internal_partitions,
-                consumers=[ConsumerSpec(flow.consumer)],
-                exist_ok=True,
-            )
-        await admin.add_consumer(flow.topic, ConsumerSpec(flow.consumer))
+        if flow.name == "main":
+            await admin.add_consumer(flow.topic, ConsumerSpec(flow.consumer))
+        else:
+            await self._prepare_internal(flow.topic, group.name)
         if self.dlq is None or group.config.delivery.ordering != "none":
             return
         async with group.setup:  # the flows start together; one opens the tier writers
@@ -690,13 +696,17 @@ class Proxy:
                 return
             for tier in range(1, len(group.config.retry.tiers) + 1):
                 topic = tier_topic(group.name, tier)
-                await admin.create_topic(
-                    topic,
-                    partitions=self._supervisor.internal_partitions,
-                    consumers=[ConsumerSpec(group.name)],
-                    exist_ok=True,
-                )
+                await self._prepare_internal(topic, group.name)
                 group.tier_writers.append(await self.broker.writer(topic))
+
+    async def _prepare_internal(self, topic: str, integration: str) -> None:
+        """Creates one of the integration's own topics and registers its internal consumer."""
+        admin = self.broker.admin
+        # Without consumers: register_internal carries a former consumer's offsets over.
+        await admin.create_topic(
+            topic, partitions=self._supervisor.internal_partitions, exist_ok=True
+        )
+        await register_internal(admin, topic, integration)
 
     def _make_runner(
         self, group: IntegrationGroup, flow: FlowSpec, shared: SharedReader | None = None

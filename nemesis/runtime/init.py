@@ -1,8 +1,9 @@
 """``nemesis init``: creates what a configuration needs, on either backend, idempotently.
 
 Per integration: its consumer on the source topic; for unordered delivery
-one topic per retry tier (``tier_topic``), each with the integration as its
-consumer; its replay topic (``replay_topic``) with the same consumer. Then
+one topic per retry tier (``tier_topic``), each with the integration's
+internal consumer (``internal_consumer``); its replay topic
+(``replay_topic``) with the same consumer. Then
 the DLQ's table (YDB) or file (sqlite). Running it again changes nothing
 and reports everything as there already.
 
@@ -23,6 +24,7 @@ from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig, NemesisConfig
 from nemesis.errors import TopicNotFound
 from nemesis.runtime.retries import flows_of
+from nemesis.topology import register_internal
 
 # As the supervisor's ``internal_partitions``: the partitions of the topics Nemesis owns.
 INTERNAL_PARTITIONS = 4
@@ -120,16 +122,17 @@ async def _integration(
     for flow in owned:
         if await _topic_exists(broker, flow.topic):
             steps.append(InitStep("topic", flow.topic, Outcome.EXISTS, name))
-            steps.append(await _consumer(broker, flow.topic, flow.consumer, name))
-            continue
-        await broker.admin.create_topic(
-            flow.topic,
-            partitions=partitions,
-            consumers=[ConsumerSpec(flow.consumer)],
-            exist_ok=True,  # another init may be running
-        )
-        steps.append(InitStep("topic", flow.topic, Outcome.CREATED, name))
-        steps.append(InitStep("consumer", f"{flow.topic}/{flow.consumer}", Outcome.ADDED, name))
+        else:
+            # Without consumers: register_internal carries a former consumer's offsets over.
+            await broker.admin.create_topic(
+                flow.topic,
+                partitions=partitions,
+                exist_ok=True,  # another init may be running
+            )
+            steps.append(InitStep("topic", flow.topic, Outcome.CREATED, name))
+        added = await register_internal(broker.admin, flow.topic, name)
+        outcome = Outcome.ADDED if added else Outcome.EXISTS
+        steps.append(InitStep("consumer", f"{flow.topic}/{flow.consumer}", outcome, name))
     return steps
 
 

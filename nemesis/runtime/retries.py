@@ -40,6 +40,7 @@ from nemesis.topology import (
 )
 
 # Named here too (explicitly re-exported): the runtime's modules import them from here.
+from nemesis.topology import internal_consumer as internal_consumer
 from nemesis.topology import replay_topic as replay_topic
 from nemesis.topology import tier_topic as tier_topic
 
@@ -63,13 +64,14 @@ class FlowSpec:
 def flows_of(config: IntegrationConfig) -> list[FlowSpec]:
     """Every flow an integration runs: main, one per retry tier (unordered only), replay."""
     name = config.name
+    internal = internal_consumer(name)
     flows = [FlowSpec("main", config.source.topic, config.source.consumer)]
     if config.delivery.ordering == "none":
         flows += [
-            FlowSpec(f"retry-{n}", tier_topic(name, n), name, tier=n, limiter="retry")
+            FlowSpec(f"retry-{n}", tier_topic(name, n), internal, tier=n, limiter="retry")
             for n in range(1, len(config.retry.tiers) + 1)
         ]
-    flows.append(FlowSpec("replay", replay_topic(name), name, limiter="replay"))
+    flows.append(FlowSpec("replay", replay_topic(name), internal, limiter="replay"))
     return flows
 
 

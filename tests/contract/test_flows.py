@@ -20,7 +20,7 @@ from nemesis.dlq import DeadLetterFilter, Reason, Status
 from nemesis.runtime.app import Proxy
 from nemesis.runtime.init import Outcome, init_backend
 from nemesis.runtime.replay import requeue
-from nemesis.runtime.retries import replay_topic, tier_topic
+from nemesis.runtime.retries import internal_consumer, replay_topic, tier_topic
 from nemesis.runtime.runner import RunnerOptions
 from nemesis.testing import HandlerServer, LedgerEntry
 from tests.contract.conftest import Backend
@@ -133,6 +133,31 @@ async def test_a_rejected_message_is_dead_lettered_once_and_requeue_brings_it_ba
     assert (await dlq.actions()).rows[0].who == "alice"
 
 
+async def test_init_carries_the_former_internal_consumers_offsets_over(
+    backend: Backend,
+) -> None:
+    """Internal topics read as the integration's name before: the new consumer starts there."""
+    ns = backend.names
+    alpha, internal = ns("alpha"), internal_consumer(ns("alpha"))
+    broker = await backend.broker()
+    await broker.admin.create_topic(ns("orders"), partitions=2)
+    tier = tier_topic(alpha, 1)
+    await broker.admin.create_topic(tier, partitions=2, consumers=[ConsumerSpec(alpha)])
+    writer = await broker.writer(tier)
+    await writer.write([OutgoingMessage(b"x", partition=n % 2) for n in range(10)])
+    await writer.close()
+    await broker.admin.seek(tier, alpha, 0, 3)
+    await broker.admin.seek(tier, alpha, 1, 5)
+    report = await init_backend(
+        backend.config, [integration(ns, "alpha", "http://127.0.0.1:9/")], broker=broker
+    )
+    assert f"consumer {tier}/{internal}: added ({alpha})" in report.lines()
+    described = await broker.admin.describe_topic(tier)
+    assert {p.partition: p.committed[internal] for p in described.partitions} == {0: 3, 1: 5}
+    # A topic the former consumer never read starts at its oldest message, as any new one.
+    assert internal in (await broker.admin.describe_topic(replay_topic(alpha))).consumers
+
+
 async def test_init_creates_what_a_configuration_needs_and_is_idempotent(
     backend: Backend,
 ) -> None:
@@ -162,8 +187,9 @@ async def test_init_creates_what_a_configuration_needs_and_is_idempotent(
     }
     orders = await broker.admin.describe_topic(ns("orders"))
     assert orders.consumers == [ns("alpha"), ns("beta")]
+    # The internal flows read as a consumer of their own, never the main flow's.
     assert (await broker.admin.describe_topic(tier_topic(ns("alpha"), 2))).consumers == [
-        ns("alpha")
+        internal_consumer(ns("alpha"))
     ]
     assert first.steps[-1].kind == "dlq"
     assert first.steps[-1].outcome is Outcome.READY

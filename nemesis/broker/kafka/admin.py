@@ -5,10 +5,13 @@ once it has members or committed offsets. ``add_consumer`` therefore commits
 the partitions' start offsets for a group that has none on the topic (a group
 that reads it already, or has committed, is left alone), so the consumer is
 registered, shows in ``describe_topic`` and starts at the oldest retained
-message, as on the other backends. A topic's consumers are the groups with
-committed offsets on it. A cluster may hold thousands of groups: the group
-list, and which of them have offsets on a topic, are asked for at most every
-``GROUPS_TTL_S``; in between, a describe asks only the topic's known groups.
+message, as on the other backends. Kafka takes no commit from outside a group
+that has members: registering a group whose members read other topics only
+is refused (``BrokerError``), never reported as done. A topic's consumers
+are the groups with committed offsets on it. A cluster may hold thousands of
+groups: the group list, and which of them have offsets on a topic, are asked
+for at most every ``GROUPS_TTL_S``; in between, a describe asks only the
+topic's known groups.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from nemesis.broker.kafka.config import KafkaBackendConfig
 from nemesis.broker.kafka.connection import client_settings, close_leftover_connections
+from nemesis.broker.kafka.decoding import undecodable
 from nemesis.broker.kafka.errors import (
     broker_error,
     error_for_code,
@@ -195,8 +199,18 @@ class KafkaAdmin:
         # Marked as a registration: a reader with another start (latest, a time) takes
         # such a partition as never committed.
         offsets = {tp: OffsetAndMetadata(offset, REGISTERED) for tp, offset in starts.items()}
-        # False: the group has members; it exists, and they commit their own offsets.
-        await self._commit_as(consumer.name, offsets, f"register {consumer.name} on {topic}")
+        if not await self._commit_as(
+            consumer.name, offsets, f"register {consumer.name} on {topic}"
+        ) and not await self.is_registered(topic, consumer.name):
+            # The group has members, and none of them read this topic (they would have
+            # committed on it): Kafka takes no commit from outside a group with members.
+            raise BrokerError(
+                f"cannot register consumer {consumer.name} on topic {topic}: the Kafka"
+                f" consumer group {consumer.name} has live members reading other topics, and"
+                " a group with members takes no commit from outside it; give the"
+                " integration a consumer of its own (source.consumer), or stop the group's"
+                " other readers first"
+            )
         self._forget_groups()
 
     async def _commit_as(
@@ -451,7 +465,9 @@ class Peeker:
 
         Kafka keeps no time per partition: the last record's timestamp is it.
         The read also corrects an end offset that a broker reports short (Tansu
-        0.6 answers the last batch's first offset + 1).
+        0.6 answers the last batch's first offset + 1). A last batch that cannot
+        be decoded (``nemesis.broker.kafka.decoding``) gives its end and time
+        from its header.
         """
         found: dict[TopicPartition, tuple[int, float | None]] = {tp: (ends[tp], None) for tp in tps}
         readable = [tp for tp in tps if ends[tp] > starts[tp]]
@@ -465,19 +481,44 @@ class Peeker:
                 for tp in readable:
                     consumer.seek(tp, ends[tp] - 1)
                 deadline = time.monotonic() + self._timeout_s
-                while time.monotonic() < deadline:
-                    batches = await kafka_call(
-                        what, consumer.getmany(*readable, timeout_ms=200), self._timeout_s
-                    )
-                    if not batches:
+                while readable and time.monotonic() < deadline:
+                    batches = await self._last_records(consumer, readable, found, what)
+                    if batches is None:
                         break
                     for tp, records in batches.items():
+                        if not records:
+                            continue
                         last = records[-1]
                         end = max(found[tp][0], last.offset + 1)
                         found[tp] = (end, last.timestamp / 1000 if last.timestamp else None)
             finally:
                 consumer.assign([])
         return found
+
+    async def _last_records(
+        self,
+        consumer: AIOKafkaConsumer,
+        readable: list[TopicPartition],
+        found: dict[TopicPartition, tuple[int, float | None]],
+        what: str,
+    ) -> Mapping[TopicPartition, Sequence[Any]] | None:
+        """One read of ``tails``; None when nothing came. Takes undecodable partitions out."""
+        try:
+            batches = await kafka_call(
+                what, consumer.getmany(*readable, timeout_ms=200), self._timeout_s
+            )
+        except Exception as exc:
+            bad = undecodable(
+                exc.__cause__ if isinstance(exc, BrokerError) and exc.__cause__ else exc
+            )
+            if bad is None:
+                raise
+            tp = TopicPartition(bad.topic, bad.partition)
+            found[tp] = (max(found[tp][0], bad.next_offset), bad.written_at)
+            consumer.pause(tp)
+            readable.remove(tp)
+            return {TopicPartition(bad.topic, p): records for p, records in bad.taken.items()}
+        return batches or None
 
     async def last_seqno(self, topic: str, partition: int, producer_id: str) -> int:
         """The highest seqno ``producer_id`` wrote in the partition's last records; 0 if none."""

@@ -25,6 +25,17 @@ aiokafka takes them from its buffer and returns without awaiting in between.
 
 Pausing. ``pause`` stops fetching one partition (Kafka pauses per
 partition, exactly): a poison message holds only its own partition back.
+
+Stalling. A record batch the client cannot decode (an unknown codec id, a
+codec whose library is missing, compressed bytes that do not decompress, a
+CRC that does not match) stalls its partition alone: the reader hands out
+what the failed fetch had taken (``nemesis.broker.kafka.decoding``),
+stops fetching the partition for the rest of its session and names it, with
+the batch's offset and the reason, in ``stalled``; the other partitions
+keep flowing. Nothing past the batch is committed, so the partition's lag
+shows what waits behind it. A new session (a rebalance, a reader restart)
+reads the batch again; an operator passes over it by moving the group's
+committed offset (``nemesis offsets``, see ``docs/kafka.md``).
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
 from nemesis.aio import first_of
 from nemesis.broker.kafka.connection import close_leftover_connections
+from nemesis.broker.kafka.decoding import Undecodable, undecodable
 from nemesis.broker.kafka.errors import broker_error, describe
 from nemesis.broker.kafka.mapping import KafkaSession, to_message
 from nemesis.broker.port import Message, PartitionSession, run_session
@@ -87,6 +99,8 @@ class KafkaReader:
         self._group = group
         self._commit_timeout_s = commit_timeout_s
         self._sessions: dict[int, KafkaSession] = {}
+        # partition -> (its session when it stalled, why): see "Stalling" in the module doc.
+        self._stalls: dict[int, tuple[KafkaSession, str]] = {}
         self._serials = itertools.count(1)
         self._closing: asyncio.Future[Any] | None = None
         self._dropped = 0
@@ -172,21 +186,48 @@ class KafkaReader:
             # interrupt() ends the wait at once. A fetch cancelled here loses nothing:
             # aiokafka keeps fetched records until a getmany hands them out.
             await first_of(fetch, wake.wait(), timeout_s=max(timeout_s, 0.0) + _RECEIVE_SLACK_S)
-        except KafkaError as exc:
-            raise broker_error(exc, f"receive from {self._topic} as {self._group}") from exc
+        except Exception as exc:
+            # A batch the client cannot decode raises whatever it is (KafkaError, zlib's,
+            # a codec library's); only the frames of the failure tell it apart.
+            found = undecodable(exc)
+            if found is not None and found.topic == self._topic:
+                return self._stall(found)
+            if isinstance(exc, KafkaError):
+                raise broker_error(exc, f"receive from {self._topic} as {self._group}") from exc
+            raise
         finally:
             self._wake = None
         if not fetch.done() or fetch.cancelled():
             return ()  # interrupted, or a rebalance is in progress: nothing to hand out
-        batches = fetch.result()
+        return self._messages(fetch.result())
+
+    def _messages(self, batches: Mapping[Any, Sequence[Any]]) -> list[Message]:
+        """The records of live sessions as messages; those of ended sessions are dropped."""
         out: list[Message] = []
         for tp, records in batches.items():
-            session = self._sessions.get(tp.partition)
+            partition = tp if isinstance(tp, int) else tp.partition
+            session = self._sessions.get(partition)
             if session is None or not session.alive:
                 self._dropped += len(records)
                 continue
             out.extend(to_message(record, session) for record in records)
         return out
+
+    def _stall(self, found: Undecodable) -> list[Message]:
+        """Stops fetching the partition of a batch that cannot be decoded; hands out the rest."""
+        session = self._sessions.get(found.partition)
+        if session is not None and session.alive:
+            reason = (
+                f"{found.topic}[{found.partition}] offset {found.offset}: a record batch"
+                f" (offsets {found.offset}-{found.next_offset - 1}) Nemesis cannot decode"
+                f" ({describe(found.error)}): the partition is stalled"
+            )
+            self._stalls[found.partition] = (session, reason)
+            # Paused in the client for good (``resume`` leaves it): it drops its buffer of
+            # the partition and fetches nothing more of it in this session.
+            self._consumer.pause(TopicPartition(self._topic, found.partition))
+            logger.error("reader of %s as %s: %s", self._topic, self._group, reason)
+        return self._messages(found.taken)
 
     # --- committing ---------------------------------------------------------------
 
@@ -226,7 +267,8 @@ class KafkaReader:
         own = self._own(session)
         if own is not None and own.paused:
             own.paused = False
-            self._consumer.resume(TopicPartition(self._topic, own.partition))
+            if own.partition not in self.stalled_partitions():
+                self._consumer.resume(TopicPartition(self._topic, own.partition))
 
     def _own(self, session: PartitionSession) -> KafkaSession | None:
         if not isinstance(session, KafkaSession) or session.owner is not self:
@@ -236,8 +278,15 @@ class KafkaReader:
         return session
 
     def stalled(self) -> Mapping[tuple[str, int], str]:
-        """None here: every message of an assigned partition is read (see the broker port)."""
-        return {}
+        """The partitions stalled on a batch that cannot be decoded, with the reason."""
+        return {(self._topic, p): why for p, why in self.stalled_partitions().items()}
+
+    def stalled_partitions(self) -> dict[int, str]:
+        """Stalls of the sessions held now; those of ended sessions are forgotten."""
+        for partition, (session, _) in list(self._stalls.items()):
+            if not session.alive or self._sessions.get(partition) is not session:
+                del self._stalls[partition]
+        return {partition: why for partition, (_, why) in self._stalls.items()}
 
     def interrupt(self) -> None:
         """Makes a waiting ``receive`` return now, with nothing (see the broker port)."""
