@@ -44,10 +44,9 @@ def kafka_config(space: Workspace, bootstrap: str, *, admin_port: int = 0) -> in
         "backend:\n"
         "  kind: kafka\n"
         f"  bootstrap_servers: ['{bootstrap}']\n"
-        "  session_timeout_s: 6\n"
         "  heartbeat_interval_s: 1\n"
         "  connect_timeout_s: 5\n"
-        "  request_timeout_s: 8\n"
+        "  request_timeout_s: 15\n"
         "data_dir: .\n"
         "integrations_dir: integrations\n"
         f"admin: {{port: {port}}}\n"
@@ -209,7 +208,7 @@ async def test_a_survivor_takes_over_a_killed_members_partitions(
             owned_by_a = by("a")
             kill_hard(proxy_a)
             await proxy_a.wait()
-            # The group expires the dead member after its session (6 s) and gives its
+            # The group expires the dead member after its session (10 s) and gives its
             # partitions to the survivor, which reads on from the last commit.
             await handler.ledger.wait_until(lambda _: by("b") >= owned_by_a, timeout_s=60)
             await handler.ledger.wait_for(count, timeout_s=180)
@@ -348,7 +347,7 @@ def test_the_demo_runs_on_kafka(workspace: Workspace, own_kafka: KafkaBroker) ->
         "--kafka",
         own_kafka.bootstrap,
         "--duration",
-        "15",  # status lines come every 5 s
+        "10",
         "--rate",
         "200",
         "--dir",
@@ -360,19 +359,20 @@ def test_the_demo_runs_on_kafka(workspace: Workspace, own_kafka: KafkaBroker) ->
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     assert "Nemesis demo (kafka backend)" in result.stdout
-    lines = [line for line in result.stdout.splitlines() if line.startswith("produced")]
-    assert lines, result.stdout
-    counts = {
-        name.strip(): int(value) for name, value in re.findall(r"([a-z -]+?) +(\d+)", lines[-1])
-    }
-    assert counts["produced"] > 500
+    # What was produced, from the topic itself (the demo's status lines come every 5 s,
+    # each after a describe that a busy host may not answer in time).
+    config = str(workspace.root / "demo" / "nemesis.yaml")
+    described = workspace.cli("topics", "describe", "orders", "--json", "-c", config)
+    assert described.returncode == 0, described.stderr
+    produced = sum(p["end_offset"] for p in json.loads(described.stdout)["partitions"])
+    assert produced > 500
     # The group's first join takes seconds: the summary at the end tells what was done.
     stopped = re.search(r"stopped: (\d+) orders delivered .*, (\d+) in the DLQ", result.stdout)
     assert stopped is not None, result.stdout
     delivered, dead = int(stopped[1]), int(stopped[2])
-    assert 0 < delivered < counts["produced"]
+    assert 0 < delivered < produced
     assert dead > 0
-    listed = workspace.cli("topics", "list", "-c", str(workspace.root / "demo" / "nemesis.yaml"))
+    listed = workspace.cli("topics", "list", "-c", config)
     assert listed.returncode == 0, listed.stderr
     assert "orders" in listed.stdout.split()
     assert "nemesis.retry.demo-orders.1" in listed.stdout.split()

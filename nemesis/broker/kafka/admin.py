@@ -99,31 +99,50 @@ class KafkaAdmin:
             await self.add_consumer(name, consumer)
 
     async def _wait_for_metadata(self, name: str) -> None:
-        """Until the new topic's partitions have leaders (brokers create them in the background)."""
+        """Until every broker knows the new topic's partitions with leaders.
+
+        Brokers learn of a topic from the controller each at its own pace, and
+        the next call may ask any of them: one that has not heard of it yet
+        would say the topic does not exist.
+        """
         deadline = time.monotonic() + self._timeout_s
-        while True:
-            try:
-                await self.partitions(name)
-            except TopicNotFound:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.05)
-            else:
-                return
+        nodes = [broker.nodeId for broker in self._client._client.cluster.brokers()] or [None]
+        for node in nodes:
+            while True:
+                try:
+                    await self.partitions(name, node=node)
+                except TopicNotFound:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.05)
+                except BrokerError:
+                    break  # a broker that does not answer cannot say "no such topic" either
+                else:
+                    break
 
     async def list_topics(self) -> Sequence[str]:
         """Every topic but the broker's internal ones (``__consumer_offsets``...), sorted."""
-        names = await kafka_call("list topics", self._client.list_topics(), self._timeout_s)
+        names = await kafka_call_retrying("list topics", self._client.list_topics, self._timeout_s)
         return sorted(str(n) for n in names if not str(n).startswith("__"))
 
-    async def partitions(self, name: str) -> int:
-        """The number of partitions of a topic (TopicNotFound if it does not exist)."""
+    async def partitions(self, name: str, *, node: int | None = None) -> int:
+        """The number of partitions of a topic (TopicNotFound if it does not exist).
+
+        Asks ``node`` once, or any broker: one that is down is a retriable
+        error, and the retry asks another.
+        """
         # Not describe_topics: its metadata request lets a broker with
         # auto.create.topics.enable create the topic it is asked about.
         request = MetadataRequest([name], allow_auto_topic_creation=False)
-        response = await kafka_call(
-            f"describe topic {name}", self._client._send_request(request), self._timeout_s
-        )
+        what = f"describe topic {name}"
+        if node is None:
+            response = await kafka_call_retrying(
+                what, lambda: self._client._send_request(request), self._timeout_s
+            )
+        else:
+            response = await kafka_call(
+                what, self._client._send_request(request, node), self._timeout_s
+            )
         for topic in response.to_object()["topics"]:
             if topic["topic"] != name:
                 continue
@@ -317,8 +336,8 @@ class KafkaAdmin:
         cached = self._groups
         if cached is not None and time.monotonic() - cached[0] < GROUPS_TTL_S:
             return cached[1]
-        listed = await kafka_call(
-            "list consumer groups", self._client.list_consumer_groups(), self._timeout_s
+        listed = await kafka_call_retrying(
+            "list consumer groups", self._client.list_consumer_groups, self._timeout_s
         )
         names = sorted({str(group[0]) for group in listed})
         self._groups = (time.monotonic(), names)

@@ -14,13 +14,17 @@ from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssigno
 
 from nemesis.broker.kafka.admin import KafkaAdmin, Peeker
 from nemesis.broker.kafka.config import KafkaBackendConfig
-from nemesis.broker.kafka.connection import client_settings, close_leftover_connections
-from nemesis.broker.kafka.errors import kafka_call
+from nemesis.broker.kafka.connection import (
+    client_settings,
+    close_leftover_connections,
+    connection_failure,
+)
+from nemesis.broker.kafka.errors import broker_error, kafka_call
 from nemesis.broker.kafka.reader import KafkaReader
 from nemesis.broker.kafka.writer import KafkaWriter, default_producer_id
 from nemesis.broker.port import EARLIEST, StartFrom
 from nemesis.clock import SYSTEM_CLOCK, Clock
-from nemesis.errors import TopicNotFound
+from nemesis.errors import BrokerError, TopicNotFound
 from nemesis.topology import is_internal
 
 logger = logging.getLogger(__name__)
@@ -182,14 +186,17 @@ class KafkaBroker:
 
 
 async def open_kafka(config: KafkaBackendConfig, *, clock: Clock = SYSTEM_CLOCK) -> KafkaBroker:
-    """Connects to the brokers (BrokerError if none answers within ``connect_timeout_s``)."""
+    """Connects to the brokers; a BrokerError naming the reason if none answers in time."""
     admin = AIOKafkaAdminClient(**client_settings(config))
+    what = f"connect to {', '.join(config.bootstrap_servers)}"
     try:
-        await kafka_call(
-            f"connect to {', '.join(config.bootstrap_servers)}",
-            admin.start(),
-            config.connect_timeout_s,
-        )
+        await kafka_call(what, admin.start(), config.connect_timeout_s)
+    except BrokerError as exc:
+        await admin.close()
+        cause = await connection_failure(config)
+        if cause is None:
+            raise
+        raise broker_error(cause, what) from exc
     except BaseException:
         await admin.close()
         raise

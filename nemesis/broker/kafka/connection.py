@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from typing import Any
 
+from aiokafka.conn import create_conn
+from aiokafka.errors import KafkaError
 from aiokafka.helpers import create_ssl_context
 
 from nemesis.broker.kafka.config import KafkaBackendConfig
@@ -50,6 +53,34 @@ def client_settings(config: KafkaBackendConfig) -> dict[str, Any]:
         settings["sasl_plain_username"] = config.sasl.username
         settings["sasl_plain_password"] = config.sasl.password.get_secret_value()
     return settings
+
+
+async def connection_failure(config: KafkaBackendConfig) -> BaseException | None:
+    """Why one connection to the first bootstrap server fails; None when it does not.
+
+    aiokafka's bootstrap only says that no server answered; its log holds the
+    reason (a certificate the CA did not sign, refused credentials). Asked
+    after a failed bootstrap, so that the error names the reason.
+    """
+    host, _, port = config.bootstrap_servers[0].rpartition(":")
+    settings = client_settings(config)
+    try:
+        async with asyncio.timeout(config.connect_timeout_s):
+            conn = await create_conn(
+                host.strip("[]"),
+                int(port),
+                client_id=config.client_id,
+                request_timeout_ms=settings["request_timeout_ms"],
+                ssl_context=settings.get("ssl_context"),
+                security_protocol=settings["security_protocol"],
+                sasl_mechanism=settings.get("sasl_mechanism"),
+                sasl_plain_username=settings.get("sasl_plain_username"),
+                sasl_plain_password=settings.get("sasl_plain_password"),
+            )
+    except (KafkaError, OSError, TimeoutError) as exc:
+        return exc
+    conn.close()
+    return None
 
 
 def close_leftover_connections(client: Any) -> int:
