@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nemesis.broker.port import Message, OutgoingMessage
+from nemesis.broker.port import Message, OutgoingMessage, build_message
 
 PRODUCER_HEADER = "__producer"
 SEQNO_HEADER = "__seqno"
@@ -86,18 +86,19 @@ def to_message(record: Any, session: KafkaSession) -> Message:
             metadata[name] = value
     timestamp_s = record.timestamp / 1000 if record.timestamp is not None else 0.0
     key = record.key
-    return Message(
-        topic=record.topic,
-        partition=record.partition,
-        offset=record.offset,
-        value=record.value if record.value is not None else b"",
-        key=key.decode("utf-8", "replace") if key is not None else None,
-        metadata=metadata,
-        producer_id=producer_id,
-        seqno=seqno,
-        created_at=timestamp_s if created_at is None else created_at,
-        written_at=timestamp_s,
-        session=session,
+    # Positional, in build_message's order: a read makes one per record.
+    return build_message(
+        record.topic,
+        record.partition,
+        record.offset,
+        record.value if record.value is not None else b"",
+        key.decode("utf-8", "replace") if key is not None else None,
+        metadata,
+        producer_id,
+        seqno,
+        timestamp_s if created_at is None else created_at,
+        timestamp_s,
+        session,
     )
 
 
