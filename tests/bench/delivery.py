@@ -12,8 +12,11 @@ Prints, on the host it runs on:
   (d) embedded log append and read rates,
   (e) p50/p99 latency added by the proxy at 1,000 msg/s (target p99 <= 1.2 ms),
   (f) peak RSS of the proxy process,
-  (k) with --only kafka: (a) and (c) on the embedded log and on a Kafka-protocol
-      broker (Apache Kafka, tests/kafka_broker.py, started on 127.0.0.1), side by side.
+  (k) with --only kafka: (a) and (c) on the embedded log and on Apache Kafka
+      (tests/kafka_broker.py, started on 127.0.0.1, the backend's default
+      configuration), side by side, and a bare aiokafka consume-and-deliver loop
+      on the same broker (the ceiling of (a) on Kafka); ratios per CPU second:
+      Kafka / embedded (target >= 0.8) and Kafka / the bare loop (target >= 0.6).
 
 The handler (tests/bench/fast_handler.py) and the proxy run pinned to different
 cores when the machine has two. Usage: `make bench` or
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import secrets
@@ -370,6 +374,129 @@ async def bare_h1(port: int, count: int, concurrency: int) -> tuple[float, float
     return (count - mark) / elapsed, cpu / (count - mark) * 1e6
 
 
+async def bare_kafka(
+    bootstrap: str, topic: str, port: int, count: int, concurrency: int, client: str
+) -> tuple[float, float]:
+    """(messages/s, CPU us per message) of a bare aiokafka consume-and-deliver loop.
+
+    The ceiling of (k) on Kafka: one group member (``AIOKafkaConsumer``, offsets
+    committed by hand) takes up to 500 records per ``getmany``, posts each one
+    in a request of its own to the handler, ``concurrency`` at a time, with the
+    headers the proxy sends, and commits a batch's offsets once every record
+    of it is answered (every 100 ms, oldest batch first, as the proxy commits).
+    ``client`` is ``aiohttp`` (a loop written for the job) or ``h1`` (Nemesis'
+    own HTTP/1.1 transport, an event made per record: what is left of the
+    proxy's work without its runner, pipeline and bookkeeping).
+    """
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=topic,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    await consumer.start()
+    post: Any
+    closing: Any
+    if client == "aiohttp":
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
+        url = f"http://127.0.0.1:{port}/"
+
+        async def post(record: Any) -> None:
+            headers = {
+                "content-type": "application/json",
+                "ce-specversion": "1.0",
+                "ce-id": f"{record.topic}:{record.partition}:{record.offset}",
+                "ce-source": "nemesis/bench",
+                "ce-type": "nemesis.message",
+                "ce-time": "2026-11-30T00:00:00Z",
+                "ce-topic": record.topic,
+                "ce-partition": str(record.partition),
+                "ce-offset": str(record.offset),
+                "ce-attempt": "1",
+            }
+            async with session.post(url, data=record.value, headers=headers) as response:
+                await response.read()
+
+        closing = session.close
+    else:
+        from nemesis.broker.port import Message
+        from nemesis.config.models import TargetConfig
+        from nemesis.delivery.h1 import H1Transport
+        from nemesis.delivery.port import Event
+
+        target = TargetConfig.model_validate({"url": f"http://127.0.0.1:{port}/", "timeout_s": 10})
+        transport = H1Transport(target, integration="bench", max_connections=concurrency)
+
+        async def post(record: Any) -> None:
+            message = Message(
+                record.topic, record.partition, record.offset, record.value,
+                created_at=record.timestamp / 1000, written_at=record.timestamp / 1000,
+            )  # fmt: skip
+            key = f"{record.topic}:{record.partition}:{record.offset}"
+            await transport.deliver(Event(message, key, "nemesis.message"))
+
+        closing = transport.close
+    # Reads (one task) feed a bounded queue the workers take from; every 100 ms the
+    # committer commits the batches read so far whose records are all answered, oldest first.
+    queue: asyncio.Queue[tuple[Any, list[int]]] = asyncio.Queue(maxsize=2000)
+    read: collections.deque[tuple[dict[Any, int], list[int]]] = collections.deque()
+    done, first, mark = 0, 0, count // WARM_UP
+    started, cpu_started = time.perf_counter(), time.process_time()
+    finished = asyncio.Event()
+
+    async def reader() -> None:
+        while True:
+            batches = await consumer.getmany(timeout_ms=1000, max_records=500)
+            if not batches:
+                continue
+            left = [sum(len(records) for records in batches.values())]
+            ends = {
+                TopicPartition(topic, tp.partition): rs[-1].offset + 1 for tp, rs in batches.items()
+            }
+            read.append((ends, left))
+            for records in batches.values():
+                for record in records:
+                    await queue.put((record, left))
+
+    async def worker() -> None:
+        nonlocal done, first, started, cpu_started
+        while True:
+            record, left = await queue.get()
+            await post(record)
+            left[0] -= 1
+            done += 1
+            if done == mark:  # a tenth of the way in, as for (a)
+                first, started, cpu_started = done, time.perf_counter(), time.process_time()
+            if done == count:
+                finished.set()
+
+    async def committer() -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            offsets: dict[Any, int] = {}
+            while read and read[0][1][0] == 0:
+                offsets.update(read.popleft()[0])
+            if offsets:
+                await consumer.commit(offsets)
+
+    tasks = [asyncio.create_task(job()) for job in (reader, committer)]
+    tasks += [asyncio.create_task(worker()) for _ in range(concurrency)]
+    try:
+        await finished.wait()
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await consumer.stop()
+        await closing()
+    measured = count - first
+    return measured / elapsed, cpu / measured * 1e6
+
+
 class TransportComparison:
     """(a) on the aiohttp transport beside (a) on h1, and (b'): a bare loop of h1 (its ceiling)."""
 
@@ -642,7 +769,14 @@ async def main(args: argparse.Namespace) -> None:
 
 
 async def kafka_part(root: Path, args: argparse.Namespace) -> None:
-    """(k): (a) and (c) on the embedded log and on Apache Kafka, in the same run."""
+    """(k): the proxy on the embedded log and on Apache Kafka, and bare aiokafka loops.
+
+    Each round runs, one after the other, (a) on the embedded log, (a) on
+    Kafka (the backend's default configuration), and the bare aiokafka loop
+    on the same broker with each HTTP client (``bare_kafka``): a neighbour's
+    load lands on all of them rather than on one. Ratios are per CPU second
+    of the delivering process (the proxy, or the bare loop's).
+    """
     sys.path.insert(0, str(REPO))  # the test broker's starter lives in tests/
     from tests.kafka_broker import start_kafka
 
@@ -655,26 +789,63 @@ async def kafka_part(root: Path, args: argparse.Namespace) -> None:
         assert kafka_broker.process is not None
         os.sched_setaffinity(kafka_broker.process.pid, {1})
         os.sched_setaffinity(0, {1})
-    rates: dict[str, tuple[list[float], ProxyRun]] = {}
+    spaces = {
+        "embedded": Workspace(root / "k-embedded"),
+        "kafka": Workspace(root / "k-kafka", kafka=kafka_broker.bootstrap),
+    }
+    single: dict[str, list[ProxyRun]] = {kind: [] for kind in spaces}
+    bare: dict[str, list[tuple[float, float]]] = {"aiohttp": [], "h1": []}
+    batched: dict[str, ProxyRun] = {}
+    messages = args.kafka_messages
     try:
-        for kind, kafka in (("embedded", None), ("kafka", kafka_broker.bootstrap)):
-            space = Workspace(root / f"k-{kind}", kafka=kafka)
-            single = [
-                (await through_proxy(space, handler, f"k{n}", args.messages, args.workers, 1)).rate
-                for n in range(args.repeat)
-            ]
-            batched = await through_proxy(space, handler, "kb", args.messages * 5, 8, 100)
-            rates[kind] = (single, batched)
+        for n in range(args.repeat):
+            for kind, space in spaces.items():
+                single[kind].append(
+                    await through_proxy(space, handler, f"k{n}", messages, args.workers, 1)
+                )
+            for client, runs in bare.items():
+                topic = f"bare-{client}{n}"
+                await fill(spaces["kafka"].db, topic, messages, kafka=kafka_broker.bootstrap)
+                loop_args = (str(handler.port), str(messages), str(args.workers), client)
+                runs.append(
+                    tuple(run_pinned("bare-kafka", kafka_broker.bootstrap, topic, *loop_args))
+                )
+        for kind, space in spaces.items():
+            batched[kind] = await through_proxy(space, handler, "kb", messages * 5, 8, 100)
     finally:
         handler.close()
         kafka_broker.stop()
         os.sched_setaffinity(0, cores)
-    print("  (k) the same proxy on each backend (Apache Kafka, one broker, on the handler's core):")
-    for kind, (single, batched) in rates.items():
+    print(
+        "  (k) the same proxy on each backend (Apache Kafka, one broker, default configuration,"
+        " on the handler's core):"
+    )
+    cpu = {kind: statistics.median(run.cpu_us for run in rs) for kind, rs in single.items()}
+    for kind, proxy_runs in single.items():
+        rates = [run.rate for run in proxy_runs]
         print(
-            f"      {kind:<9} (a) 1 msg/request: {statistics.median(single):>10,.0f} msg/s"
-            f"  {fmt(single)}   (c) batches of 100: {batched.rate:>10,.0f} msg/s"
-            f"  ({1e6 / batched.cpu_us:,.0f} per CPU second)"
+            f"      {kind:<9} (a) 1 msg/request: {statistics.median(rates):>10,.0f} msg/s"
+            f"  ({cpu[kind]:.0f} us CPU each)  {fmt(rates)}   (c) batches of 100:"
+            f" {batched[kind].rate:>10,.0f} msg/s  ({1e6 / batched[kind].cpu_us:,.0f} per CPU second)"
+        )
+    spread = ", ".join(
+        f"{e.cpu_us / k.cpu_us:.2f}"
+        for e, k in zip(single["embedded"], single["kafka"], strict=True)
+    )
+    print(
+        f"      kafka / embedded, per CPU second:      {cpu['embedded'] / cpu['kafka']:>10.2f}"
+        f"   (target >= 0.8; round by round: {spread})"
+    )
+    for client, loops in bare.items():
+        rate = statistics.median(r for r, _ in loops)
+        bare_cpu = statistics.median(c for _, c in loops)
+        print(
+            f"      bare aiokafka loop, {client:<7} posts: {rate:>10,.0f} msg/s"
+            f"  ({bare_cpu:.0f} us CPU each)  {fmt([r for r, _ in loops])}"
+        )
+        print(
+            f"      kafka / that, per CPU second:          {bare_cpu / cpu['kafka']:>10.2f}"
+            + ("   (target >= 0.6)" if client == "aiohttp" else "")
         )
 
 
@@ -801,6 +972,10 @@ def child(name: str, args: Sequence[str]) -> None:
     if name == "bare-h1":
         port, count, concurrency = (int(a) for a in args)
         print(json.dumps(_run(bare_h1(port, count, concurrency))))
+    if name == "bare-kafka":
+        bootstrap, topic, client = args[0], args[1], args[5]
+        port, count, concurrency = (int(a) for a in args[2:5])
+        print(json.dumps(_run(bare_kafka(bootstrap, topic, port, count, concurrency, client))))
 
 
 def _run(coroutine: Any) -> Any:
@@ -821,6 +996,9 @@ if __name__ == "__main__":
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
+    # More than --messages: a Kafka reader's start (its group's join, the internal
+    # flows' members joining beside it) would otherwise fall inside the timed part.
+    parser.add_argument("--kafka-messages", type=int, default=60_000)
     parser.add_argument("--log-messages", type=int, default=100_000)
     # Long enough that the p99 is not decided by one slow moment of a shared machine.
     parser.add_argument("--latency-seconds", type=float, default=20.0)

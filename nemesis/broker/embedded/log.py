@@ -8,7 +8,6 @@ dense: the log never has gaps except the prefix retention removed.
 
 from __future__ import annotations
 
-import dataclasses
 import sqlite3
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +27,7 @@ from nemesis.broker.port import (
     TopicDescription,
     WriteResult,
     WriteStatus,
+    build_message,
 )
 from nemesis.errors import TopicExists, TopicNotFound
 from nemesis.sqlite_thread import read_transaction, write_transaction
@@ -447,7 +447,7 @@ def fill(
     """
     budget = max_messages
     pending = [(r, r.position) for r in requests]
-    build = _build_message
+    build = build_message
     while pending and budget > 0:
         share = -(-budget // len(pending))
         still_full = []
@@ -484,86 +484,6 @@ def fill(
             if len(rows) == limit:
                 still_full.append((request, rows[-1][0] + 1))
         pending = still_full
-
-
-_MESSAGE_FIELDS = (
-    "topic",
-    "partition",
-    "offset",
-    "value",
-    "key",
-    "metadata",
-    "producer_id",
-    "seqno",
-    "created_at",
-    "written_at",
-    "session",
-)
-
-
-def _message_builder() -> Callable[..., Message]:
-    """A Message constructor without the frozen dataclass's per-field ``object.__setattr__``.
-
-    The generated ``__init__`` of a frozen slotted dataclass costs about
-    twice as much as setting the slots directly, and a read of a few hundred
-    thousand messages a second spends most of its time there. Should
-    ``Message`` gain or lose a field, this falls back to the keyword
-    constructor (which then fails loudly if a field went away) rather than
-    leave a slot unset.
-    """
-    if {f.name for f in dataclasses.fields(Message)} != set(_MESSAGE_FIELDS):
-
-        def build_by_keyword(*values: Any) -> Message:
-            return Message(**dict(zip(_MESSAGE_FIELDS, values, strict=True)))
-
-        return build_by_keyword
-
-    (
-        topic_,
-        partition_,
-        offset_,
-        value_,
-        key_,
-        metadata_,
-        producer_,
-        seqno_,
-        created_,
-        written_,
-        session_,
-    ) = (getattr(Message, name).__set__ for name in _MESSAGE_FIELDS)
-    new = object.__new__
-
-    def build(
-        topic: str,
-        partition: int,
-        offset: int,
-        value: bytes,
-        key: str | None,
-        metadata: Mapping[str, str],
-        producer_id: str | None,
-        seqno: int | None,
-        created_at: float,
-        written_at: float,
-        session: PartitionSession,
-    ) -> Message:
-        message: Message = new(Message)
-        topic_(message, topic)
-        partition_(message, partition)
-        offset_(message, offset)
-        value_(message, value)
-        key_(message, key)
-        metadata_(message, metadata)
-        producer_(message, producer_id)
-        seqno_(message, seqno)
-        created_(message, created_at)
-        written_(message, written_at)
-        session_(message, session)
-        return message
-
-    return build
-
-
-_build_message = _message_builder()
 
 
 # --- retention --------------------------------------------------------------------

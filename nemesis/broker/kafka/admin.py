@@ -216,7 +216,13 @@ class KafkaAdmin:
     async def _commit_as(
         self, group: str, offsets: dict[TopicPartition, OffsetAndMetadata], what: str
     ) -> bool:
-        """Commits for a group from outside it; False when the group has members (refused)."""
+        """Commits for a group from outside it; False when the group has members (refused).
+
+        A group with members is asked first and left alone: Kafka would refuse
+        the commit (UNKNOWN_MEMBER_ID), and aiokafka logs each refusal at ERROR.
+        """
+        if await self.live_readers("", group):
+            return False
         member = AIOKafkaConsumer(
             **client_settings(self._config), group_id=group, enable_auto_commit=False
         )

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemesis.broker.port import Message, OutgoingMessage, key_bytes, key_text
+from nemesis.broker.port import Message, OutgoingMessage, build_message, key_bytes, key_text
 from nemesis.topology import META_PREFIX
 
 PRODUCER_HEADER = "__producer"
@@ -107,20 +107,21 @@ def to_message(record: Any, session: KafkaSession) -> Message:
     timestamp_s = record.timestamp / 1000 if record.timestamp is not None else 0.0
     key = record.key
     value = record.value
-    return Message(
-        topic=record.topic,
-        partition=record.partition,
-        offset=record.offset,
-        value=value if value is not None else b"",
-        key=key_text(key) if key is not None else None,
-        metadata=metadata,
-        producer_id=producer_id,
-        seqno=seqno,
-        created_at=timestamp_s if created_at is None else created_at,
-        written_at=timestamp_s,
-        session=session,
-        headers=tuple(headers),
-        tombstone=value is None,
+    # Positional, in build_message's order: a read makes one per record.
+    return build_message(
+        record.topic,
+        record.partition,
+        record.offset,
+        value if value is not None else b"",
+        key_text(key) if key is not None else None,
+        metadata,
+        producer_id,
+        seqno,
+        timestamp_s if created_at is None else created_at,
+        timestamp_s,
+        session,
+        tuple(headers),
+        value is None,
     )
 
 
