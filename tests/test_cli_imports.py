@@ -9,6 +9,7 @@ start-up time itself is measured by tests/bench/cli_startup.py, not here).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -31,11 +32,20 @@ with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.St
 print(json.dumps({"code": code, "modules": sorted({m.split(".")[0] for m in sys.modules})}))
 """
 
+# What the shipped deployments' pods get in their environment (deploy/kubernetes/*).
+DEPLOYMENT_ENV = {
+    "NEMESIS_KAFKA_BOOTSTRAP": "kafka:9092",
+    "NEMESIS_DB_DSN": "postgresql://nemesis@postgres:5432/nemesis",
+    "NEMESIS_YDB_ENDPOINT": "grpc://ydb:2136",
+    "NEMESIS_YDB_DATABASE": "/local",
+}
+
 
 def loaded_by(*argv: str) -> tuple[object, set[str]]:
     done = subprocess.run(
         [sys.executable, "-c", PROBE, *argv],
         cwd=REPO,
+        env={**os.environ, **DEPLOYMENT_ENV},
         capture_output=True,
         text=True,
         timeout=60,
@@ -53,7 +63,8 @@ def loaded_by(*argv: str) -> tuple[object, set[str]]:
         ["dlq", "list", "--help"],
         ["validate", "integrations", "pipelines"],
         ["validate", "nemesis.example.yaml"],
-        ["validate", "deploy/config/nemesis.yaml", "deploy/config/integrations"],
+        ["validate", "deploy/config/nemesis.kafka.yaml", "deploy/config/integrations"],
+        ["validate", "deploy/config/nemesis.ydb.yaml", "deploy/config/integrations"],
     ],
     ids=" ".join,
 )
