@@ -69,6 +69,7 @@ def cluster_config(space: Workspace, cluster: KafkaCluster) -> None:
         "  heartbeat_interval_s: 1\n"
         "  connect_timeout_s: 10\n"
         "  request_timeout_s: 30\n"
+        "single_host: true\n"  # one process: its state and DLQ files are enough
         "data_dir: .\n"
         "integrations_dir: integrations\n"
         "admin: {port: 0}\n"

@@ -61,6 +61,7 @@ def secured_config(space: Workspace, servers: str, security: str) -> None:
         "  heartbeat_interval_s: 1\n"
         "  connect_timeout_s: 10\n"
         "  request_timeout_s: 12\n"
+        "single_host: true\n"  # one process: its state and DLQ files are enough
         "data_dir: .\n"
         "integrations_dir: integrations\n"
         "admin: {port: 0}\n"

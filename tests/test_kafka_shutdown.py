@@ -32,6 +32,7 @@ def default_kafka_config(space: Workspace, bootstrap: str) -> None:
     """The backend block a user starts from: the servers, every group setting at its default."""
     (space.root / "nemesis.yaml").write_text(
         f"backend: {{kind: kafka, bootstrap_servers: ['{bootstrap}']}}\n"
+        "single_host: true\n"  # one process: its state and DLQ files are enough
         "data_dir: .\n"
         "integrations_dir: integrations\n"
         f"admin: {{port: {free_port()}}}\n"

@@ -162,6 +162,7 @@ def kafka_workspace(space: Workspace, bootstrap: str) -> str:
         "  heartbeat_interval_s: 1\n"
         "  connect_timeout_s: 5\n"
         "  request_timeout_s: 8\n"
+        "single_host: true\n"  # one process: its state and DLQ files are enough
         "data_dir: .\n"
         "integrations_dir: integrations\n"
         f"admin: {{port: {port}}}\n"
