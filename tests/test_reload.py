@@ -226,8 +226,12 @@ async def test_a_changed_pipeline_file_restarts_the_integrations_that_use_it(
 
             # The pipelines directory is watched: an edit restarts alpha alone, on the new file.
             numbers.write_text(numbers_filter("{gte: 150}"))
-            await wait_until_true(lambda: proxy.groups["alpha"] is not alpha, timeout_s=10)
+            # The group is replaced during the reload, and the report recorded after it.
+            await wait_until_true(
+                lambda: reloader.last is not None and bool(reloader.last.restarted), timeout_s=10
+            )
             assert reloader.last is not None
+            assert proxy.groups["alpha"] is not alpha
             assert reloader.last.trigger == "watch"
             assert reloader.last.restarted == {"alpha": [str(numbers)]}
             assert proxy.groups["beta"] is beta
