@@ -50,10 +50,10 @@ from nemesis.dlq import (
 from nemesis.dlq.cursor import decode_cursor, encode_cursor
 from nemesis.dlq.port import MAX_ERROR_CHARS, MAX_TEXT_CHARS
 from nemesis.dlq.postgres import open_postgres_dlq
+from nemesis.dlq.requeue import replay_of
 from nemesis.dlq.signature import MAX_PATTERN_CHARS, escape_like
 from nemesis.dlq.ydb import YdbDeadLetterStore
 from nemesis.errors import DlqError, InvalidCursor, InvalidQuery, NemesisError
-from nemesis.topology import replay_message
 from tests.postgres_server import PostgresServer
 from tests.ydb_fake import FAST_RETRY, FakeYdb
 
@@ -416,17 +416,7 @@ async def test_a_record_is_kept_as_written_binary_key_headers_and_tombstone(
             assert kept.tombstone is written.tombstone
             assert dict(kept.metadata) == dict(written.metadata)
         # A requeue writes the record back as it was read.
-        again = replay_message(
-            row.payload,
-            event=row.event_id,
-            key=row.key,
-            metadata=row.metadata,
-            source_topic=row.source_topic,
-            source_partition=row.source_partition,
-            source_offset=row.source_offset,
-            headers=row.headers,
-            tombstone=row.tombstone,
-        )
+        again = replay_of(row)
         assert (again.key, again.headers, again.tombstone) == (
             written.key,
             written.headers,

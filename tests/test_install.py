@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import shlex
@@ -38,6 +37,7 @@ from nemesis.cli import build_parser
 from nemesis.testing import HandlerServer
 from tests.conftest import REPO, integration_yaml
 from tests.kafka_broker import KafkaBroker, Namespace, free_port
+from tests.test_onboarding_docs import integrations_repository
 from tests.test_ydb_workflow import actionlint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -471,7 +471,6 @@ def test_the_pull_request_check_runs_as_shipped(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Every ``run:`` step of the workflow, in order, with the spec at a local clone's HEAD."""
-    from nemesis.onboarding.schema import json_schema
 
     clone = tmp_path_factory.mktemp("clone") / "nemesis.git"
     subprocess.run(
@@ -486,15 +485,7 @@ def test_the_pull_request_check_runs_as_shipped(
         r"git\+https://\S+", f"git+file://{clone}@{head}", env_block["NEMESIS_PIP_SPEC"]
     )
 
-    # The integrations repository as the workflow checks it out.
-    repository = tmp_path / "integrations-repo"
-    (repository / "integrations").mkdir(parents=True)
-    shutil.copy(REPO / "integrations" / "orders-to-loyalty.yaml", repository / "integrations")
-    shutil.copytree(REPO / "pipelines", repository / "pipelines")
-    (repository / "schemas").mkdir()
-    # What `nemesis schema integration -o ...` writes (test_schema.py checks the CLI).
-    schema = json.dumps(json_schema("integration"), indent=2) + "\n"
-    (repository / "schemas" / "integration.schema.json").write_text(schema)
+    repository = integrations_repository(tmp_path / "integrations-repo")
 
     # actions/setup-python: a fresh interpreter first on the PATH, with a current pip (as the
     # action's are; the pip bundled with older Pythons refuses git+file:// URLs).

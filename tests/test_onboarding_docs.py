@@ -85,10 +85,8 @@ def run_steps(
     return results
 
 
-@pytest.fixture
-def repository(tmp_path: Path) -> Path:
-    """An integrations repository as the workflow finds it."""
-    root = tmp_path / "integrations-repo"
+def integrations_repository(root: Path) -> Path:
+    """An integrations repository at ``root``, as the pull-request workflow checks it out."""
     (root / "integrations").mkdir(parents=True)
     shutil.copy(REPO / "integrations" / "orders-to-loyalty.yaml", root / "integrations")
     shutil.copytree(REPO / "pipelines", root / "pipelines")
@@ -97,6 +95,12 @@ def repository(tmp_path: Path) -> Path:
     text = json.dumps(json_schema("integration"), indent=2) + "\n"
     (root / "schemas" / "integration.schema.json").write_text(text)
     return root
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> Path:
+    """An integrations repository as the workflow finds it."""
+    return integrations_repository(tmp_path / "integrations-repo")
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from nemesis.broker.port import Broker
+from nemesis.broker.port import Broker, OutgoingMessage
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.dlq.port import (
     MAX_SELECT_IDS,
@@ -76,28 +76,28 @@ async def requeue(
         try:
             for start in range(0, len(letters), _WRITE_BATCH):
                 chunk = letters[start : start + _WRITE_BATCH]
-                await writer.write(
-                    [
-                        replay_message(
-                            row.payload,
-                            event=row.event_id,
-                            key=row.key,
-                            metadata=row.metadata,
-                            source_topic=row.source_topic,
-                            source_partition=row.source_partition,
-                            source_offset=row.source_offset,
-                            headers=row.headers,
-                            tombstone=row.tombstone,
-                        )
-                        for row in chunk
-                    ]
-                )
+                await writer.write([replay_of(row) for row in chunk])
         finally:
             await writer.close()
         moved[integration] = await store.mark_requeued(
             [row.id for row in letters], by=by, at=now, integrations=frozenset({integration})
         )
     return await _audited(store, Action.REQUEUE, moved, by=by, description=description, at=now)
+
+
+def replay_of(row: DeadLetterRow) -> OutgoingMessage:
+    """The message a requeue writes for a dead letter: the record as it was read."""
+    return replay_message(
+        row.payload,
+        event=row.event_id,
+        key=row.key,
+        metadata=row.metadata,
+        source_topic=row.source_topic,
+        source_partition=row.source_partition,
+        source_offset=row.source_offset,
+        headers=row.headers,
+        tombstone=row.tombstone,
+    )
 
 
 async def _replay_topic_of(broker: Broker, integration: str, source_topic: str) -> str:
