@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dlq_viewer.server import ViewerStartError, viewer_server
+from dlq_viewer.server import ViewerStartError, listen, viewer_server
 from nemesis.backends import open_backend, open_dlq, open_state
 from nemesis.config.loader import DEFAULT_PROCESS_CONFIG, load_process_config
 from nemesis.config.models import NemesisConfig
@@ -69,13 +69,9 @@ async def _serve(config: NemesisConfig) -> None:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, server.stop)
-        # Bound here, so that the log names the port (the one a port of 0 got).
-        try:
-            listener = server.config.bind_socket()
-        except SystemExit:  # uvicorn logged why (the address is taken)
-            raise ViewerStartError(
-                f"the DLQ viewer could not listen on {config.viewer.host}:{config.viewer.port}"
-            ) from None
+        # Listening before the log names the port (the one a port of 0 got): whoever
+        # reads that line and connects at once waits in the backlog, never refused.
+        listener = listen(config.viewer.host, config.viewer.port)
         with listener:
             port = listener.getsockname()[1]
             log.info("DLQ viewer on http://%s:%d", config.viewer.host, port)

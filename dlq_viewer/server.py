@@ -41,7 +41,7 @@ class ViewerServer(uvicorn.Server):
         if sockets is None:
             # Bound here, not by uvicorn: its bind error is a log line and an exit,
             # while the caller needs the address and the cause in the exception.
-            own = _listen(self.config.host, self.config.port, self.config.backlog)
+            own = listen(self.config.host, self.config.port, self.config.backlog)
             sockets = [own]
         try:
             await super().serve(sockets)
@@ -55,7 +55,8 @@ class ViewerServer(uvicorn.Server):
                 own.close()
 
 
-def _listen(host: str, port: int, backlog: int) -> socket.socket:
+def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A socket bound and listening on ``host:port``: from then on a connection waits."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

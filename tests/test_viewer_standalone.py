@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
@@ -306,3 +308,53 @@ async def test_inside_nemesis_run_the_viewer_shows_every_configured_integration(
     rows = seen["rows"]
     assert isinstance(rows, list)
     assert [row["integration"] for row in rows] == ["orders-b"]
+
+
+class _ConnectsWhenNamed(logging.Handler):
+    """On the line naming the viewer's URL, connects at once, with the viewer's loop held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers: list[str] = []
+        self.stop: Callable[[], None] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "DLQ viewer on http://" not in message:
+            return
+        host, port = message.rsplit("/", 1)[-1].rsplit(":", 1)
+        try:
+            # Blocking, inside the loop: the viewer cannot accept meanwhile, so only a
+            # socket already listening (its backlog) completes the handshake.
+            with socket.create_connection((host, int(port)), timeout=30):
+                self.answers.append("connected")
+        except OSError as exc:
+            self.answers.append(f"refused: {exc}")
+        if self.stop is not None:
+            self.stop()
+
+
+async def test_the_viewer_listens_before_it_names_its_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlq_viewer import __main__ as standalone
+    from dlq_viewer import server as viewer_server_module
+
+    config = load_process_config(_config_dir(tmp_path))
+    handler = _ConnectsWhenNamed()
+    built = viewer_server_module.viewer_server
+
+    def keeping_stop(*args: object, **kwargs: object) -> viewer_server_module.ViewerServer:
+        server = built(*args, **kwargs)  # type: ignore[arg-type]
+        handler.stop = server.stop
+        return server
+
+    monkeypatch.setattr(standalone, "viewer_server", keeping_stop)
+    standalone.log.addHandler(handler)
+    standalone.log.setLevel(logging.INFO)
+    try:
+        async with asyncio.timeout(60):
+            await standalone._serve(config)
+    finally:
+        standalone.log.removeHandler(handler)
+    assert handler.answers == ["connected"]
