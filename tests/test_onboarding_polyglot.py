@@ -47,6 +47,10 @@ from nemesis.onboarding.templates import (
 )
 from tests.conftest import Workspace
 
+# Building a template (go build, npm ci, mvn package) takes minutes on a loaded host; the
+# build runs in the first case's setup, which the suite's default timeout would cut.
+pytestmark = pytest.mark.timeout(900)
+
 LANGS: tuple[HandlerLang, ...] = ("go-http", "typescript-node", "java-http")
 PROJECT = "orders-handler"  # the folder's name: the Java package is orders_handler
 SECRET, OLD_SECRET = "s3cret-current", "s3cret-previous"

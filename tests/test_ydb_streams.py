@@ -295,7 +295,7 @@ async def reader(topics: TopicClientAsyncIO) -> AsyncIterator[YdbReader]:
 
 async def receive_all(reader: YdbReader, count: int, max_messages: int = 100) -> list[Message]:
     received: list[Message] = []
-    async with asyncio.timeout(3):
+    async with asyncio.timeout(30):
         while len(received) < count:
             received.extend(await reader.receive(max_messages, 0.5))
     return received
@@ -303,7 +303,7 @@ async def receive_all(reader: YdbReader, count: int, max_messages: int = 100) ->
 
 async def quiet_until(reader: YdbReader, reached: Callable[[], bool]) -> None:
     """Receives, expecting nothing, until ``reached()``: the SDK works in the background."""
-    async with asyncio.timeout(3):
+    async with asyncio.timeout(30):
         while not reached():
             assert await reader.receive(10, 0.05) == ()
 
