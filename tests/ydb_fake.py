@@ -18,7 +18,15 @@ subset the store uses to SQLite, and refuses what a YDB server refuses:
 * ``UPSERT INTO t (columns) SELECT ...`` must name every NOT NULL column
   and put no NULL in one;
 * ``VIEW`` must name an index the table was created with;
-* a statement answers one result set per ``SELECT``, in order.
+* a statement answers one result set per ``SELECT``, in order, and
+  streams each as several parts that share its ``result_set_index``
+  (``part_rows`` rows a part; an empty result set is one empty part): the
+  server sends each ``TEvStreamData`` of the executer as one
+  ``ExecuteQueryResponsePart`` (ydb-platform/ydb
+  ``ydb/core/grpc_services/query/rpc_execute_query.cpp``,
+  ``TExecuteQueryRPC::Handle(TEvStreamData)``), so a caller must join the
+  parts (the SDK's ``aggregate_result_sets_by_index_async``), as
+  ``execute_with_retries`` does inside the SDK.
 
 ``undetermined_commits`` makes the next commits of writing transactions
 happen and still answer ``Undetermined``, as a server does when the
@@ -46,6 +54,9 @@ FAST_RETRY = ydb.RetrySettings(
 )
 to_protobuf = cast(Callable[[object], object], convert.query_parameters_to_pb)  # untyped
 _retry = cast(Callable[..., Awaitable[Any]], retry_operation_async)
+_join = cast(
+    Callable[[list["ResultSet"]], list["ResultSet"]], convert.aggregate_result_sets_by_index
+)
 
 
 @dataclass
@@ -69,6 +80,11 @@ class ResultSet:
 
     def _extend(self, other: ResultSet) -> None:
         self.rows.extend(other.rows)
+
+    def parts(self, size: int) -> list[ResultSet]:
+        """This result set as the server streams it: parts of ``size`` rows, one index."""
+        chunks = [self.rows[i : i + size] for i in range(0, len(self.rows), size)] or [[]]
+        return [ResultSet(self.index, chunk) for chunk in chunks]
 
 
 class _CountIf:
@@ -133,6 +149,7 @@ class FakeYdb:
     """One database; ``pool()`` is what the store gets instead of a ``QuerySessionPool``."""
 
     undetermined_commits: int = 0
+    part_rows: int = 2  # rows per streamed part of a result set
     lose_result_sets: bool = False  # answer no result set at all, as no server should
     statements: list[str] = field(default_factory=list)
     tables: dict[str, Table] = field(default_factory=dict)
@@ -429,7 +446,8 @@ class FakeTx:
 
         async def stream() -> AsyncIterator[ResultSet]:
             for answer in answers:
-                yield answer
+                for part in answer.parts(self._database.part_rows):
+                    yield part
 
         return stream()
 
@@ -456,7 +474,9 @@ class FakePool:
                     db.execute("ROLLBACK")
                     raise
                 db.execute("COMMIT")
-                return answers
+                parts = [part for a in answers for part in a.parts(self.database.part_rows)]
+                # The SDK's pool joins the streamed parts itself.
+                return _join(parts)
 
         return cast(list[ResultSet], await _retry(once, retry_settings or ydb.RetrySettings()))
 
