@@ -225,7 +225,13 @@ def _act(args: argparse.Namespace, action: str) -> int:
 def _summary(result: ActionResult) -> str:
     verb = "requeued" if result.action.value == "requeue" else "discarded"
     parts = ", ".join(f"{name}: {count}" for name, count in sorted(result.by_integration.items()))
-    return f"{verb} {result.count} dead letter(s)" + (f" ({parts})" if parts else "")
+    summary = f"{verb} {result.count} dead letter(s)" + (f" ({parts})" if parts else "")
+    if result.payload_cut:
+        summary += (
+            f"; {result.payload_cut} left dead: their payload was stored cut"
+            " (over 16 MiB), so it cannot be replayed"
+        )
+    return summary
 
 
 def _describe(args: argparse.Namespace) -> str:

@@ -21,10 +21,12 @@ import pytest
 import ydb
 from ydb import convert
 
+import nemesis.dlq.ydb as dlq_ydb
 from nemesis.dlq import Action, DeadLetter, DeadLetterFilter, Reason, Status
 from nemesis.dlq.core import Window, fold_failures
 from nemesis.dlq.ydb import LETTER_COLUMNS, Query, YdbDeadLetterStore, Yql, tiebreak
 from nemesis.errors import DlqError
+from tests import ydb_fake
 from tests.ydb_fake import FAST_RETRY, FakeYdb
 
 START_US = 1_800_000_000_000_000
@@ -349,3 +351,51 @@ def test_times_far_out_of_range_fit_the_unsigned_columns() -> None:
     [row] = folded.inserts
     assert row["dead_lettered_us"] == 0
     assert 0 < row["first_failure_us"] < 2**63
+
+
+async def test_new_rows_are_written_in_statements_the_sdk_can_send(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The SDK sends a statement's parameters in one gRPC message of at most 64 MB (smaller
+    here, with the store's budget to match): big rows go in several statements."""
+    monkeypatch.setattr(ydb_fake, "MAX_MESSAGE_BYTES", 1_000_000)
+    monkeypatch.setattr(dlq_ydb, "STATEMENT_BYTES", 500_000, raising=False)
+    database = FakeYdb()
+    store = YdbDeadLetterStore(
+        cast(Any, database.pool()), directory="nemesis/dlq", retry_settings=FAST_RETRY
+    )
+    await store.open()
+    try:
+        letters = [letter(n, payload=bytes([n]) * 300_000) for n in range(5)]
+        assert (await store.put(letters)).inserted == 5
+        upserts = [s for s in database.statements if "UPSERT INTO `nemesis/dlq/letters`" in s]
+        assert len(upserts) == 5  # each row alone: two would pass the budget
+        rows = await store.get_many([x.id for x in letters])
+        assert sorted(len(row.payload) for row in rows) == [300_000] * 5
+    finally:
+        await store.close()
+
+
+def test_the_fake_refuses_a_cell_over_16_mib_and_a_message_over_64_mb() -> None:
+    database = FakeYdb()
+    database.run(
+        "CREATE TABLE IF NOT EXISTS `t` (\n`id` Int64 NOT NULL,\n`v` String,\n"
+        "PRIMARY KEY (`id`)\n)",
+        None,
+    )
+    rows = "DECLARE $p0 AS List<Struct<id:Int64,v:String?>>;\n"
+    upsert = rows + "UPSERT INTO `t` SELECT * FROM AS_TABLE($p0);"
+    row_type = ydb.ListType(
+        ydb.StructType()
+        .add_member("id", ydb.PrimitiveType.Int64)
+        .add_member("v", ydb.OptionalType(ydb.PrimitiveType.String))
+    )
+
+    def value(*cells: bytes) -> dict[str, ydb.TypedValue]:
+        return {"$p0": ydb.TypedValue([{"id": n, "v": v} for n, v in enumerate(cells)], row_type)}
+
+    database.run(upsert, value(b"x" * ydb_fake.MAX_CELL_BYTES))  # 16 MiB fits
+    with pytest.raises(ydb.issues.BadRequest, match="Row cell size of 16777217 bytes"):
+        database.run(upsert, value(b"x" * (ydb_fake.MAX_CELL_BYTES + 1)))
+    with pytest.raises(ydb.issues.BadRequest, match="Sent message larger than max"):
+        database.run(upsert, value(*[b"y" * 13_000_000] * 5))

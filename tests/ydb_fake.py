@@ -18,6 +18,13 @@ subset the store uses to SQLite, and refuses what a YDB server refuses:
 * ``UPSERT INTO t (columns) SELECT ...`` must name every NOT NULL column
   and put no NULL in one;
 * ``VIEW`` must name an index the table was created with;
+* a cell holds at most 16 MiB: a bigger value is BAD_REQUEST ("Row cell
+  size of N bytes is larger than the allowed threshold"; ydb-platform/ydb
+  ``ydb/core/tx/datashard``, ``NLimits::MaxWriteValueSize`` and its checks
+  in the datashard's write path), and a statement whose parameters pass
+  the SDK's 64 MB gRPC message is BAD_REQUEST too (the SDK's
+  ``ydb/connection.py``: ``_DEFAULT_MAX_GRPC_MESSAGE_SIZE``, "Sent message
+  larger than max" -> ``issues.BadRequest``);
 * a statement answers one result set per ``SELECT``, in order, and
   streams each as several parts that share its ``result_set_index``
   (``part_rows`` rows a part; an empty result set is one empty part): the
@@ -52,6 +59,8 @@ from ydb.retries import retry_operation_async
 FAST_RETRY = ydb.RetrySettings(
     idempotent=True, slow_backoff_settings=ydb.BackoffSettings(slot_duration=0.001)
 )
+MAX_CELL_BYTES = 16 * 1024 * 1024  # NLimits::MaxWriteValueSize
+MAX_MESSAGE_BYTES = 64 * 10**6  # the SDK's gRPC max_send_message_length
 to_protobuf = cast(Callable[[object], object], convert.query_parameters_to_pb)  # untyped
 _retry = cast(Callable[..., Awaitable[Any]], retry_operation_async)
 _join = cast(
@@ -136,6 +145,27 @@ def _literal(text: str) -> SqlValue:
     return float(text) if "." in text else int(text)
 
 
+def _weight(value: object) -> int:
+    """About the bytes a parameter value takes in the request."""
+    if isinstance(value, str | bytes):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_weight(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_weight(v) for v in value)
+    return 8
+
+
+def _check_cells(rows: Sequence[Mapping[str, Any]]) -> None:
+    for row in rows:
+        for value in row.values():
+            if isinstance(value, str | bytes) and len(value) > MAX_CELL_BYTES:
+                raise issues.BadRequest(
+                    f"Row cell size of {len(value)} bytes is larger than the allowed"
+                    f" threshold {MAX_CELL_BYTES}"
+                )
+
+
 def _members(type_text: str) -> dict[str, str]:
     """The members of ``List<Struct<a:Utf8,b:Int32?>>``: name -> type."""
     found = re.fullmatch(r"List<Struct<(.*)>>", type_text)
@@ -174,6 +204,11 @@ class FakeYdb:
         declared = dict(re.findall(r"DECLARE (\$\w+) AS ([^;]+);", text))
         body = re.sub(r"DECLARE \$\w+ AS [^;]+;\n?", "", text)
         self._check_params(body, declared, params)
+        sent = sum(_weight(typed.value) for typed in params.values()) + len(text)
+        if sent > MAX_MESSAGE_BYTES:
+            raise issues.BadRequest(
+                f"Sent message larger than max ({sent} vs. {MAX_MESSAGE_BYTES})"
+            )
         if body.lstrip().startswith(("CREATE TABLE", "ALTER TABLE")):
             self._schema(body)
             return []
@@ -370,6 +405,7 @@ class FakeYdb:
             changed = [name for name in members if name not in table.primary_key]
             where = " AND ".join(f'"{k}" = :{k}' for k in table.primary_key)
             assignments = ", ".join(f'"{name}" = :{name}' for name in changed)
+            _check_cells(params[rows].value)
             for row in params[rows].value:
                 self.db.execute(f'UPDATE "{path}" SET {assignments} WHERE {where}', row)
         elif found := re.fullmatch(
@@ -413,6 +449,7 @@ class FakeYdb:
         *,
         replace: bool,
     ) -> None:
+        _check_cells(rows)
         columns = ", ".join(f'"{n}"' for n in names)
         values = ", ".join(f":{n}" for n in names)
         keys = ", ".join(f'"{k}"' for k in table.primary_key)

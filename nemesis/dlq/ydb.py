@@ -29,6 +29,11 @@ Rules of the server this follows (and ``tests/ydb_fake.py`` enforces):
   in input"); changing some columns of existing rows is ``UPDATE ... ON``.
 * A statement answers one result set per ``SELECT`` it runs, in order;
   ``_sets`` checks the count instead of unpacking blindly.
+* A cell holds at most 16 MiB (the datashard's ``NLimits::MaxWriteValueSize``;
+  BAD_REQUEST): ``nemesis.dlq.core`` stores a payload cut to that, as every
+  store does. A statement's parameters travel in one gRPC message, which the
+  SDK sends up to 64 MB (more is BAD_REQUEST): new rows are written in
+  statements of at most ``STATEMENT_BYTES``, one row alone if it is larger.
 * A commit may end undetermined (it may or may not have happened). Every
   write here is idempotent (see ``nemesis.dlq.core``), so transactions run
   with ``RetrySettings(idempotent=True)`` and the SDK retries them.
@@ -80,6 +85,10 @@ from nemesis.dlq.sql import NOT_TEXT, Bind, Dialect, Kind
 from nemesis.errors import BrokerError, DlqError
 
 T = TypeVar("T")
+# The parameters' bytes of one statement writing new rows: under the SDK's 64 MB
+# gRPC message (ydb/connection.py, _DEFAULT_MAX_GRPC_MESSAGE_SIZE) with room for one
+# largest row (a 16 MiB payload) beside others.
+STATEMENT_BYTES = 32 * 1024 * 1024
 
 _INT64_MAX = 2**63 - 1
 
@@ -717,11 +726,14 @@ class YdbDeadLetterStore(StoreCore):
                 known.update(r["signature"] for r in found)
             folded = fold_failures(letters, existing, known, now_us, self.times)
             inserts = [{**row, "tiebreak": tiebreak(row["id"])} for row in folded.inserts]
-            rounds = max(len(inserts), len(folded.updates), len(folded.signatures))
-            for start in range(0, rounds, ID_CHUNK):
-                end = start + ID_CHUNK
+            insert_chunks = _sized_chunks(inserts, ID_CHUNK, STATEMENT_BYTES)
+            rest = max(len(folded.updates), len(folded.signatures))
+            for round_ in range(max(len(insert_chunks), math.ceil(rest / ID_CHUNK))):
+                start, end = round_ * ID_CHUNK, (round_ + 1) * ID_CHUNK
                 query = self._yql.put_rows(
-                    inserts[start:end], folded.updates[start:end], folded.signatures[start:end]
+                    insert_chunks[round_] if round_ < len(insert_chunks) else [],
+                    folded.updates[start:end],
+                    folded.signatures[start:end],
                 )
                 if query is not None:
                     await _execute(tx, query, what)
@@ -845,6 +857,28 @@ class YdbDeadLetterStore(StoreCore):
     ) -> Sequence[Row]:
         query = self._yql.actions(_INT64_MAX if before is None else before, limit, integrations)
         return [_audit_row(r) for r in await self._read_one("read the audit log", query)]
+
+
+def _row_bytes(row: Row) -> int:
+    """About what a row weighs in a statement's parameters: its text and bytes."""
+    return 256 + sum(len(value) for value in row.values() if isinstance(value, str | bytes))
+
+
+def _sized_chunks(rows: Sequence[Row], count: int, size: int) -> list[Sequence[Row]]:
+    """``rows`` in runs of at most ``count`` rows and ``size`` bytes (a larger row alone)."""
+    found: list[Sequence[Row]] = []
+    run: list[Row] = []
+    weight = 0
+    for row in rows:
+        row_bytes = _row_bytes(row)
+        if run and (len(run) == count or weight + row_bytes > size):
+            found.append(run)
+            run, weight = [], 0
+        run.append(row)
+        weight += row_bytes
+    if run:
+        found.append(run)
+    return found
 
 
 def _paired_chunks(
