@@ -144,7 +144,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         total = await store.count(where)
         for row in page.rows:
             if args.json:
-                sys.stdout.write(_json_line(_row_json(row, preview=True)))
+                sys.stdout.write(_json_line(_row_json(row)))
             else:
                 print(inert(_row_line(row)))
         if not args.json:
@@ -160,11 +160,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         if row is None:
             raise NemesisError(f"no dead letter {args.id}")
         if args.json:
-            sys.stdout.write(_json_line(_row_json(row, preview=False), indent=True))
+            sys.stdout.write(_json_line(_row_json(row), indent=True))
             return 0
         # Payloads, errors and metadata come from other systems: nothing in them may
         # act on the terminal (ESC sequences, bidi overrides), see nemesis.terminal.
-        for name, value in _row_json(row, preview=False).items():
+        for name, value in _row_json(row).items():
             if name != "payload":
                 print(f"{name:>18}: {inert(str(value))}")
         print("           payload:")
@@ -272,7 +272,7 @@ def _row_line(row: DeadLetterRow) -> str:
     )
 
 
-def _row_json(row: DeadLetterRow, *, preview: bool) -> dict[str, Any]:
+def _row_json(row: DeadLetterRow) -> dict[str, Any]:
     document: dict[str, Any] = {
         "id": row.id,
         "integration": row.integration,
@@ -306,7 +306,8 @@ def _row_json(row: DeadLetterRow, *, preview: bool) -> dict[str, Any]:
         ]
     if row.tombstone:
         document["tombstone"] = True
-    if preview and row.payload_truncated:
+    if row.payload_truncated:
+        # A list's preview; shown in full, a payload stored cut (past 16 MiB).
         document["payload_truncated"] = True
     return document
 

@@ -1399,3 +1399,26 @@ async def test_the_cli_lists_a_dead_letter_with_an_empty_payload(tmp_path: Path)
         assert listed.returncode == 0, listed.stderr
         assert "Traceback" not in listed.stderr
         assert letter(1).id[:12] in listed.stdout
+
+
+async def test_the_cli_shows_that_a_stored_payload_was_cut(tmp_path: Path) -> None:
+    (tmp_path / "nemesis.yaml").write_text("data_dir: data\n", encoding="utf-8")
+    store = await open_sqlite_dlq(tmp_path / "data" / "dlq.db")
+    try:
+        await store.put([letter(1, payload=b"{" * (CAP + 10)), letter(2)])
+    finally:
+        await store.close()
+    for offset, cut in ((1, True), (2, False)):
+        shown = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "nemesis", "dlq", "show", letter(offset).id, "--json"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert shown.returncode == 0, shown.stderr
+        document = json.loads(shown.stdout)
+        assert document.get("payload_truncated", False) is cut
+        assert document["payload_size"] == (CAP + 10 if cut else len(letter(2).payload))
