@@ -399,3 +399,33 @@ def test_the_fake_refuses_a_cell_over_16_mib_and_a_message_over_64_mb() -> None:
         database.run(upsert, value(b"x" * (ydb_fake.MAX_CELL_BYTES + 1)))
     with pytest.raises(ydb.issues.BadRequest, match="Sent message larger than max"):
         database.run(upsert, value(*[b"y" * 13_000_000] * 5))
+
+
+def test_an_index_is_named_only_where_the_filter_or_an_ordered_limit_uses_it() -> None:
+    """A ``VIEW`` costs a lookup in the table per index row (``_view``): counts, groups and
+    statistics over an unconstrained filter scan the table itself."""
+    window = Window.of(START_US / 1e6, 3600.0, 24)
+    plain = DeadLetterFilter(status=Status.DEAD, reason=Reason.HTTP_4XX, text="city")
+    for statement in (
+        yql.count(plain, None).text,
+        yql.count(plain, 100).text,
+        yql.groups(plain, 10).text,
+        yql.stats(plain, window).body.split(";\n")[0],
+    ):
+        assert " VIEW " not in statement, statement
+    # Ordered reads with a LIMIT take the head of by_time; the stats' time buckets a range.
+    for statement in (
+        yql.page(plain, None, 50, 1024, None).text,
+        yql.ids_page(plain, None, 50).text,
+        yql.scan_bound(plain, None).text,
+        yql.stats(plain, window).body.split(";\n")[1],
+    ):
+        assert " VIEW by_time " in statement, statement
+    # A filter on an index's leading column names that index everywhere.
+    for where, index in (
+        (DeadLetterFilter(since=1_700_000_000.0), "by_time"),
+        (DeadLetterFilter(integrations=frozenset({"alpha"})), "by_integration"),
+        (DeadLetterFilter(signature="0123456789abcdef"), "by_signature"),
+    ):
+        for statement in (yql.count(where, None).text, yql.groups(where, 10).text):
+            assert f" VIEW {index} " in statement, statement

@@ -442,7 +442,7 @@ class Yql:
         count = params.add(limit, P.Uint64)
         return params.query(
             f"SELECT {_ROW_COLUMNS}, Substring(payload, 0, {preview}) AS payload"
-            f" FROM {self.table('letters')}{_view(where)}"
+            f" FROM {self.table('letters')}{_view(where, ordered=True)}"
             f" WHERE {YQL.joined(conditions)} {_ORDER} LIMIT {count};",
             selects=1,
         )
@@ -453,7 +453,8 @@ class Yql:
         conditions = YQL.conditions(where, params, NOT_TEXT) + YQL.after(params, after)
         offset = params.add(core.TEXT_SCAN_ROWS - 1, P.Uint64)
         return params.query(
-            f"SELECT dead_lettered_us, tiebreak FROM {self.table('letters')}{_view(where)}"
+            f"SELECT dead_lettered_us, tiebreak FROM {self.table('letters')}"
+            f"{_view(where, ordered=True)}"
             f" WHERE {YQL.joined(conditions)} {_ORDER} LIMIT 1 OFFSET {offset};",
             selects=1,
         )
@@ -463,7 +464,8 @@ class Yql:
         conditions = YQL.conditions(where, params) + YQL.after(params, after)
         count = params.add(limit, P.Uint64)
         return params.query(
-            f"SELECT id, dead_lettered_us, tiebreak FROM {self.table('letters')}{_view(where)}"
+            f"SELECT id, dead_lettered_us, tiebreak FROM {self.table('letters')}"
+            f"{_view(where, ordered=True)}"
             f" WHERE {YQL.joined(conditions)} {_ORDER} LIMIT {count};",
             selects=1,
         )
@@ -504,12 +506,13 @@ class Yql:
         start, end = params.add(window.first_us, P.Uint64), params.add(window.end_us, P.Uint64)
         step = params.add(window.bucket_us, P.Uint64)
         letters = f"{self.table('letters')}{_view(where)}"
+        in_window = f"{self.table('letters')}{_view(where, ranged=True)}"
         return params.query(
             "SELECT integration, reason, COUNT(*) AS total,"
             f" COUNT_IF(dead_lettered_us >= {recent}) AS recent,"
             " MIN(dead_lettered_us) AS oldest, MAX(dead_lettered_us) AS newest"
             f" FROM {letters} WHERE {conditions} GROUP BY integration, reason;\n"
-            f"SELECT bucket, COUNT(*) AS n FROM {letters} WHERE {conditions}"
+            f"SELECT bucket, COUNT(*) AS n FROM {in_window} WHERE {conditions}"
             f" AND dead_lettered_us >= {start} AND dead_lettered_us < {end}"
             f" GROUP BY (dead_lettered_us - {start}) / {step} AS bucket;",
             selects=2,
@@ -563,13 +566,24 @@ class Yql:
 _AUDIT_COLUMNS = ", ".join(name for name, _ in ACTIONS.columns)
 
 
-def _view(where: DeadLetterFilter) -> str:
-    """The secondary index that serves a filter's list (YDB uses one only when named)."""
+def _view(where: DeadLetterFilter, *, ordered: bool = False, ranged: bool = False) -> str:
+    """The secondary index a read names, or none: the main table's own scan.
+
+    YDB reads a secondary index only when a statement names it (``VIEW``),
+    and then looks each row it finds up in the main table. That pays when
+    the filter constrains the index's leading column (a signature, the
+    integrations, a time range: ``ranged`` when the statement adds one), or
+    when an ``ordered`` read with a LIMIT takes the head of ``by_time``;
+    for a count, groups or statistics of an unconstrained filter it is the
+    whole index plus a lookup per row, where a scan of the table is one pass.
+    """
     if where.signature is not None:
         return " VIEW by_signature"
     if where.integrations is not None:
         return " VIEW by_integration"
-    return " VIEW by_time"
+    if ordered or ranged or where.since is not None or where.until is not None:
+        return " VIEW by_time"
+    return ""
 
 
 def tiebreak(letter_id: str) -> int:
