@@ -315,3 +315,14 @@ def test_the_fake_ydb_refuses_what_a_server_refuses(statement: str, refusal: str
     )
     with pytest.raises(ydb.issues.GenericError, match=refusal):
         database.run(statement, None)
+
+
+async def test_ydb_refuses_a_server_whose_transactions_cannot_read_their_writes() -> None:
+    store = YdbStateStore(
+        cast(QuerySessionPool, FakePool(FakeYdb(immediate_effects=False))),
+        directory="nemesis/fleet",
+        retry_settings=FAST_RETRY,
+    )
+    with pytest.raises(StateError, match=r"read its own writes .*YDB 24\.1 or newer"):
+        await store.open()
+    await store.close()

@@ -429,3 +429,35 @@ def test_an_index_is_named_only_where_the_filter_or_an_ordered_limit_uses_it() -
     ):
         for statement in (yql.count(where, None).text, yql.groups(where, 10).text):
             assert f" VIEW {index} " in statement, statement
+
+
+async def test_a_server_whose_transactions_cannot_read_their_writes_is_refused_at_open() -> None:
+    """Without immediate effects (YDB before 24.1) ``put`` could not work: the store says
+    so when it opens, naming what the server needs, not at the first dead letter."""
+    store = YdbDeadLetterStore(
+        cast(Any, FakeYdb(immediate_effects=False).pool()),
+        directory="nemesis/dlq",
+        retry_settings=FAST_RETRY,
+    )
+    with pytest.raises(DlqError, match=r"read its own writes .*YDB 24\.1 or newer") as refused:
+        await store.open()
+    assert "won't be seen" in str(refused.value)  # the server's own words follow
+    await store.close()
+
+
+async def test_the_fake_without_immediate_effects_refuses_what_such_a_server_does() -> None:
+    database = FakeYdb(immediate_effects=False)
+    store = YdbDeadLetterStore(
+        cast(Any, database.pool()), directory="nemesis/dlq", retry_settings=FAST_RETRY
+    )
+    with pytest.raises(DlqError):
+        await store.open()
+    database.immediate_effects = True
+    await store.open()
+    database.immediate_effects = False
+    # put writes the letters table (which has indexes) twice when a row exists and a new one
+    # comes: UPSERT of the new row, UPDATE ON of the old.
+    await store.put([letter(1)])
+    with pytest.raises(DlqError, match="read its own writes"):
+        await store.put([letter(1, dead_lettered_at=START_US / 1e6 + 5), letter(2)])
+    await store.close()

@@ -35,6 +35,14 @@ subset the store uses to SQLite, and refuses what a YDB server refuses:
   parts (the SDK's ``aggregate_result_sets_by_index_async``), as
   ``execute_with_retries`` does inside the SDK.
 
+``immediate_effects=False`` plays a server whose transactions cannot read
+their own writes (before YDB 24.1, or with the table service's
+``enable_kqp_immediate_effects`` off): a transaction that reads a table it
+modified, or modifies a table with secondary indexes a second time, is
+refused with the server's words (ydb-platform/ydb
+``ydb/core/kqp/provider/yql_kikimr_provider.h``,
+``TKikimrTransactionContextBase::ApplyTableOperations``).
+
 ``undetermined_commits`` makes the next commits of writing transactions
 happen and still answer ``Undetermined``, as a server does when the
 outcome of a commit could not be confirmed; the SDK then retries the
@@ -180,6 +188,7 @@ class FakeYdb:
 
     undetermined_commits: int = 0
     part_rows: int = 2  # rows per streamed part of a result set
+    immediate_effects: bool = True  # False: a server that refuses reads of its own writes
     lose_result_sets: bool = False  # answer no result set at all, as no server should
     statements: list[str] = field(default_factory=list)
     tables: dict[str, Table] = field(default_factory=dict)
@@ -197,8 +206,14 @@ class FakeYdb:
 
     # --- statements -------------------------------------------------------------
 
-    def run(self, text: str, params: Mapping[str, ydb.TypedValue] | None) -> list[ResultSet]:
-        """Runs a statement (DECLAREs, then statements separated by ``;``)."""
+    def run(
+        self,
+        text: str,
+        params: Mapping[str, ydb.TypedValue] | None,
+        modified: set[str] | None = None,
+    ) -> list[ResultSet]:
+        """Runs a statement (DECLAREs, then statements separated by ``;``); ``modified``:
+        the tables its transaction has changed so far (updated here)."""
         self.statements.append(text)
         params = dict(params or {})
         declared = dict(re.findall(r"DECLARE (\$\w+) AS ([^;]+);", text))
@@ -214,9 +229,11 @@ class FakeYdb:
             return []
         named: dict[str, str] = {}
         answers: list[ResultSet] = []
+        modified = set() if modified is None else modified
         for statement in (s.strip() for s in re.split(r";\s*(?:\n|$)", body)):
             if not statement:
                 continue
+            self._check_effects(statement, modified)
             if found := re.fullmatch(r"\$(\w+) = (SELECT .*)", statement, re.S):
                 named[found.group(1)] = found.group(2)
             elif statement.startswith("SELECT"):
@@ -226,6 +243,26 @@ class FakeYdb:
             else:
                 self._write(statement, params)
         return answers
+
+    def _check_effects(self, statement: str, modified: set[str]) -> None:
+        """The server's refusals without immediate effects, in statement order."""
+        target = re.match(
+            r"(?:UPSERT INTO|REPLACE INTO|INSERT INTO|UPDATE|DELETE FROM) `([^`]+)`", statement
+        )
+        rest = statement[target.end() :] if target else statement
+        if not self.immediate_effects:
+            for table in re.findall(r"(?:FROM|JOIN) `([^`]+)`", rest):
+                if table in modified:
+                    raise issues.GenericError(
+                        f"Data modifications previously made to table '{table}' in current"
+                        " transaction won't be seen by operation: 'Select'"
+                    )
+            if target and target.group(1) in modified and self._table(target.group(1)).indexes:
+                raise issues.GenericError(
+                    "Multiple modification of table with secondary indexes is not supported yet"
+                )
+        if target:
+            modified.add(target.group(1))
 
     def _check_params(
         self, body: str, declared: Mapping[str, str], params: Mapping[str, ydb.TypedValue]
@@ -473,13 +510,14 @@ class FakeTx:
     def __init__(self, database: FakeYdb) -> None:
         self._database = database
         self.wrote = False
+        self.modified: set[str] = set()  # the tables this transaction changed
 
     async def execute(
         self, query: str, parameters: Mapping[str, ydb.TypedValue] | None = None
     ) -> AsyncIterator[ResultSet]:
         if re.search(r"^\s*(UPSERT|REPLACE|INSERT|UPDATE|DELETE)", query, re.M):
             self.wrote = True
-        answers = self._database.run(query, parameters)
+        answers = self._database.run(query, parameters, self.modified)
 
         async def stream() -> AsyncIterator[ResultSet]:
             for answer in answers:

@@ -701,10 +701,26 @@ class YdbDeadLetterStore(StoreCore):
         await self._schema("set the DLQ retention", self._yql.set_ttl(self.retention_s))
         rows = await self._read_one("read the DLQ schema version", self._yql.schema_version())
         check_schema_version(rows[0]["value"] if rows else None, f"YDB {self.directory}")
-        if not rows:
-            await self._run(
-                "write the DLQ schema version", self._yql.write_schema_version(SCHEMA_VERSION)
-            )
+        await self._write_and_read_version(int(rows[0]["value"]) if rows else SCHEMA_VERSION)
+
+    async def _write_and_read_version(self, version: int) -> None:
+        """Writes the schema version (as it is, or the first) and reads it back in one
+        transaction.
+
+        The store's transactions read what they wrote (``put`` writes the
+        letters table twice, a status change reads before and after): a server
+        without immediate effects refuses that, and is refused here, at the
+        start, with ``IMMEDIATE_EFFECTS_NEEDED`` rather than at the first put.
+        """
+        what = "write the DLQ schema version"
+
+        async def work(tx: QueryTxContext) -> None:
+            await _execute(tx, self._yql.write_schema_version(version), what)
+            (rows,) = await _execute(tx, self._yql.schema_version(), what)
+            if [r["value"] for r in rows] != [str(version)]:
+                raise DlqError(f"{what}: read back {[r['value'] for r in rows]}")
+
+        await self._transaction(what, work)
 
     async def close(self) -> None:
         """Releases the sessions (and the driver, if the store opened it)."""

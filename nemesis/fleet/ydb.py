@@ -184,6 +184,12 @@ def _seed(directory: str) -> tuple[str, str]:
     )
 
 
+def _rewrite(directory: str) -> str:
+    """The generation row written back as it is (a write that changes nothing)."""
+    gen = f"`{directory.strip('/')}/generation`"
+    return f"UPDATE {gen} SET generation = generation WHERE id = 1;"
+
+
 def _typed(sql: str, parameters: Sequence[object]) -> dict[str, ydb.TypedValue]:
     """``parameters`` as the typed values the statement's DECLAREs name, in order."""
     declared = _DECLARE.findall(sql)
@@ -267,6 +273,11 @@ class YdbStateStore(SqlStateStore):
         def seed(tx: Tx) -> None:
             if not tx.query(read):
                 tx.execute(write)
+            # The core's jobs read what they wrote in the same transaction: a server
+            # without immediate effects refuses this read, here, at the start
+            # (nemesis.broker.ydb.errors.IMMEDIATE_EFFECTS_NEEDED).
+            tx.execute(_rewrite(self._directory))
+            tx.query(read)
 
         await self._transaction(seed)
 
