@@ -171,7 +171,7 @@ async def test_static_credentials_log_in_without_blocking_the_event_loop(
     def login(self: ydb.StaticCredentials) -> dict[str, object]:
         logins.append(self.user)
         # Returns at once if the loop ran meanwhile; blocked forever it would not.
-        moved = loop_moved.wait(timeout=3)
+        moved = loop_moved.wait(timeout=30)
         return {"expires_in": 1800, "access_token": "t0ken" if moved else "loop-was-blocked"}
 
     monkeypatch.setattr(ydb.StaticCredentials, "_make_token_request", login)
