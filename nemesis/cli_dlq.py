@@ -144,7 +144,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         total = await store.count(where)
         for row in page.rows:
             if args.json:
-                sys.stdout.write(_json_line(_row_json(row, preview=True)))
+                sys.stdout.write(_json_line(_row_json(row)))
             else:
                 print(inert(_row_line(row)))
         if not args.json:
@@ -160,11 +160,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         if row is None:
             raise NemesisError(f"no dead letter {args.id}")
         if args.json:
-            sys.stdout.write(_json_line(_row_json(row, preview=False), indent=True))
+            sys.stdout.write(_json_line(_row_json(row), indent=True))
             return 0
         # Payloads, errors and metadata come from other systems: nothing in them may
         # act on the terminal (ESC sequences, bidi overrides), see nemesis.terminal.
-        for name, value in _row_json(row, preview=False).items():
+        for name, value in _row_json(row).items():
             if name != "payload":
                 print(f"{name:>18}: {inert(str(value))}")
         print("           payload:")
@@ -225,7 +225,13 @@ def _act(args: argparse.Namespace, action: str) -> int:
 def _summary(result: ActionResult) -> str:
     verb = "requeued" if result.action.value == "requeue" else "discarded"
     parts = ", ".join(f"{name}: {count}" for name, count in sorted(result.by_integration.items()))
-    return f"{verb} {result.count} dead letter(s)" + (f" ({parts})" if parts else "")
+    summary = f"{verb} {result.count} dead letter(s)" + (f" ({parts})" if parts else "")
+    if result.payload_cut:
+        summary += (
+            f"; {result.payload_cut} left dead: their payload was stored cut"
+            " (over 16 MiB), so it cannot be replayed"
+        )
+    return summary
 
 
 def _describe(args: argparse.Namespace) -> str:
@@ -266,7 +272,7 @@ def _row_line(row: DeadLetterRow) -> str:
     )
 
 
-def _row_json(row: DeadLetterRow, *, preview: bool) -> dict[str, Any]:
+def _row_json(row: DeadLetterRow) -> dict[str, Any]:
     document: dict[str, Any] = {
         "id": row.id,
         "integration": row.integration,
@@ -300,7 +306,8 @@ def _row_json(row: DeadLetterRow, *, preview: bool) -> dict[str, Any]:
         ]
     if row.tombstone:
         document["tombstone"] = True
-    if preview and row.payload_truncated:
+    if row.payload_truncated:
+        # A list's preview; shown in full, a payload stored cut (past 16 MiB).
         document["payload_truncated"] = True
     return document
 

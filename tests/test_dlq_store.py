@@ -31,8 +31,10 @@ from hypothesis import strategies as st
 import nemesis.dlq.core as dlq_core
 import nemesis.dlq.sqlite as dlq_sqlite
 from nemesis.backends.postgres import PostgresDlqConfig
+from nemesis.broker.embedded import open_embedded
 from nemesis.broker.port import key_bytes, key_text
 from nemesis.clock import Clock
+from nemesis.config.models import EmbeddedBackendConfig
 from nemesis.dlq import (
     Action,
     DeadLetter,
@@ -40,6 +42,7 @@ from nemesis.dlq import (
     DeadLetterRow,
     DeadLetterStore,
     PageRequest,
+    PutResult,
     Reason,
     Status,
     dead_letter_id,
@@ -50,7 +53,7 @@ from nemesis.dlq import (
 from nemesis.dlq.cursor import decode_cursor, encode_cursor
 from nemesis.dlq.port import MAX_ERROR_CHARS, MAX_TEXT_CHARS
 from nemesis.dlq.postgres import open_postgres_dlq
-from nemesis.dlq.requeue import replay_of
+from nemesis.dlq.requeue import replay_of, requeue
 from nemesis.dlq.signature import MAX_PATTERN_CHARS, escape_like
 from nemesis.dlq.ydb import YdbDeadLetterStore
 from nemesis.errors import DlqError, InvalidCursor, InvalidQuery, NemesisError
@@ -387,6 +390,52 @@ async def test_get_returns_what_was_written(store: DeadLetterStore, clock: FakeC
     assert await store.get("0" * 32) is None
     many = await store.get_many([written.id, "0" * 32, written.id])
     assert [r.id for r in many] == [written.id]
+
+
+CAP = 16 * 1024 * 1024  # a YDB cell's limit, which every store keeps
+
+
+async def test_a_payload_over_16_mib_is_stored_cut_keeping_its_real_size(
+    store: DeadLetterStore,
+) -> None:
+    """Every store keeps at most 16 MiB of a payload (a YDB cell's limit), the same way."""
+    big = bytes(range(256)) * (CAP // 256) + b"past the limit"
+    exact = b"e" * CAP
+    written = [letter(1, payload=big), letter(2, payload=exact)]
+    assert await store.put(written) == PutResult(2, 0)
+    cut = await store.get(written[0].id)
+    assert cut is not None
+    assert (len(cut.payload), cut.payload_size, cut.payload_truncated) == (CAP, len(big), True)
+    assert cut.payload == big[:CAP]
+    whole = await store.get(written[1].id)
+    assert whole is not None
+    assert (whole.payload == exact, whole.payload_size, whole.payload_truncated) == (
+        True,
+        CAP,
+        False,
+    )
+    # The same failure again (a retried write) changes nothing, and lists tell the real size.
+    assert await store.put(written[:1]) == PutResult(0, 1)
+    page = await store.query(DeadLetterFilter())
+    assert sorted(r.payload_size for r in page.rows) == [CAP, len(big)]
+    assert dlq_core.MAX_STORED_PAYLOAD_BYTES == CAP
+
+
+async def test_a_requeue_leaves_a_letter_whose_payload_was_cut_dead(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    store = await open_sqlite_dlq(tmp_path / "dlq.db", clock=clock)
+    broker = await open_embedded(EmbeddedBackendConfig(path=str(tmp_path / "log.db")))
+    try:
+        big, small = letter(1, payload=b"b" * (CAP + 1)), letter(2)
+        await store.put([big, small])
+        result = await requeue(store, broker, [big.id, small.id], by="ops", clock=clock)
+        assert (result.count, result.payload_cut) == (1, 1)
+        statuses = {row.id: row.status for row in await store.get_many([big.id, small.id])}
+        assert statuses == {big.id: Status.DEAD, small.id: Status.REQUEUED}
+    finally:
+        await broker.close()
+        await store.close()
 
 
 async def test_a_record_is_kept_as_written_binary_key_headers_and_tombstone(
@@ -1350,3 +1399,26 @@ async def test_the_cli_lists_a_dead_letter_with_an_empty_payload(tmp_path: Path)
         assert listed.returncode == 0, listed.stderr
         assert "Traceback" not in listed.stderr
         assert letter(1).id[:12] in listed.stdout
+
+
+async def test_the_cli_shows_that_a_stored_payload_was_cut(tmp_path: Path) -> None:
+    (tmp_path / "nemesis.yaml").write_text("data_dir: data\n", encoding="utf-8")
+    store = await open_sqlite_dlq(tmp_path / "data" / "dlq.db")
+    try:
+        await store.put([letter(1, payload=b"{" * (CAP + 10)), letter(2)])
+    finally:
+        await store.close()
+    for offset, cut in ((1, True), (2, False)):
+        shown = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "nemesis", "dlq", "show", letter(offset).id, "--json"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert shown.returncode == 0, shown.stderr
+        document = json.loads(shown.stdout)
+        assert document.get("payload_truncated", False) is cut
+        assert document["payload_size"] == (CAP + 10 if cut else len(letter(2).payload))

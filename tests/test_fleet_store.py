@@ -21,7 +21,7 @@ from nemesis.fleet.postgres import open_postgres_state
 from nemesis.fleet.sqlite import open_sqlite_state
 from nemesis.fleet.ydb import YdbStateStore
 from tests.postgres_server import PostgresServer
-from tests.ydb_fake import FAST_RETRY, FakePool, FakeYdb
+from tests.ydb_fake import FAST_RETRY, FakePool, FakeTx, FakeYdb
 
 Opener = Callable[[Path], Awaitable[StateStore]]
 
@@ -261,6 +261,43 @@ async def test_ydb_jobs_run_again_over_their_own_undetermined_commit() -> None:
         await store.close()
 
 
+async def test_ydb_reads_a_result_set_streamed_in_parts_as_one() -> None:
+    """The query service streams a result set as parts sharing its index (one row a part here)."""
+    database = FakeYdb(part_rows=1)
+    store = YdbStateStore(
+        cast(QuerySessionPool, FakePool(database)),
+        directory="nemesis/fleet",
+        retry_settings=FAST_RETRY,
+    )
+    await store.open()
+    try:
+        members = [MemberInfo(f"host-{n}-{n}-aaaaaa", f"host-{n}", n, 1000.0) for n in range(3)]
+        for member in members:
+            await store.heartbeat(member, now=1000.0, lease_s=10)
+            await store.assign("orders", member.member_id, now=1000.0)
+        view = await store.view()
+        assert [m.member_id for m in view.members] == [m.member_id for m in members]
+        assert len(view.assignments) == 3
+    finally:
+        await store.close()
+
+
+async def test_the_fake_ydb_streams_a_result_set_in_parts_sharing_its_index() -> None:
+    database = FakeYdb(part_rows=2)
+    database.run(
+        "CREATE TABLE IF NOT EXISTS `t` (\n`id` Int64 NOT NULL,\nPRIMARY KEY (`id`)\n)", None
+    )
+    for n in range(5):
+        database.run(f"UPSERT INTO `t` (`id`) VALUES ({n});", None)
+
+    async def callee(tx: FakeTx) -> list[tuple[int, int]]:
+        stream = await tx.execute("SELECT id FROM `t`;\nSELECT id FROM `t` WHERE id > 9;")
+        return [(part.index, len(part.rows)) async for part in stream]
+
+    parts = await FakePool(database).retry_tx_async(callee)
+    assert parts == [(0, 2), (0, 2), (0, 1), (1, 0)]
+
+
 @pytest.mark.parametrize(
     ("statement", "refusal"),
     [
@@ -278,3 +315,14 @@ def test_the_fake_ydb_refuses_what_a_server_refuses(statement: str, refusal: str
     )
     with pytest.raises(ydb.issues.GenericError, match=refusal):
         database.run(statement, None)
+
+
+async def test_ydb_refuses_a_server_whose_transactions_cannot_read_their_writes() -> None:
+    store = YdbStateStore(
+        cast(QuerySessionPool, FakePool(FakeYdb(immediate_effects=False))),
+        directory="nemesis/fleet",
+        retry_settings=FAST_RETRY,
+    )
+    with pytest.raises(StateError, match=r"read its own writes .*YDB 24\.1 or newer"):
+        await store.open()
+    await store.close()

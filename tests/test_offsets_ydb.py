@@ -172,21 +172,25 @@ async def test_a_lookup_by_time_says_ydb_has_none(topics: TopicClientAsyncIO) ->
     assert await broker.admin.write_times("orders", {0: 3}) == {}
 
 
-async def test_the_read_from_goes_with_the_first_read_session_only(
+async def test_a_reopened_read_session_keeps_the_read_from_while_a_partition_never_committed(
     topics: TopicClientAsyncIO, grpc: Grpc
 ) -> None:
-    """A reader reopened later (a spilled pause's resume) must not skip what a seek put back."""
+    """A spilled pause's resume opens the SDK reader again: a partition that never committed
+    keeps its start there (it would fall back to its oldest message); once every partition
+    has committed, the new session has no read_from, which would skip what a seek put back."""
     service = Topics(topics)
     broker = await orders(service, {0: 0, 1: 0})
     reader = await broker.reader("orders", "billing", start_from=StartFrom("time", AT.timestamp()))
     try:
         assert (await read_settings(grpc)).read_from == AT
-        reopened = reader._open_sdk()  # what a resume after a spill calls
-        try:
-            server = await ReadServer.accept(grpc)
-            (settings,) = server.init.topics_read_settings
-            assert settings.read_from is None
-        finally:
-            await reopened.close()
+        reopen = reader._reopen_sdk_reader  # what a resume after a spill calls
+        assert reopen is not None
+        for committed, read_from in (({0: 4, 1: 0}, AT), ({0: 4, 1: 2}, None)):
+            service.topics["/local/orders"].committed["billing"] = committed
+            reopened = await reopen()
+            try:
+                assert (await read_settings(grpc)).read_from == read_from
+            finally:
+                await reopened.close()
     finally:
         await reader.close()

@@ -356,7 +356,7 @@ def test_cdc_skips_deletes_unless_asked_and_can_say_what_happened() -> None:
         ([1, 2], "cdc: not a changefeed record: the payload is an array"),
         ({"key": [1], "update": {}}, "must be a list of 2 values (id, city), got 1 values"),
         ({"key": "1", "update": {}}, "got a string"),
-        ({"key": [1, "msk"]}, "cdc: the record has neither update nor erase"),
+        ({"key": [1, "msk"]}, "cdc: the record has neither update, reset nor erase"),
         ({"key": [1, "msk"], "update": {}, "newImage": [1]}, "the row image is an array"),
     ],
 )

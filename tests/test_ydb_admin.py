@@ -29,11 +29,14 @@ from ydb._grpc.grpcwrapper.ydb_topic_public_types import (
 )
 from ydb.aio.driver import Driver
 
-from nemesis.broker.port import ConsumerSpec
+from nemesis.broker.port import Broker, ConsumerSpec
 from nemesis.broker.ydb import YdbAdmin, YdbBroker
 from nemesis.broker.ydb.admin import Directory, consumer_offsets, topic_description
 from nemesis.config.models import YdbBackendConfig
 from nemesis.errors import BrokerError, TopicExists, TopicNotFound
+from tests.contract import test_broker as contract
+from tests.contract.conftest import Backend
+from tests.kafka_broker import Namespace
 
 WRITTEN = datetime.datetime(2026, 11, 30, 12, 0, 0)  # naive UTC
 
@@ -171,8 +174,22 @@ class TopicService:
 
     async def create_topic(self, path: str, **settings: Any) -> None:
         self.calls.append(f"create {path}")
+        consumers: Sequence[TopicConsumer] = settings["consumers"]
+        names = [c.name for c in consumers]
+        for name in names:
+            _check_consumer_name(name)
+        if len(set(names)) < len(names):
+            # ydb/core/persqueue/public/schema/validation.cpp (ValidateConsumersConfig):
+            # a name twice in a create is BAD_REQUEST (ALREADY_EXISTS only in an alter).
+            raise issues.BadRequest(f"Duplicate consumer name in {names}")
         if path in self.topics:
-            raise issues.AlreadyExists(f"{path} exists")
+            # The create path never sets FailOnExist, and the scheme request's
+            # reporting turns StatusAlreadyExists into SUCCESS, settings untouched:
+            # ydb/services/persqueue_v1/actors/schema_actors.cpp
+            # (TCreateTopicActor::FillProposeRequest), ydb/core/grpc_services/
+            # rpc_scheme_base.h (ExecComplete + StatusAlreadyExists -> SUCCESS),
+            # ydb/core/persqueue/public/schema/schema_operation.cpp (the same, newer).
+            return
         parent = path.rsplit("/", 1)[0]
         if parent not in self.directories:
             # The Topic API works in the parent directory and makes none.
@@ -180,9 +197,9 @@ class TopicService:
         retention = settings["retention_period"]
         self.topics[path] = Topic(
             settings["min_active_partitions"],
-            [c.name for c in settings["consumers"]],
+            names,
             retention.total_seconds() if retention else None,
-            important={c.name for c in settings["consumers"] if c.important},
+            important={c.name for c in consumers if c.important},
         )
 
     async def alter_topic(
@@ -193,15 +210,41 @@ class TopicService:
     ) -> None:
         self.calls.append(f"alter {path}")
         topic = self._topic(path)
+        for altered in alter_consumers:
+            if altered.name not in topic.consumers:
+                # ydb/services/lib/actors/pq_schema_actor.cpp (FillProposeRequestImpl
+                # of an AlterTopicRequest): "consumer ... in alter_consumers is missing".
+                raise issues.NotFound(f"consumer '{altered.name}' in alter_consumers is missing")
+        for added in add_consumers:
+            _check_consumer_name(added.name)
+            if added.name in topic.consumers:
+                # ydb/services/lib/actors/pq_schema_actor.cpp: an alter's duplicate
+                # consumer is CheckConfig(..., ALREADY_EXISTS) ("Duplicate consumer
+                # name"); validation.cpp keeps ALREADY_EXISTS for EOperation::Alter.
+                # Nothing of the alter is applied.
+                raise issues.AlreadyExists(f"Duplicate consumer name {added.name}")
         for added in add_consumers:
             topic.consumers.append(added.name)
             if added.important:
                 topic.important.add(added.name)
         for altered in alter_consumers:
-            if altered.name not in topic.consumers:
-                raise issues.NotFound(f"no consumer {altered.name}")
             if altered.set_important:
                 topic.important.add(altered.name)
+
+    async def list_directory(self, path: str) -> Directory:
+        """The scheme client's listing of what this service holds (topics, directories)."""
+        if path not in self.directories:
+            raise issues.SchemeError(f"path {path} not found")
+        children = [
+            scheme_entry(child.rsplit("/", 1)[-1], kind)
+            for names, kind in (
+                (self.topics, ydb.SchemeEntryType.TOPIC),
+                (self.directories, ydb.SchemeEntryType.DIRECTORY),
+            )
+            for child in sorted(names)
+            if child.rsplit("/", 1)[0] == path
+        ]
+        return Listing(children)
 
     async def describe_topic(self, path: str, include_stats: bool = False) -> TopicDescription:
         topic = self._topic(path)
@@ -227,6 +270,13 @@ class TopicService:
         if path not in self.topics:
             raise issues.SchemeError(f"path {path} not found")
         return self.topics[path]
+
+
+def _check_consumer_name(name: str) -> None:
+    # ydb/services/lib/actors/pq_schema_actor.cpp (AddReadRuleToConfig): a name with
+    # "/" or "|" "has illegal symbols", an empty one is forbidden; both BAD_REQUEST.
+    if not name or "/" in name or "|" in name:
+        raise issues.BadRequest(f"consumer '{name}' has illegal symbols")
 
 
 @dataclass
@@ -272,6 +322,105 @@ async def test_create_is_idempotent_with_exist_ok_and_adds_missing_consumers() -
         await admin.create_topic("x", partitions=0)
     await admin.create_topic("forever", partitions=1, retention_s=0)
     assert service.topics["/local/nemesis/forever"].retention_s is None
+
+
+def broker_over(service: TopicService) -> YdbBroker:
+    return YdbBroker(
+        cast(Driver, object()),
+        YdbBackendConfig(endpoint="grpc://localhost:2136", database="/local", directory="nemesis"),
+        owns_driver=False,
+        topics=cast(TopicClientAsyncIO, service),
+        list_directory=service.list_directory,
+        make_directory=service.make_directory,
+    )
+
+
+@dataclass
+class FakeBackend:
+    """What the contract's admin cases use of a backend, over one TopicService."""
+
+    service: TopicService = field(default_factory=TopicService)
+    names: Namespace = field(default_factory=Namespace)
+    kind: str = "ydb"
+
+    async def broker(self) -> Broker:
+        return broker_over(self.service)
+
+
+async def test_the_contracts_topic_lifecycle_holds_against_the_servers_answers() -> None:
+    """tests/contract/test_broker.py::test_topic_lifecycle, on a service that answers
+    SUCCESS to a create of a topic that exists, as the server does."""
+    await contract.test_topic_lifecycle(cast(Backend, FakeBackend()))
+
+
+async def test_create_of_an_existing_topic_adds_and_raises_by_describing_not_by_status() -> None:
+    service = TopicService()
+    admin = admin_over(service)
+    topic = "nemesis.retry.orders.1"
+    await admin.create_topic(topic, partitions=1, consumers=[ConsumerSpec("a")])
+    path = f"/local/nemesis/{topic}"
+    service.topics[path].important.clear()  # registered before as an ordinary consumer
+    with pytest.raises(TopicExists, match=f"create topic {topic}"):
+        await admin.create_topic(topic, partitions=1, consumers=[ConsumerSpec("b")])
+    assert service.topics[path].consumers == ["a"]
+    await admin.create_topic(
+        topic, partitions=4, consumers=[ConsumerSpec("a"), ConsumerSpec("b")], exist_ok=True
+    )
+    # The missing consumer added, both important (Nemesis' own topic), the topic as it was.
+    assert service.topics[path] == Topic(1, ["a", "b"], 86400.0, important={"a", "b"})
+
+
+class AnotherProcessAdds(TopicService):
+    """Another process adds consumer ``a`` (ordinary) right after each describe."""
+
+    async def describe_topic(self, path: str, include_stats: bool = False) -> TopicDescription:
+        answer = await super().describe_topic(path, include_stats)
+        if "a" not in self.topics[path].consumers:
+            self.topics[path].consumers.append("a")
+        return answer
+
+
+async def test_a_consumer_added_meanwhile_is_not_an_error_and_is_made_important() -> None:
+    service = AnotherProcessAdds()
+    admin = admin_over(service)
+    topic = "nemesis.replay.orders"
+    await admin.create_topic(topic, partitions=1)
+    path = f"/local/nemesis/{topic}"
+    service.topics[path].consumers.clear()
+    await admin.add_consumer(topic, ConsumerSpec("a"))
+    assert service.topics[path].consumers == ["a"]
+    assert service.topics[path].important == {"a"}
+
+
+async def test_a_create_naming_a_consumer_twice_names_it_once() -> None:
+    service = TopicService()
+    await admin_over(service).create_topic(
+        "orders", partitions=1, consumers=[ConsumerSpec("a"), ConsumerSpec("a")]
+    )
+    assert service.topics["/local/nemesis/orders"].consumers == ["a"]
+
+
+async def test_the_fake_answers_as_the_server_does() -> None:
+    service = TopicService()
+    await service.create_topic(
+        "/local/t", min_active_partitions=1, retention_period=None, consumers=[TopicConsumer("a")]
+    )
+    await service.create_topic(  # exists: SUCCESS, nothing changed
+        "/local/t", min_active_partitions=5, retention_period=None, consumers=[TopicConsumer("b")]
+    )
+    assert service.topics["/local/t"].consumers == ["a"]
+    with pytest.raises(issues.AlreadyExists):
+        await service.alter_topic("/local/t", add_consumers=[TopicConsumer("a")])
+    with pytest.raises(issues.BadRequest):
+        await service.create_topic(
+            "/local/u",
+            min_active_partitions=1,
+            retention_period=None,
+            consumers=[TopicConsumer("a"), TopicConsumer("a")],
+        )
+    for illegal in ("team/a", "a|b", ""):
+        with pytest.raises(issues.BadRequest):
+            await service.alter_topic("/local/t", add_consumers=[TopicConsumer(illegal)])
 
 
 async def test_describe_gives_offsets_and_each_consumers_committed_offset() -> None:

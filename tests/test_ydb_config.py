@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import textwrap
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
@@ -14,7 +15,13 @@ import ydb
 from pydantic import ValidationError
 from ydb import issues
 
-from nemesis.broker.ydb.connection import credentials, driver_config, object_path, relative_name
+from nemesis.broker.ydb.connection import (
+    StaticLogin,
+    credentials,
+    driver_config,
+    object_path,
+    relative_name,
+)
 from nemesis.broker.ydb.errors import broker_error, dlq_error, table_call, topic_call
 from nemesis.config import load_process_config
 from nemesis.config.models import (
@@ -148,8 +155,41 @@ def test_credentials_by_mode() -> None:
     assert isinstance(token, ydb.AccessTokenCredentials)
     assert auth_metadata(token) == [("x-ydb-auth-ticket", "t0ken")]
     static = credentials(YdbCredentialsConfig(mode="static", user="root", password="secret"))
-    assert isinstance(static, ydb.StaticCredentials)
-    assert (static.user, static.password) == ("root", "secret")
+    assert isinstance(static, StaticLogin)
+    assert (static.login.user, static.login.password) == ("root", "secret")
+
+
+async def test_static_credentials_log_in_without_blocking_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The login (the SDK's blocking gRPC call, here one that waits for the loop to move)
+    runs beside the event loop; the driver awaits the token as the async SDK's connection
+    does (``ydb/aio/connection.py``: a coroutine from ``auth_metadata`` is awaited)."""
+    loop_moved = threading.Event()
+    logins: list[str] = []
+
+    def login(self: ydb.StaticCredentials) -> dict[str, object]:
+        logins.append(self.user)
+        # Returns at once if the loop ran meanwhile; blocked forever it would not.
+        moved = loop_moved.wait(timeout=30)
+        return {"expires_in": 1800, "access_token": "t0ken" if moved else "loop-was-blocked"}
+
+    monkeypatch.setattr(ydb.StaticCredentials, "_make_token_request", login)
+    static = credentials(YdbCredentialsConfig(mode="static", user="root", password="secret"))
+    config = ydb.DriverConfig(endpoint="grpc://localhost:2136", database="/local")
+    cast(Callable[[ydb.DriverConfig], None], static._update_driver_config)(config)
+
+    async def meanwhile() -> None:
+        await asyncio.sleep(0)
+        loop_moved.set()
+
+    beside = asyncio.create_task(meanwhile())
+    metadata = auth_metadata(static)
+    if asyncio.iscoroutine(metadata):
+        metadata = await metadata
+    await beside
+    assert metadata == [("x-ydb-auth-ticket", "t0ken")]
+    assert logins == ["root"]
 
 
 def test_service_account_credentials_explain_what_is_missing(tmp_path: Path) -> None:

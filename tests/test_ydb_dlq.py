@@ -21,10 +21,12 @@ import pytest
 import ydb
 from ydb import convert
 
+import nemesis.dlq.ydb as dlq_ydb
 from nemesis.dlq import Action, DeadLetter, DeadLetterFilter, Reason, Status
 from nemesis.dlq.core import Window, fold_failures
 from nemesis.dlq.ydb import LETTER_COLUMNS, Query, YdbDeadLetterStore, Yql, tiebreak
 from nemesis.errors import DlqError
+from tests import ydb_fake
 from tests.ydb_fake import FAST_RETRY, FakeYdb
 
 START_US = 1_800_000_000_000_000
@@ -349,3 +351,113 @@ def test_times_far_out_of_range_fit_the_unsigned_columns() -> None:
     [row] = folded.inserts
     assert row["dead_lettered_us"] == 0
     assert 0 < row["first_failure_us"] < 2**63
+
+
+async def test_new_rows_are_written_in_statements_the_sdk_can_send(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The SDK sends a statement's parameters in one gRPC message of at most 64 MB (smaller
+    here, with the store's budget to match): big rows go in several statements."""
+    monkeypatch.setattr(ydb_fake, "MAX_MESSAGE_BYTES", 1_000_000)
+    monkeypatch.setattr(dlq_ydb, "STATEMENT_BYTES", 500_000, raising=False)
+    database = FakeYdb()
+    store = YdbDeadLetterStore(
+        cast(Any, database.pool()), directory="nemesis/dlq", retry_settings=FAST_RETRY
+    )
+    await store.open()
+    try:
+        letters = [letter(n, payload=bytes([n]) * 300_000) for n in range(5)]
+        assert (await store.put(letters)).inserted == 5
+        upserts = [s for s in database.statements if "UPSERT INTO `nemesis/dlq/letters`" in s]
+        assert len(upserts) == 5  # each row alone: two would pass the budget
+        rows = await store.get_many([x.id for x in letters])
+        assert sorted(len(row.payload) for row in rows) == [300_000] * 5
+    finally:
+        await store.close()
+
+
+def test_the_fake_refuses_a_cell_over_16_mib_and_a_message_over_64_mb() -> None:
+    database = FakeYdb()
+    database.run(
+        "CREATE TABLE IF NOT EXISTS `t` (\n`id` Int64 NOT NULL,\n`v` String,\n"
+        "PRIMARY KEY (`id`)\n)",
+        None,
+    )
+    rows = "DECLARE $p0 AS List<Struct<id:Int64,v:String?>>;\n"
+    upsert = rows + "UPSERT INTO `t` SELECT * FROM AS_TABLE($p0);"
+    row_type = ydb.ListType(
+        ydb.StructType()
+        .add_member("id", ydb.PrimitiveType.Int64)
+        .add_member("v", ydb.OptionalType(ydb.PrimitiveType.String))
+    )
+
+    def value(*cells: bytes) -> dict[str, ydb.TypedValue]:
+        return {"$p0": ydb.TypedValue([{"id": n, "v": v} for n, v in enumerate(cells)], row_type)}
+
+    database.run(upsert, value(b"x" * ydb_fake.MAX_CELL_BYTES))  # 16 MiB fits
+    with pytest.raises(ydb.issues.BadRequest, match="Row cell size of 16777217 bytes"):
+        database.run(upsert, value(b"x" * (ydb_fake.MAX_CELL_BYTES + 1)))
+    with pytest.raises(ydb.issues.BadRequest, match="Sent message larger than max"):
+        database.run(upsert, value(*[b"y" * 13_000_000] * 5))
+
+
+def test_an_index_is_named_only_where_the_filter_or_an_ordered_limit_uses_it() -> None:
+    """A ``VIEW`` costs a lookup in the table per index row (``_view``): counts, groups and
+    statistics over an unconstrained filter scan the table itself."""
+    window = Window.of(START_US / 1e6, 3600.0, 24)
+    plain = DeadLetterFilter(status=Status.DEAD, reason=Reason.HTTP_4XX, text="city")
+    for statement in (
+        yql.count(plain, None).text,
+        yql.count(plain, 100).text,
+        yql.groups(plain, 10).text,
+        yql.stats(plain, window).body.split(";\n")[0],
+    ):
+        assert " VIEW " not in statement, statement
+    # Ordered reads with a LIMIT take the head of by_time; the stats' time buckets a range.
+    for statement in (
+        yql.page(plain, None, 50, 1024, None).text,
+        yql.ids_page(plain, None, 50).text,
+        yql.scan_bound(plain, None).text,
+        yql.stats(plain, window).body.split(";\n")[1],
+    ):
+        assert " VIEW by_time " in statement, statement
+    # A filter on an index's leading column names that index everywhere.
+    for where, index in (
+        (DeadLetterFilter(since=1_700_000_000.0), "by_time"),
+        (DeadLetterFilter(integrations=frozenset({"alpha"})), "by_integration"),
+        (DeadLetterFilter(signature="0123456789abcdef"), "by_signature"),
+    ):
+        for statement in (yql.count(where, None).text, yql.groups(where, 10).text):
+            assert f" VIEW {index} " in statement, statement
+
+
+async def test_a_server_whose_transactions_cannot_read_their_writes_is_refused_at_open() -> None:
+    """Without immediate effects (YDB before 24.1) ``put`` could not work: the store says
+    so when it opens, naming what the server needs, not at the first dead letter."""
+    store = YdbDeadLetterStore(
+        cast(Any, FakeYdb(immediate_effects=False).pool()),
+        directory="nemesis/dlq",
+        retry_settings=FAST_RETRY,
+    )
+    with pytest.raises(DlqError, match=r"read its own writes .*YDB 24\.1 or newer") as refused:
+        await store.open()
+    assert "won't be seen" in str(refused.value)  # the server's own words follow
+    await store.close()
+
+
+async def test_the_fake_without_immediate_effects_refuses_what_such_a_server_does() -> None:
+    database = FakeYdb(immediate_effects=False)
+    store = YdbDeadLetterStore(
+        cast(Any, database.pool()), directory="nemesis/dlq", retry_settings=FAST_RETRY
+    )
+    with pytest.raises(DlqError):
+        await store.open()
+    database.immediate_effects = True
+    await store.open()
+    database.immediate_effects = False
+    # put writes the letters table (which has indexes) twice when a row exists and a new one
+    # comes: UPSERT of the new row, UPDATE ON of the old.
+    await store.put([letter(1)])
+    with pytest.raises(DlqError, match="read its own writes"):
+        await store.put([letter(1, dead_lettered_at=START_US / 1e6 + 5), letter(2)])
+    await store.close()

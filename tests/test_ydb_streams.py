@@ -35,11 +35,18 @@ from ydb._topic_reader import topic_reader_asyncio
 from ydb._topic_writer import topic_writer_asyncio
 from ydb.aio.driver import Driver
 
-from nemesis.broker.port import Message, OutgoingMessage, PartitionSession, WriteStatus
+from nemesis.broker.port import (
+    Message,
+    OutgoingMessage,
+    PartitionSession,
+    StartFrom,
+    WriteStatus,
+)
 from nemesis.broker.ydb import YdbBroker, YdbReader, YdbSession, YdbWriter
 from nemesis.broker.ydb.reader import open_sdk_reader
 from nemesis.config.models import YdbBackendConfig
 from nemesis.errors import BrokerError, BrokerTimeout, TopicNotFound
+from nemesis.testing.clock import FakeClock
 
 WRITTEN_AT = datetime.datetime(2026, 11, 30, 12, 0, 0)  # naive UTC, as protobuf makes them
 CREATED_AT = datetime.datetime(2026, 11, 30, 11, 59, 0)
@@ -1076,3 +1083,68 @@ async def test_the_brokers_readers_decode_zstd_and_spill_by_its_configuration(
     server.send(1, [2, 3, 4])
     await quiet_until(reader, lambda: reader.statistics().spilled == 1)
     await broker.close()
+
+
+async def test_start_from_latest_holds_on_the_reader_a_spilled_resume_opens_again(
+    topics: TopicClientAsyncIO, grpc: Grpc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition that never committed keeps its start (``read_from``) through a reopen;
+    once every partition has committed, the reopened reader reads without one."""
+    config = YdbBackendConfig(
+        endpoint="grpc://localhost:2136",
+        database="/local",
+        directory="nemesis",
+        pause_stash_messages=1,
+    )
+    started = 1_780_000_000.0
+
+    async def no_scheme(path: str) -> Any:
+        raise AssertionError(f"no scheme call expected ({path})")
+
+    broker = YdbBroker(
+        cast(Driver, _NoCredentials()),
+        config,
+        owns_driver=False,
+        clock=FakeClock(wall_start=started),
+        topics=topics,
+        list_directory=no_scheme,
+        make_directory=no_scheme,
+    )
+    committed = {0: 0, 1: 0}  # the consumer's offsets, as DescribeConsumer reports them
+
+    async def registered(topic: str) -> list[str]:
+        return ["billing"]
+
+    async def described(topic: str, consumer: str) -> dict[int, int]:
+        return dict(committed)
+
+    monkeypatch.setattr(broker.admin, "consumers", registered)
+    monkeypatch.setattr(broker.admin, "committed", described)
+    start = datetime.datetime.fromtimestamp(started, datetime.UTC)
+
+    async def spill_and_resume(reader: YdbReader, server: ReadServer) -> ReadServer:
+        server.start(session_id=1, partition=0)
+        server.send(1, [0])
+        [head] = await receive_all(reader, 1)
+        reader.pause(session_of(head))
+        server.send(1, [1, 2, 3])  # past the stash of 1: spilled
+        await quiet_until(reader, lambda: reader.statistics().spilled == 1)
+        reader.resume(session_of(head))
+        receiving = asyncio.create_task(reader.receive(10, 0.5))
+        again = await ReadServer.accept(grpc)
+        await receiving
+        return again
+
+    reader = await broker.reader("orders", "billing", start_from=StartFrom("latest"))
+    try:
+        first = await ReadServer.accept(grpc)
+        assert first.init.topics_read_settings[0].read_from == start
+        committed[0] = 1  # partition 1 has still committed nothing
+        second = await spill_and_resume(reader, first)
+        assert second.init.topics_read_settings[0].read_from == start
+        committed[1] = 7  # every partition has its own start now
+        third = await spill_and_resume(reader, second)
+        assert third.init.topics_read_settings[0].read_from is None
+        assert reader.statistics().reopens == 2
+    finally:
+        await broker.close()

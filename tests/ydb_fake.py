@@ -18,7 +18,30 @@ subset the store uses to SQLite, and refuses what a YDB server refuses:
 * ``UPSERT INTO t (columns) SELECT ...`` must name every NOT NULL column
   and put no NULL in one;
 * ``VIEW`` must name an index the table was created with;
-* a statement answers one result set per ``SELECT``, in order.
+* a cell holds at most 16 MiB: a bigger value is BAD_REQUEST ("Row cell
+  size of N bytes is larger than the allowed threshold"; ydb-platform/ydb
+  ``ydb/core/tx/datashard``, ``NLimits::MaxWriteValueSize`` and its checks
+  in the datashard's write path), and a statement whose parameters pass
+  the SDK's 64 MB gRPC message is BAD_REQUEST too (the SDK's
+  ``ydb/connection.py``: ``_DEFAULT_MAX_GRPC_MESSAGE_SIZE``, "Sent message
+  larger than max" -> ``issues.BadRequest``);
+* a statement answers one result set per ``SELECT``, in order, and
+  streams each as several parts that share its ``result_set_index``
+  (``part_rows`` rows a part; an empty result set is one empty part): the
+  server sends each ``TEvStreamData`` of the executer as one
+  ``ExecuteQueryResponsePart`` (ydb-platform/ydb
+  ``ydb/core/grpc_services/query/rpc_execute_query.cpp``,
+  ``TExecuteQueryRPC::Handle(TEvStreamData)``), so a caller must join the
+  parts (the SDK's ``aggregate_result_sets_by_index_async``), as
+  ``execute_with_retries`` does inside the SDK.
+
+``immediate_effects=False`` plays a server whose transactions cannot read
+their own writes (before YDB 24.1, or with the table service's
+``enable_kqp_immediate_effects`` off): a transaction that reads a table it
+modified, or modifies a table with secondary indexes a second time, is
+refused with the server's words (ydb-platform/ydb
+``ydb/core/kqp/provider/yql_kikimr_provider.h``,
+``TKikimrTransactionContextBase::ApplyTableOperations``).
 
 ``undetermined_commits`` makes the next commits of writing transactions
 happen and still answer ``Undetermined``, as a server does when the
@@ -44,8 +67,13 @@ from ydb.retries import retry_operation_async
 FAST_RETRY = ydb.RetrySettings(
     idempotent=True, slow_backoff_settings=ydb.BackoffSettings(slot_duration=0.001)
 )
+MAX_CELL_BYTES = 16 * 1024 * 1024  # NLimits::MaxWriteValueSize
+MAX_MESSAGE_BYTES = 64 * 10**6  # the SDK's gRPC max_send_message_length
 to_protobuf = cast(Callable[[object], object], convert.query_parameters_to_pb)  # untyped
 _retry = cast(Callable[..., Awaitable[Any]], retry_operation_async)
+_join = cast(
+    Callable[[list["ResultSet"]], list["ResultSet"]], convert.aggregate_result_sets_by_index
+)
 
 
 @dataclass
@@ -69,6 +97,11 @@ class ResultSet:
 
     def _extend(self, other: ResultSet) -> None:
         self.rows.extend(other.rows)
+
+    def parts(self, size: int) -> list[ResultSet]:
+        """This result set as the server streams it: parts of ``size`` rows, one index."""
+        chunks = [self.rows[i : i + size] for i in range(0, len(self.rows), size)] or [[]]
+        return [ResultSet(self.index, chunk) for chunk in chunks]
 
 
 class _CountIf:
@@ -120,6 +153,27 @@ def _literal(text: str) -> SqlValue:
     return float(text) if "." in text else int(text)
 
 
+def _weight(value: object) -> int:
+    """About the bytes a parameter value takes in the request."""
+    if isinstance(value, str | bytes):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_weight(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_weight(v) for v in value)
+    return 8
+
+
+def _check_cells(rows: Sequence[Mapping[str, Any]]) -> None:
+    for row in rows:
+        for value in row.values():
+            if isinstance(value, str | bytes) and len(value) > MAX_CELL_BYTES:
+                raise issues.BadRequest(
+                    f"Row cell size of {len(value)} bytes is larger than the allowed"
+                    f" threshold {MAX_CELL_BYTES}"
+                )
+
+
 def _members(type_text: str) -> dict[str, str]:
     """The members of ``List<Struct<a:Utf8,b:Int32?>>``: name -> type."""
     found = re.fullmatch(r"List<Struct<(.*)>>", type_text)
@@ -133,6 +187,8 @@ class FakeYdb:
     """One database; ``pool()`` is what the store gets instead of a ``QuerySessionPool``."""
 
     undetermined_commits: int = 0
+    part_rows: int = 2  # rows per streamed part of a result set
+    immediate_effects: bool = True  # False: a server that refuses reads of its own writes
     lose_result_sets: bool = False  # answer no result set at all, as no server should
     statements: list[str] = field(default_factory=list)
     tables: dict[str, Table] = field(default_factory=dict)
@@ -150,21 +206,34 @@ class FakeYdb:
 
     # --- statements -------------------------------------------------------------
 
-    def run(self, text: str, params: Mapping[str, ydb.TypedValue] | None) -> list[ResultSet]:
-        """Runs a statement (DECLAREs, then statements separated by ``;``)."""
+    def run(
+        self,
+        text: str,
+        params: Mapping[str, ydb.TypedValue] | None,
+        modified: set[str] | None = None,
+    ) -> list[ResultSet]:
+        """Runs a statement (DECLAREs, then statements separated by ``;``); ``modified``:
+        the tables its transaction has changed so far (updated here)."""
         self.statements.append(text)
         params = dict(params or {})
         declared = dict(re.findall(r"DECLARE (\$\w+) AS ([^;]+);", text))
         body = re.sub(r"DECLARE \$\w+ AS [^;]+;\n?", "", text)
         self._check_params(body, declared, params)
+        sent = sum(_weight(typed.value) for typed in params.values()) + len(text)
+        if sent > MAX_MESSAGE_BYTES:
+            raise issues.BadRequest(
+                f"Sent message larger than max ({sent} vs. {MAX_MESSAGE_BYTES})"
+            )
         if body.lstrip().startswith(("CREATE TABLE", "ALTER TABLE")):
             self._schema(body)
             return []
         named: dict[str, str] = {}
         answers: list[ResultSet] = []
+        modified = set() if modified is None else modified
         for statement in (s.strip() for s in re.split(r";\s*(?:\n|$)", body)):
             if not statement:
                 continue
+            self._check_effects(statement, modified)
             if found := re.fullmatch(r"\$(\w+) = (SELECT .*)", statement, re.S):
                 named[found.group(1)] = found.group(2)
             elif statement.startswith("SELECT"):
@@ -174,6 +243,26 @@ class FakeYdb:
             else:
                 self._write(statement, params)
         return answers
+
+    def _check_effects(self, statement: str, modified: set[str]) -> None:
+        """The server's refusals without immediate effects, in statement order."""
+        target = re.match(
+            r"(?:UPSERT INTO|REPLACE INTO|INSERT INTO|UPDATE|DELETE FROM) `([^`]+)`", statement
+        )
+        rest = statement[target.end() :] if target else statement
+        if not self.immediate_effects:
+            for table in re.findall(r"(?:FROM|JOIN) `([^`]+)`", rest):
+                if table in modified:
+                    raise issues.GenericError(
+                        f"Data modifications previously made to table '{table}' in current"
+                        " transaction won't be seen by operation: 'Select'"
+                    )
+            if target and target.group(1) in modified and self._table(target.group(1)).indexes:
+                raise issues.GenericError(
+                    "Multiple modification of table with secondary indexes is not supported yet"
+                )
+        if target:
+            modified.add(target.group(1))
 
     def _check_params(
         self, body: str, declared: Mapping[str, str], params: Mapping[str, ydb.TypedValue]
@@ -353,6 +442,7 @@ class FakeYdb:
             changed = [name for name in members if name not in table.primary_key]
             where = " AND ".join(f'"{k}" = :{k}' for k in table.primary_key)
             assignments = ", ".join(f'"{name}" = :{name}' for name in changed)
+            _check_cells(params[rows].value)
             for row in params[rows].value:
                 self.db.execute(f'UPDATE "{path}" SET {assignments} WHERE {where}', row)
         elif found := re.fullmatch(
@@ -396,6 +486,7 @@ class FakeYdb:
         *,
         replace: bool,
     ) -> None:
+        _check_cells(rows)
         columns = ", ".join(f'"{n}"' for n in names)
         values = ", ".join(f":{n}" for n in names)
         keys = ", ".join(f'"{k}"' for k in table.primary_key)
@@ -419,17 +510,19 @@ class FakeTx:
     def __init__(self, database: FakeYdb) -> None:
         self._database = database
         self.wrote = False
+        self.modified: set[str] = set()  # the tables this transaction changed
 
     async def execute(
         self, query: str, parameters: Mapping[str, ydb.TypedValue] | None = None
     ) -> AsyncIterator[ResultSet]:
         if re.search(r"^\s*(UPSERT|REPLACE|INSERT|UPDATE|DELETE)", query, re.M):
             self.wrote = True
-        answers = self._database.run(query, parameters)
+        answers = self._database.run(query, parameters, self.modified)
 
         async def stream() -> AsyncIterator[ResultSet]:
             for answer in answers:
-                yield answer
+                for part in answer.parts(self._database.part_rows):
+                    yield part
 
         return stream()
 
@@ -456,7 +549,9 @@ class FakePool:
                     db.execute("ROLLBACK")
                     raise
                 db.execute("COMMIT")
-                return answers
+                parts = [part for a in answers for part in a.parts(self.database.part_rows)]
+                # The SDK's pool joins the streamed parts itself.
+                return _join(parts)
 
         return cast(list[ResultSet], await _retry(once, retry_settings or ydb.RetrySettings()))
 

@@ -44,6 +44,14 @@ class BackendModel(Model):
     # fleet may span hosts; the embedded broker is one file, read from one host only.
     spans_hosts: ClassVar[bool] = True
 
+    def consumer_name_problem(self, name: str) -> str | None:
+        """Why this kind's broker refuses ``name`` as a consumer name; None if it takes it.
+
+        ``nemesis validate`` reports it at the integration's ``source.consumer``
+        when it validates a process file of this kind with the integrations.
+        """
+        return None
+
 
 class DlqModel(Model):
     """The ``dlq:`` section of one kind."""

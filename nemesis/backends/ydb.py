@@ -82,6 +82,15 @@ class YdbBackendConfig(YdbConnectionConfig, BackendModel):
     pause_stash_messages: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
     pause_stash_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
 
+    def consumer_name_problem(self, name: str) -> str | None:
+        # The server's AddReadRuleToConfig (ydb/services/lib/actors/pq_schema_actor.cpp)
+        # answers BAD_REQUEST "consumer ... has illegal symbols" to either character.
+        illegal = "".join(sorted({c for c in name if c in "/|"}))
+        if illegal:
+            shown = " and ".join(repr(c) for c in illegal)
+            return f"YDB refuses {shown} in a consumer name ({name!r}): use '.', '-' or '_'"
+        return None
+
 
 class YdbDlqConfig(DlqModel):
     """The DLQ in YDB tables, with a TTL on the dead-letter time (``nemesis.dlq.ydb``)."""

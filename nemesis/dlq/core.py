@@ -12,6 +12,14 @@ dialect, handing rows back as mappings by column name. Each store
 subclass holding its DDL and those queries; the conditions a filter puts in
 them are built once, by ``nemesis.dlq.sql``, in the store's spelling.
 
+A payload is stored up to ``MAX_STORED_PAYLOAD_BYTES`` (16 MiB): past it the
+stored payload is its first 16 MiB and ``payload_size`` keeps the real size,
+so ``DeadLetterRow.payload_truncated`` says so wherever the row is read
+(a requeue leaves such a row dead). The
+limit is YDB's (a datashard refuses a cell over 16 MiB with BAD_REQUEST,
+which no retry cures), kept by every store, so that a letter reads the same
+whichever store holds it.
+
 Text is stored without NUL characters (``no_nul``: each becomes U+FFFD), as
 PostgreSQL's text columns require, so every store keeps the same values;
 ids, signatures and the payload (bytes) are untouched.
@@ -84,6 +92,9 @@ Row = Mapping[str, Any]
 Key = tuple[int, int]  # (dead_lettered_us, tie-breaker): a row's place in a list
 
 SCHEMA_VERSION = 1
+# The most of a payload a store keeps (see the module docstring): YDB's
+# NLimits::MaxWriteValueSize, the datashard's limit on one cell.
+MAX_STORED_PAYLOAD_BYTES = 16 * 1024 * 1024
 RECORD_ENTRY = "nemesis-record"  # in the metadata JSON: headers, a binary key, a tombstone
 # Candidates a text search examines per page: a page answers in tens of
 # milliseconds even when nothing matches among a million rows.
@@ -381,6 +392,13 @@ def _known_failures(row: Row) -> set[tuple[Any, ...]]:
     return known
 
 
+def stored_payload(payload: bytes) -> bytes:
+    """What a store keeps of a payload: all of it, or its first ``MAX_STORED_PAYLOAD_BYTES``."""
+    if len(payload) <= MAX_STORED_PAYLOAD_BYTES:
+        return payload
+    return payload[:MAX_STORED_PAYLOAD_BYTES]
+
+
 def fold_failures(
     letters: Sequence[DeadLetter],
     existing: Mapping[str, Row],
@@ -448,7 +466,7 @@ def fold_failures(
                 "error": error,
                 "history": None,
                 "metadata": metadata_json(letter),
-                "payload": letter.payload,
+                "payload": stored_payload(letter.payload),
             }
             new.add(letter_id)
             folded.inserted += 1

@@ -128,7 +128,9 @@ class DeadLetterRow:
 
     In a list (``query``) ``payload`` holds at most the first ``preview_bytes``
     of the message; ``payload_size`` is always the full size and ``get``
-    returns the whole payload.
+    returns the whole payload as stored: a payload over 16 MiB is stored cut
+    (``nemesis.dlq.core.MAX_STORED_PAYLOAD_BYTES``), and its row from ``get``
+    says ``payload_truncated``.
     """
 
     id: str

@@ -20,6 +20,7 @@ created with as many partitions as the message's source topic has.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ class ActionResult:
     action: Action
     count: int
     by_integration: dict[str, int]
+    # Rows a requeue left dead because their stored payload is cut (``nemesis.dlq.core``:
+    # MAX_STORED_PAYLOAD_BYTES): replaying the first 16 MiB would deliver a broken message.
+    payload_cut: int = 0
 
 
 async def requeue(
@@ -62,12 +66,15 @@ async def requeue(
     """Sends dead rows back to their own integration's replay flow; returns what moved.
 
     ``allowed`` limits the action to those integrations (a user's teams);
-    rows of other integrations, and rows not in ``dead`` status, are skipped.
+    rows of other integrations, and rows not in ``dead`` status, are skipped,
+    and so are rows whose stored payload is cut (``ActionResult.payload_cut``).
     """
     rows = await _dead_rows(store, ids, allowed)
+    cut = sum(1 for row in rows if row.payload_truncated)
     by_integration: dict[str, list[DeadLetterRow]] = defaultdict(list)
     for row in rows:
-        by_integration[row.integration].append(row)
+        if not row.payload_truncated:
+            by_integration[row.integration].append(row)
     moved: dict[str, int] = {}
     now = clock.time()
     for integration, letters in sorted(by_integration.items()):
@@ -82,7 +89,8 @@ async def requeue(
         moved[integration] = await store.mark_requeued(
             [row.id for row in letters], by=by, at=now, integrations=frozenset({integration})
         )
-    return await _audited(store, Action.REQUEUE, moved, by=by, description=description, at=now)
+    result = await _audited(store, Action.REQUEUE, moved, by=by, description=description, at=now)
+    return dataclasses.replace(result, payload_cut=cut)
 
 
 def replay_of(row: DeadLetterRow) -> OutgoingMessage:

@@ -29,6 +29,11 @@ Rules of the server this follows (and ``tests/ydb_fake.py`` enforces):
   in input"); changing some columns of existing rows is ``UPDATE ... ON``.
 * A statement answers one result set per ``SELECT`` it runs, in order;
   ``_sets`` checks the count instead of unpacking blindly.
+* A cell holds at most 16 MiB (the datashard's ``NLimits::MaxWriteValueSize``;
+  BAD_REQUEST): ``nemesis.dlq.core`` stores a payload cut to that, as every
+  store does. A statement's parameters travel in one gRPC message, which the
+  SDK sends up to 64 MB (more is BAD_REQUEST): new rows are written in
+  statements of at most ``STATEMENT_BYTES``, one row alone if it is larger.
 * A commit may end undetermined (it may or may not have happened). Every
   write here is idempotent (see ``nemesis.dlq.core``), so transactions run
   with ``RetrySettings(idempotent=True)`` and the SDK retries them.
@@ -80,6 +85,10 @@ from nemesis.dlq.sql import NOT_TEXT, Bind, Dialect, Kind
 from nemesis.errors import BrokerError, DlqError
 
 T = TypeVar("T")
+# The parameters' bytes of one statement writing new rows: under the SDK's 64 MB
+# gRPC message (ydb/connection.py, _DEFAULT_MAX_GRPC_MESSAGE_SIZE) with room for one
+# largest row (a 16 MiB payload) beside others.
+STATEMENT_BYTES = 32 * 1024 * 1024
 
 _INT64_MAX = 2**63 - 1
 
@@ -433,7 +442,7 @@ class Yql:
         count = params.add(limit, P.Uint64)
         return params.query(
             f"SELECT {_ROW_COLUMNS}, Substring(payload, 0, {preview}) AS payload"
-            f" FROM {self.table('letters')}{_view(where)}"
+            f" FROM {self.table('letters')}{_view(where, ordered=True)}"
             f" WHERE {YQL.joined(conditions)} {_ORDER} LIMIT {count};",
             selects=1,
         )
@@ -444,7 +453,8 @@ class Yql:
         conditions = YQL.conditions(where, params, NOT_TEXT) + YQL.after(params, after)
         offset = params.add(core.TEXT_SCAN_ROWS - 1, P.Uint64)
         return params.query(
-            f"SELECT dead_lettered_us, tiebreak FROM {self.table('letters')}{_view(where)}"
+            f"SELECT dead_lettered_us, tiebreak FROM {self.table('letters')}"
+            f"{_view(where, ordered=True)}"
             f" WHERE {YQL.joined(conditions)} {_ORDER} LIMIT 1 OFFSET {offset};",
             selects=1,
         )
@@ -454,7 +464,8 @@ class Yql:
         conditions = YQL.conditions(where, params) + YQL.after(params, after)
         count = params.add(limit, P.Uint64)
         return params.query(
-            f"SELECT id, dead_lettered_us, tiebreak FROM {self.table('letters')}{_view(where)}"
+            f"SELECT id, dead_lettered_us, tiebreak FROM {self.table('letters')}"
+            f"{_view(where, ordered=True)}"
             f" WHERE {YQL.joined(conditions)} {_ORDER} LIMIT {count};",
             selects=1,
         )
@@ -495,12 +506,13 @@ class Yql:
         start, end = params.add(window.first_us, P.Uint64), params.add(window.end_us, P.Uint64)
         step = params.add(window.bucket_us, P.Uint64)
         letters = f"{self.table('letters')}{_view(where)}"
+        in_window = f"{self.table('letters')}{_view(where, ranged=True)}"
         return params.query(
             "SELECT integration, reason, COUNT(*) AS total,"
             f" COUNT_IF(dead_lettered_us >= {recent}) AS recent,"
             " MIN(dead_lettered_us) AS oldest, MAX(dead_lettered_us) AS newest"
             f" FROM {letters} WHERE {conditions} GROUP BY integration, reason;\n"
-            f"SELECT bucket, COUNT(*) AS n FROM {letters} WHERE {conditions}"
+            f"SELECT bucket, COUNT(*) AS n FROM {in_window} WHERE {conditions}"
             f" AND dead_lettered_us >= {start} AND dead_lettered_us < {end}"
             f" GROUP BY (dead_lettered_us - {start}) / {step} AS bucket;",
             selects=2,
@@ -554,13 +566,24 @@ class Yql:
 _AUDIT_COLUMNS = ", ".join(name for name, _ in ACTIONS.columns)
 
 
-def _view(where: DeadLetterFilter) -> str:
-    """The secondary index that serves a filter's list (YDB uses one only when named)."""
+def _view(where: DeadLetterFilter, *, ordered: bool = False, ranged: bool = False) -> str:
+    """The secondary index a read names, or none: the main table's own scan.
+
+    YDB reads a secondary index only when a statement names it (``VIEW``),
+    and then looks each row it finds up in the main table. That pays when
+    the filter constrains the index's leading column (a signature, the
+    integrations, a time range: ``ranged`` when the statement adds one), or
+    when an ``ordered`` read with a LIMIT takes the head of ``by_time``;
+    for a count, groups or statistics of an unconstrained filter it is the
+    whole index plus a lookup per row, where a scan of the table is one pass.
+    """
     if where.signature is not None:
         return " VIEW by_signature"
     if where.integrations is not None:
         return " VIEW by_integration"
-    return " VIEW by_time"
+    if ordered or ranged or where.since is not None or where.until is not None:
+        return " VIEW by_time"
+    return ""
 
 
 def tiebreak(letter_id: str) -> int:
@@ -678,10 +701,26 @@ class YdbDeadLetterStore(StoreCore):
         await self._schema("set the DLQ retention", self._yql.set_ttl(self.retention_s))
         rows = await self._read_one("read the DLQ schema version", self._yql.schema_version())
         check_schema_version(rows[0]["value"] if rows else None, f"YDB {self.directory}")
-        if not rows:
-            await self._run(
-                "write the DLQ schema version", self._yql.write_schema_version(SCHEMA_VERSION)
-            )
+        await self._write_and_read_version(int(rows[0]["value"]) if rows else SCHEMA_VERSION)
+
+    async def _write_and_read_version(self, version: int) -> None:
+        """Writes the schema version (as it is, or the first) and reads it back in one
+        transaction.
+
+        The store's transactions read what they wrote (``put`` writes the
+        letters table twice, a status change reads before and after): a server
+        without immediate effects refuses that, and is refused here, at the
+        start, with ``IMMEDIATE_EFFECTS_NEEDED`` rather than at the first put.
+        """
+        what = "write the DLQ schema version"
+
+        async def work(tx: QueryTxContext) -> None:
+            await _execute(tx, self._yql.write_schema_version(version), what)
+            (rows,) = await _execute(tx, self._yql.schema_version(), what)
+            if [r["value"] for r in rows] != [str(version)]:
+                raise DlqError(f"{what}: read back {[r['value'] for r in rows]}")
+
+        await self._transaction(what, work)
 
     async def close(self) -> None:
         """Releases the sessions (and the driver, if the store opened it)."""
@@ -717,11 +756,14 @@ class YdbDeadLetterStore(StoreCore):
                 known.update(r["signature"] for r in found)
             folded = fold_failures(letters, existing, known, now_us, self.times)
             inserts = [{**row, "tiebreak": tiebreak(row["id"])} for row in folded.inserts]
-            rounds = max(len(inserts), len(folded.updates), len(folded.signatures))
-            for start in range(0, rounds, ID_CHUNK):
-                end = start + ID_CHUNK
+            insert_chunks = _sized_chunks(inserts, ID_CHUNK, STATEMENT_BYTES)
+            rest = max(len(folded.updates), len(folded.signatures))
+            for round_ in range(max(len(insert_chunks), math.ceil(rest / ID_CHUNK))):
+                start, end = round_ * ID_CHUNK, (round_ + 1) * ID_CHUNK
                 query = self._yql.put_rows(
-                    inserts[start:end], folded.updates[start:end], folded.signatures[start:end]
+                    insert_chunks[round_] if round_ < len(insert_chunks) else [],
+                    folded.updates[start:end],
+                    folded.signatures[start:end],
                 )
                 if query is not None:
                     await _execute(tx, query, what)
@@ -845,6 +887,28 @@ class YdbDeadLetterStore(StoreCore):
     ) -> Sequence[Row]:
         query = self._yql.actions(_INT64_MAX if before is None else before, limit, integrations)
         return [_audit_row(r) for r in await self._read_one("read the audit log", query)]
+
+
+def _row_bytes(row: Row) -> int:
+    """About what a row weighs in a statement's parameters: its text and bytes."""
+    return 256 + sum(len(value) for value in row.values() if isinstance(value, str | bytes))
+
+
+def _sized_chunks(rows: Sequence[Row], count: int, size: int) -> list[Sequence[Row]]:
+    """``rows`` in runs of at most ``count`` rows and ``size`` bytes (a larger row alone)."""
+    found: list[Sequence[Row]] = []
+    run: list[Row] = []
+    weight = 0
+    for row in rows:
+        row_bytes = _row_bytes(row)
+        if run and (len(run) == count or weight + row_bytes > size):
+            found.append(run)
+            run, weight = [], 0
+        run.append(row)
+        weight += row_bytes
+    if run:
+        found.append(run)
+    return found
 
 
 def _paired_chunks(

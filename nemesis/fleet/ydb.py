@@ -20,6 +20,10 @@ running one again is safe. A commit that ends undetermined is retried too
 finds its rows written and, at most, moves the generation once more, which
 only makes the members read the fleet again.
 
+The query service streams a result set as several parts that share its
+``result_set_index``; ``_ThreadTx`` joins them with the SDK's own
+aggregation (as ``nemesis.dlq.ydb`` does) before counting result sets.
+
 The core's jobs are plain functions that call ``Tx`` and wait for each
 answer: one runs on a worker thread, and each statement is sent on the event
 loop in the transaction.
@@ -29,10 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Final, TypeVar, cast
 
 import ydb
+from ydb import convert
 from ydb.aio.driver import Driver
 from ydb.aio.query.pool import QuerySessionPool
 from ydb.aio.query.transaction import QueryTxContext
@@ -54,6 +59,12 @@ TYPES: Final[Mapping[str, ydb.PrimitiveType]] = {
     "Double": P.Double,
 }
 _DECLARE = re.compile(r"DECLARE (\$p\d+) AS (\w+);")
+
+
+_aggregate = cast(
+    Callable[[AsyncIterator[Any]], Coroutine[Any, Any, list[Any]]],
+    convert.aggregate_result_sets_by_index_async,  # untyped in the SDK
+)
 
 
 def _yql(declares: str, body: str) -> str:
@@ -173,6 +184,12 @@ def _seed(directory: str) -> tuple[str, str]:
     )
 
 
+def _rewrite(directory: str) -> str:
+    """The generation row written back as it is (a write that changes nothing)."""
+    gen = f"`{directory.strip('/')}/generation`"
+    return f"UPDATE {gen} SET generation = generation WHERE id = 1;"
+
+
 def _typed(sql: str, parameters: Sequence[object]) -> dict[str, ydb.TypedValue]:
     """``parameters`` as the typed values the statement's DECLAREs name, in order."""
     declared = _DECLARE.findall(sql)
@@ -202,8 +219,9 @@ class _ThreadTx:
         return asyncio.run_coroutine_threadsafe(call, self._loop).result(self._timeout_s)
 
     async def _sets(self, sql: str, parameters: Sequence[object]) -> list[list[tuple[Any, ...]]]:
-        found = await self._tx.execute(sql, _typed(sql, parameters))
-        return [[tuple(row.values()) for row in result_set.rows] async for result_set in found]
+        # The server streams one result set as several parts sharing its index: join them.
+        found = await _aggregate(await self._tx.execute(sql, _typed(sql, parameters)))
+        return [[tuple(row.values()) for row in result_set.rows] for result_set in found]
 
     def execute(self, sql: str, parameters: Sequence[object] = ()) -> int:
         sets = self._wait(self._sets(sql, parameters))
@@ -255,6 +273,11 @@ class YdbStateStore(SqlStateStore):
         def seed(tx: Tx) -> None:
             if not tx.query(read):
                 tx.execute(write)
+            # The core's jobs read what they wrote in the same transaction: a server
+            # without immediate effects refuses this read, here, at the start
+            # (nemesis.broker.ydb.errors.IMMEDIATE_EFFECTS_NEEDED).
+            tx.execute(_rewrite(self._directory))
+            tx.query(read)
 
         await self._transaction(seed)
 

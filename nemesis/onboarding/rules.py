@@ -12,6 +12,8 @@ reviewer would otherwise enforce by hand, across files:
   ``nemesis.*`` topics;
 - one consumer per integration: two integrations reading one topic with one
   consumer name would split its messages between them;
+- a consumer name the broker of a process file validated with them refuses
+  (``BackendModel.consumer_name_problem``: YDB takes no ``/`` or ``|``);
 - the target URL is one a transport accepts (scheme, and the transport's own
   checks: a grpc:// URL is ``host:port``, header names are valid...);
 - no secrets inline in integration or process files (``inline_secrets``),
@@ -175,6 +177,14 @@ class IntegrationRulesChecker:
                     where,
                     f"{value!r} does not follow the naming convention: lowercase words"
                     " joined by '.', '-', '_' or '/' (orders, billing.invoices)",
+                )
+        for path, config in sorted(run.context.process_configs.items()):
+            refused = config.backend.consumer_name_problem(source.consumer)
+            if refused is not None:
+                run.report(
+                    document,
+                    ("source", "consumer"),
+                    f"{refused} (backend {config.backend.kind} in {path})",
                 )
         key = (source.topic, source.consumer)
         where = ("source", "consumer")

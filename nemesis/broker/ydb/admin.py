@@ -16,6 +16,11 @@ missing directory on the way with the scheme client (``MakeDirectory``, one
 level at a time, once per admin). A directory that cannot be made is a
 BrokerError naming it, not a missing topic.
 
+Existence. The server answers SUCCESS to a create of a topic that exists
+(whatever its settings), so existence is never read from a create's status:
+``create_topic`` describes first, creates only what is missing, and adds
+the consumers an existing topic lacks with explicit alters.
+
 A topic name that starts with ``/`` is an absolute path inside the database
 (``connection.object_path``).
 
@@ -127,6 +132,29 @@ class YdbAdmin:
         if retention_s is None:
             retention_s = self._default_retention_s
         retention = datetime.timedelta(seconds=retention_s) if retention_s else None
+        try:
+            described: TopicDescription | None = await self._describe(name)
+        except TopicNotFound:
+            described = None
+        if described is not None:
+            if not exist_ok:
+                raise TopicExists(f"create topic {name}: the topic exists")
+        else:
+            await self._create(name, partitions, consumers, retention)
+            if not consumers:
+                return
+            # A create that raced another process's answers SUCCESS too: look again.
+            described = await self._describe(name)
+        for consumer in _unique(consumers):
+            await self._ensure_consumer(name, _spec(name, consumer), described)
+
+    async def _create(
+        self,
+        name: str,
+        partitions: int,
+        consumers: Sequence[ConsumerSpec],
+        retention: datetime.timedelta | None,
+    ) -> None:
         path = self.path(name)
         parent = path.rsplit("/", 1)[0]
         await self.make_directories(parent)
@@ -138,15 +166,10 @@ class YdbAdmin:
                     min_active_partitions=partitions,
                     max_active_partitions=partitions,
                     retention_period=retention,
-                    consumers=[_consumer(_spec(name, c)) for c in consumers],
+                    consumers=[_consumer(_spec(name, c)) for c in _unique(consumers)],
                 ),
                 self._timeout_s,
             )
-        except TopicExists:
-            if not exist_ok:
-                raise
-            for consumer in consumers:
-                await self.add_consumer(name, consumer)
         except TopicNotFound as exc:
             # The server's word for a parent directory that is not there (any more).
             self._made.discard(parent)
@@ -181,28 +204,41 @@ class YdbAdmin:
     async def add_consumer(self, topic: str, consumer: ConsumerSpec) -> None:
         """Registers a consumer; one that exists already is left alone (but for importance:
         the consumers of Nemesis' own topics are made important, see the module docstring)."""
-        consumer = _spec(topic, consumer)
-        described = await self._describe(topic)
+        await self._ensure_consumer(topic, _spec(topic, consumer), await self._describe(topic))
+
+    async def _ensure_consumer(
+        self, topic: str, consumer: ConsumerSpec, described: TopicDescription
+    ) -> None:
+        """Adds ``consumer`` unless ``described`` has it, and makes it important if it must be.
+
+        The server answers ALREADY_EXISTS to an added consumer that is there
+        (one added meanwhile by another process): the topic is described again
+        and the importance checked on what is there.
+        """
         existing = next((c for c in described.consumers if c.name == consumer.name), None)
-        if existing is not None:
-            if consumer.important and not existing.important:
+        if existing is None:
+            try:
                 await topic_call(
-                    f"make consumer {consumer.name} of {topic} important",
-                    self._topics.alter_topic(
-                        self.path(topic),
-                        alter_consumers=[TopicAlterConsumer(consumer.name, set_important=True)],
-                    ),
+                    f"add consumer {consumer.name} to {topic}",
+                    self._topics.alter_topic(self.path(topic), add_consumers=[_consumer(consumer)]),
                     self._timeout_s,
                 )
-            return
-        try:
+            except TopicExists:
+                described = await self._describe(topic)
+                existing = next((c for c in described.consumers if c.name == consumer.name), None)
+                if existing is None:
+                    raise
+            else:
+                return
+        if consumer.important and not existing.important:
             await topic_call(
-                f"add consumer {consumer.name} to {topic}",
-                self._topics.alter_topic(self.path(topic), add_consumers=[_consumer(consumer)]),
+                f"make consumer {consumer.name} of {topic} important",
+                self._topics.alter_topic(
+                    self.path(topic),
+                    alter_consumers=[TopicAlterConsumer(consumer.name, set_important=True)],
+                ),
                 self._timeout_s,
             )
-        except TopicExists:
-            return  # added meanwhile by another process
 
     async def list_topics(self) -> Sequence[str]:
         """Topic names under the backend's directory, sorted (see the module docstring)."""
@@ -368,6 +404,14 @@ def consumer_offsets(described: TopicConsumerDescription) -> dict[int, int]:
 
 def _consumer(spec: ConsumerSpec) -> TopicConsumer | str:
     return TopicConsumer(spec.name, important=spec.important)
+
+
+def _unique(consumers: Sequence[ConsumerSpec]) -> list[ConsumerSpec]:
+    """The first consumer of each name: the server refuses a create naming one twice."""
+    first: dict[str, ConsumerSpec] = {}
+    for consumer in consumers:
+        first.setdefault(consumer.name, consumer)
+    return list(first.values())
 
 
 def _spec(topic: str, spec: ConsumerSpec) -> ConsumerSpec:

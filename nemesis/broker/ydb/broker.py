@@ -80,8 +80,10 @@ class YdbBroker:
         becomes the read session's ``read_from`` (``latest``: now), and only
         while the consumer has committed nothing on any partition: YDB applies
         ``read_from`` as a filter on every read, which must not skip what a
-        seek put back. It applies to the first SDK reader only, not to one
-        reopened later.
+        seek put back. An SDK reader opened again by this reader (a spilled
+        pause's resume) keeps that same time while some partition has still
+        committed nothing, so that partition keeps its start; once every
+        partition has committed, it reads without one.
         """
         self._check_open()
         names = [topic] if isinstance(topic, str) else list(dict.fromkeys(topic))
@@ -92,28 +94,35 @@ class YdbBroker:
                 raise TopicNotFound(f"topic {name} has no consumer {consumer}")
         paths = [self._admin.path(name) for name in names]
         buffer_bytes = self.config.reader_buffer_bytes
-        first_read_from: datetime.datetime | None = None
+        read_from: datetime.datetime | None = None
         if start_from.kind != "earliest" and len(names) != 1:
             raise ValueError("start_from applies to a reader of one topic")
         if start_from.kind != "earliest" and not any(
             (await self._admin.committed(names[0], consumer)).values()
         ):
             at = self._clock.time() if start_from.at is None else start_from.at
-            first_read_from = datetime.datetime.fromtimestamp(at, datetime.UTC)
+            read_from = datetime.datetime.fromtimestamp(at, datetime.UTC)
 
-        def open_sdk() -> TopicReaderAsyncIO:
-            nonlocal first_read_from
-            read_from, first_read_from = first_read_from, None
+        def open_sdk(since: datetime.datetime | None) -> TopicReaderAsyncIO:
             return open_sdk_reader(
                 self._topics,
                 paths[0] if len(paths) == 1 else paths,
                 consumer,
                 buffer_bytes,
-                read_from,
+                since,
             )
 
+        async def reopen_sdk() -> TopicReaderAsyncIO:
+            nonlocal read_from
+            if read_from is not None:
+                committed = await self._admin.committed(names[0], consumer)
+                if committed and all(committed.values()):
+                    read_from = None  # every partition has its own start now
+            return open_sdk(read_from)
+
         reader = YdbReader(
-            open_sdk,
+            lambda: open_sdk(read_from),
+            reopen_sdk=reopen_sdk,
             topic=", ".join(names),
             consumer=consumer,
             stash_limit=self.config.pause_stash_messages,

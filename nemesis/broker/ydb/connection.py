@@ -7,6 +7,7 @@ the SDK would otherwise wait for a server forever.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import cast
 
 import ydb
 from ydb import issues
+from ydb.aio.credentials import AbstractExpiringTokenCredentials
 from ydb.aio.driver import Driver
 from ydb.aio.iam import MetadataUrlCredentials, ServiceAccountCredentials
 
@@ -28,17 +30,41 @@ _SERVICE_ACCOUNT_MODULES = ("jwt", "yandex.cloud.iam.v1.iam_token_service_pb2_gr
 _anonymous = cast(Callable[[], ydb.Credentials], ydb.AnonymousCredentials)
 _access_token = cast(Callable[[str], ydb.Credentials], ydb.AccessTokenCredentials)
 _user_password = cast(
-    Callable[[str, str], ydb.Credentials], ydb.StaticCredentials.from_user_password
+    Callable[[str, str], ydb.StaticCredentials], ydb.StaticCredentials.from_user_password
 )
 _service_account_key = cast(Callable[[str], ydb.Credentials], ServiceAccountCredentials.from_file)
 _metadata_service = cast(Callable[[], ydb.Credentials], MetadataUrlCredentials)
 
 
+class StaticLogin(AbstractExpiringTokenCredentials):
+    """``static`` credentials (user and password) whose logins never block the event loop.
+
+    The SDK's ``StaticCredentials`` logs in with a blocking gRPC call (up to its
+    10 s timeout), and makes its first one, and any after the token expired,
+    on the caller's thread: with the async driver, the event loop, which
+    would stall every flow of the process meanwhile. This is the async SDK's
+    expiring-token credentials (the driver awaits them) around that same
+    login, run on a worker thread.
+    """
+
+    def __init__(self, user: str, password: str) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # untyped in the SDK
+        self.login = _user_password(user, password)
+
+    def _update_driver_config(self, driver_config: ydb.DriverConfig) -> None:
+        # The driver hands its endpoint over here; the login connects there.
+        cast(Callable[[ydb.DriverConfig], None], self.login._update_driver_config)(driver_config)
+
+    async def _make_token_request(self) -> dict[str, object]:
+        request = cast(Callable[[], dict[str, object]], self.login._make_token_request)
+        return await asyncio.to_thread(request)
+
+
 def credentials(config: YdbCredentialsConfig) -> ydb.Credentials:
     """The SDK credentials object for a credentials section (see ``YdbCredentialsConfig``).
 
-    ``static`` credentials fetch their first token with a blocking call: that
-    happens once, when the driver connects. ``metadata`` needs a running loop.
+    ``static`` logs in on a worker thread (``StaticLogin``). ``metadata`` needs a
+    running loop.
     """
     mode = config.mode
     if mode == "anonymous":
@@ -48,7 +74,7 @@ def credentials(config: YdbCredentialsConfig) -> ydb.Credentials:
         return _access_token(config.token)
     if mode == "static":
         assert config.user is not None
-        return _user_password(config.user, config.password or "")
+        return StaticLogin(config.user, config.password or "")
     if mode == "service_account":
         assert config.key_file is not None
         missing = [m for m in _SERVICE_ACCOUNT_MODULES if not _importable(m)]

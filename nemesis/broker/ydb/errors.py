@@ -46,8 +46,31 @@ def broker_error(exc: BaseException, what: str) -> BrokerError:
     return BrokerError(text)
 
 
+# What a server answers a transaction that reads a table it wrote before, or writes a
+# table with secondary indexes twice, when its "immediate effects" are off
+# (ydb-platform/ydb ydb/core/kqp/provider/yql_kikimr_provider.h,
+# TKikimrTransactionContextBase::ApplyTableOperations): YDB before 24.1, or the
+# table service's enable_kqp_immediate_effects turned off.
+_NO_IMMEDIATE_EFFECTS = (
+    "in current transaction won't be seen by operation",
+    "Multiple modification of table with secondary indexes is not supported",
+)
+IMMEDIATE_EFFECTS_NEEDED = (
+    "this YDB server does not let a transaction read its own writes (immediate effects),"
+    " which Nemesis' DLQ and fleet stores need: use YDB 24.1 or newer, with"
+    " table_service_config.enable_kqp_immediate_effects left on"
+)
+
+
+def lacks_immediate_effects(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server's refusal of a transaction reading its own writes."""
+    return isinstance(exc, issues.Error) and any(m in str(exc) for m in _NO_IMMEDIATE_EFFECTS)
+
+
 def dlq_error(exc: BaseException, what: str) -> DlqError:
     """The DlqError for a failed table call."""
+    if lacks_immediate_effects(exc):
+        return DlqError(f"{what}: {IMMEDIATE_EFFECTS_NEEDED} (the server said {_describe(exc)})")
     text = f"{what}: {_describe(exc)}"
     if isinstance(exc, _TIMED_OUT):
         return DlqTimeout(text)

@@ -59,7 +59,7 @@ import datetime
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import zstandard
@@ -181,6 +181,7 @@ class YdbReader:
         self,
         open_sdk: Callable[[], TopicReaderAsyncIO],
         *,
+        reopen_sdk: Callable[[], Awaitable[TopicReaderAsyncIO]] | None = None,
         topic: str,
         consumer: str,
         stash_limit: int = 1000,
@@ -189,10 +190,13 @@ class YdbReader:
         topics: Sequence[str] = (),
     ) -> None:
         """``topic`` names the reader (in logs and statistics); ``topics``, when it reads
-        several, are their names: each session's topic is found from its path."""
+        several, are their names: each session's topic is found from its path.
+        ``reopen_sdk`` opens the SDK reader of a spilled session's resume (default:
+        ``open_sdk`` again)."""
         if stash_limit < 1 or stash_bytes < 1:
             raise ValueError("stash_limit and stash_bytes must be at least 1")
         self._open_sdk = open_sdk
+        self._reopen_sdk_reader = reopen_sdk
         self._sdk = open_sdk()
         self._topic = topic
         self._topics = tuple(topics) or (topic,)
@@ -292,13 +296,18 @@ class YdbReader:
 
     async def _reopen_sdk(self) -> None:
         """A new SDK reader, so that the server sends every partition from its committed offset."""
+        # First the new reader: if that fails, the next receive tries again.
+        if self._reopen_sdk_reader is not None:
+            fresh = await self._reopen_sdk_reader()
+        else:
+            fresh = self._open_sdk()
         self._reopen = False
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.cancel()  # what it held is read again by the new reader
             with contextlib.suppress(asyncio.CancelledError, issues.Error):
                 await pending
-        old, self._sdk = self._sdk, self._open_sdk()
+        old, self._sdk = self._sdk, fresh
         self._reopens += 1
         logger.info("reader of %s as %s: reading again after a spilled pause", *self._names)
         for session in self._sessions.values():

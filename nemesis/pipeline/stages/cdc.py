@@ -1,11 +1,20 @@
 """``cdc``: unwrap a YDB changefeed record (JSON format) into the row it describes.
 
 A changefeed record (any mode: UPDATES, NEW_IMAGE, OLD_IMAGE,
-NEW_AND_OLD_IMAGES, KEYS_ONLY)::
+NEW_AND_OLD_IMAGES, KEYS_ONLY), as the server's datashard writes it
+(``change_record_cdc_serializer.cpp`` in ydb-platform/ydb)::
 
     {"key": [42, "msk"], "update": {...}, "newImage": {...}, "oldImage": {...}, "ts": [...]}
+    {"key": [42, "msk"], "reset": {...}, "newImage": {...}, "oldImage": {...}, "ts": [...]}
     {"key": [42, "msk"], "erase": {}, "oldImage": {...}}
     {"resolved": [step, tx_id]}           a resolved-timestamp mark, not a change
+
+``update`` is an UPSERT or UPDATE, ``reset`` a REPLACE (or an INSERT
+written as one); both become an upsert. In UPDATES mode they carry the
+columns the statement wrote (empty in the image modes, which carry the image
+instead): after a REPLACE the columns it did not name are NULL on the table
+but absent from its UPDATES record, so a handler that merges rows should
+read the image modes.
 
 becomes the row: the key columns by name, then the new image (or, in
 UPDATES mode, the changed columns)::
@@ -78,13 +87,13 @@ def build_cdc(config: CdcConfig, context: BuildContext) -> Stage:
                 return False
             op = "delete"
             image = record.get("oldImage")
-        elif "update" in record:
+        elif "update" in record or "reset" in record:
             op = "upsert"
             image = record.get("newImage")
             if image is None:
-                image = record["update"]
+                image = record["update"] if "update" in record else record["reset"]
         else:
-            raise StageFailure(DECODE_ERROR, "cdc: the record has neither update nor erase")
+            raise StageFailure(DECODE_ERROR, "cdc: the record has neither update, reset nor erase")
         if image is not None:
             if type(image) is not dict:
                 raise StageFailure(
