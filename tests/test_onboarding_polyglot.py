@@ -38,7 +38,7 @@ import httpx
 import pytest
 
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage
-from nemesis.delivery.signing import SIGNATURE_HEADER, sign
+from nemesis.delivery.signing import Signer
 from nemesis.onboarding.templates import (
     DEFAULT_URLS,
     HandlerLang,
@@ -429,6 +429,13 @@ def test_nemesis_run_delivers_single_batched_retried_and_dead_events(
     assert dead["attempts"] == 1  # dead-lettered at once, not retried
 
 
+def signed(
+    headers: list[tuple[str, str]], body: bytes, secrets: list[str], at: int, *, batch: bool = False
+) -> dict[str, str]:
+    """A request's headers with the ``webhook-*`` headers of Nemesis' reference signer."""
+    return {**dict(headers), **dict(Signer(secrets).http(headers, body, batch=batch, timestamp=at))}
+
+
 @pytest.mark.slow
 def test_the_handler_checks_signatures_made_by_the_reference_signer(
     signed_handler: Handler,
@@ -437,28 +444,76 @@ def test_the_handler_checks_signatures_made_by_the_reference_signer(
     now = int(time.time())
     before = len(signed_handler.handled())
 
-    def post(event_id: str, signature: str | None, payload: bytes = body) -> int:
-        headers = {"ce-specversion": "1.0", "ce-id": event_id, "ce-type": "order.created"}
-        headers["content-type"] = "application/json"
-        if signature is not None:
-            headers[SIGNATURE_HEADER] = signature
-        return httpx.post(signed_handler.url, content=payload, headers=headers).status_code
+    def post(event_id: str, secrets: list[str] | None, at: int = now, payload: bytes = body) -> int:
+        headers = [("ce-specversion", "1.0"), ("ce-id", event_id), ("ce-type", "order.created")]
+        headers.append(("content-type", "application/json"))
+        sent = dict(headers) if secrets is None else signed(headers, body, secrets, at)
+        return httpx.post(signed_handler.url, content=payload, headers=sent).status_code
 
     assert post("a", None) == 401  # unsigned
-    assert post("b", sign([b"not-the-secret"], now, "b", body)) == 401
-    assert post("c", sign([SECRET.encode()], now - 400, "c", body)) == 401  # stale
-    assert post("d", sign([SECRET.encode()], now, "d", body), b'{"order_id": 2}') == 401
-    assert post("e", sign([SECRET.encode()], now, "e", body)) == 200
-    assert post("f", sign([OLD_SECRET.encode()], now, "f", body)) == 200  # the previous secret
+    assert post("b", ["not-the-secret"]) == 401
+    assert post("c", [SECRET], now - 400) == 401  # stale
+    assert post("d", [SECRET], payload=b'{"order_id": 2}') == 401
+    assert post("e", [SECRET]) == 200
+    assert post("f", [OLD_SECRET]) == 200  # the previous secret
     # Nemesis during a rotation: a v1 for each of its two secrets.
-    assert post("g", sign([b"newer", SECRET.encode()], now, "g", body)) == 200
+    assert post("g", ["newer", SECRET]) == 200
     batch = json.dumps([{"specversion": "1.0", "id": "h", "type": "t", "data": {}}]).encode()
-    signed_batch = {
-        "content-type": "application/cloudevents-batch+json",
-        SIGNATURE_HEADER: sign([SECRET.encode()], now, "", batch),  # a batch signs the empty id
-    }
-    assert httpx.post(signed_handler.url, content=batch, headers=signed_batch).status_code == 200
+    batch_headers = [("content-type", "application/cloudevents-batch+json")]
+    sent = signed(batch_headers, batch, [SECRET], now, batch=True)
+    assert httpx.post(signed_handler.url, content=batch, headers=sent).status_code == 200
     assert [i for _, i, _ in signed_handler.handled()[before:]] == ["e", "f", "g", "h"]
+
+
+VECTORS = json.loads(signing_vectors_text())
+
+
+@pytest.mark.slow
+def test_forgeries_and_hostile_headers_are_answered_401(signed_handler: Handler) -> None:
+    """The shared tables: each forgery of a signed request, each hostile signature header."""
+    now = int(time.time())
+    before = len(signed_handler.handled())
+    answers: dict[str, int] = {}
+    for forgery in VECTORS["forgeries"]:
+        original, forged = forgery["original"], forgery["forged"]
+        # A fresh id for each, so that de-duplication by ce-id cannot hide a forgery.
+        fresh = [
+            (n, f"{v}-{len(answers)}" if n == "ce-id" else v)
+            for n, v in original["request_headers"]
+        ]
+        body = bytes.fromhex(original["body_hex"])
+        headers = signed(fresh, body, [SECRET], now)
+        webhook = {n: v for n, v in headers.items() if n.startswith("webhook-")}
+        forged_headers = [
+            (n, f"{v}-{len(answers)}" if n == "ce-id" else v) for n, v in forged["request_headers"]
+        ]
+        answers[forgery["name"]] = httpx.post(
+            signed_handler.url,
+            content=bytes.fromhex(forged["body_hex"]),
+            headers=[*forged_headers, *webhook.items()],
+        ).status_code
+        answers[f"{forgery['name']}: the original"] = httpx.post(
+            signed_handler.url, content=body, headers=headers
+        ).status_code
+    vector = next(v for v in VECTORS["signed"] if v["transport"] == "http")
+    body = bytes.fromhex(vector["body_hex"])
+    for hostile in VECTORS["hostile_headers"]:
+        pairs = [(n, f"{v}-hostile" if n == "ce-id" else v) for n, v in vector["request_headers"]]
+        headers = signed(pairs, body, [SECRET], now)
+        for name, value in hostile.items():
+            if name == "name":
+                continue
+            if value is None:
+                headers.pop(name, None)
+            else:
+                headers[name] = value
+        raw = [(n.encode(), v.encode()) for n, v in headers.items()]
+        answers[hostile["name"]] = httpx.post(
+            signed_handler.url, content=body, headers=raw
+        ).status_code
+    expected = {name: 200 if name.endswith(": the original") else 401 for name in answers}
+    assert answers == expected
+    assert len(signed_handler.handled()) - before == len(VECTORS["forgeries"])
 
 
 @pytest.mark.slow
