@@ -601,11 +601,13 @@ def test_a_new_project_is_complete_and_every_placeholder_filled(
     if lang == "typescript-node":
         package = json.loads((tmp_path / "class/package.json").read_text())
         assert set(package["devDependencies"]) == {"typescript", "@types/node"}
-        assert "dependencies" not in package  # nothing at run time
+        assert set(package["dependencies"]) == {"standardwebhooks"}  # the verifier
         json.loads((tmp_path / "class/tsconfig.json").read_text())
     if lang == "go-http":
         assert (tmp_path / "class/go.mod").read_text().splitlines() == [
             "module class",
             "",
-            "go 1.19",
+            "go 1.21.0",
+            "",
+            "require github.com/standard-webhooks/standard-webhooks/libraries v1.3.0",
         ]
