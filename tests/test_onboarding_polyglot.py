@@ -14,7 +14,8 @@ Toolchains: Go 1.21 or later (Debian's ``golang-go`` is installed here when ``go
 the tests run as root, the way ``.ci/run`` installs Chromium; the template's one module, the
 Standard Webhooks library, comes from the Go module proxy), Node.js 20 with npm (the TypeScript
 template's packages, the Standard Webhooks library among them, come from the npm registry, once
-per module), and JDK 17 (``javac`` alone). A missing toolchain fails the tests with the command
+per module), and JDK 17 with Maven (``./build.sh`` has Maven copy the Standard Webhooks jar
+into ``lib/``, then compiles with ``javac``). A missing toolchain fails the tests with the command
 that installs it.
 """
 
@@ -69,7 +70,7 @@ class Toolchain:
     lint: tuple[str, ...] = ()  # prints nothing when the code is clean (else the build checks)
 
 
-JAVA_CLASSPATH = "build/classes:build/test-classes:src/test/resources"
+JAVA_CLASSPATH = "build/classes:build/test-classes:src/test/resources:lib/*"
 TOOLCHAINS = {
     "go-http": Toolchain(
         build=(("go", "build", "-o", "handler", "."),),
@@ -94,7 +95,7 @@ TOOLCHAINS = {
         build=(("./build.sh", "compile"),),
         own_tests=("./build.sh",),
         signing_tests=("java", "-cp", JAVA_CLASSPATH, "orders_handler.SigningTest"),
-        start=("java", "-cp", "build/classes", "orders_handler.Server"),
+        start=("java", "-cp", "build/classes:lib/*", "orders_handler.Server"),
         vectors="src/test/resources/signing-vectors.json",
         passed=re.compile(r"^ok   ", re.MULTILINE),
         failed=re.compile(r"^FAIL ", re.MULTILINE),
@@ -103,7 +104,11 @@ TOOLCHAINS = {
 REQUIRED = {
     "go-http": {"go": "Debian's golang-go (apt-get install -y golang-go)", "make": "make"},
     "typescript-node": {"node": "Node.js 20 (apt-get install -y nodejs npm)", "npm": "npm"},
-    "java-http": {"javac": "JDK 17 (apt-get install -y openjdk-17-jdk-headless)", "java": "JDK 17"},
+    "java-http": {
+        "javac": "JDK 17 (apt-get install -y openjdk-17-jdk-headless)",
+        "java": "JDK 17",
+        "mvn": "Maven, which fetches the Standard Webhooks library (apt-get install -y maven)",
+    },
 }
 
 
