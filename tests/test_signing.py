@@ -302,3 +302,39 @@ async def test_the_library_accepts_what_each_transport_sends(
         assert headers["webhook-id"] == headers["ce-id"]
         assert headers["content-digest"] == signing.content_digest(body)
         assert headers["ce-partitionkey"] == "customer-7"
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        ("type", "order.test"),
+        ("source", "nemesis/evil"),
+        ("partition_key", "customer-8"),
+        ("id", "orders/0/42.1"),
+        ("data", b"25"),
+        ("offset", 43),
+    ],
+    ids=lambda forge: forge[0],
+)
+def test_a_forged_grpc_event_is_refused(forge: tuple[str, Any]) -> None:
+    vector = GRPC[0]
+    [event] = [event_of(fields) for fields in vector["events"]]
+    signed = dict(
+        Signer(vector["secrets"]).grpc([event], batch=False, timestamp=vector["timestamp"])
+    )
+    keys = [signing.key_of(s) for s in vector["secrets"]]
+    signing.verify_grpc(signed, [event], keys, batch=False, now=vector["timestamp"])
+    name, value = forge
+    setattr(event, name, value)
+    with pytest.raises(SignatureError):
+        signing.verify_grpc(signed, [event], keys, batch=False, now=vector["timestamp"])
+
+
+def test_a_grpc_batch_cannot_be_reordered_or_cut() -> None:
+    vector = GRPC[1]
+    events = [event_of(fields) for fields in vector["events"]]
+    keys = [signing.key_of(s) for s in vector["secrets"]]
+    signed = vector["signed_headers"]
+    for forged in (events[::-1], events[:1]):
+        with pytest.raises(SignatureError):
+            signing.verify_grpc(signed, forged, keys, batch=True, now=vector["timestamp"])
