@@ -338,3 +338,26 @@ def test_a_grpc_batch_cannot_be_reordered_or_cut() -> None:
     for forged in (events[::-1], events[:1]):
         with pytest.raises(SignatureError):
             signing.verify_grpc(signed, forged, keys, batch=True, now=vector["timestamp"])
+
+
+def test_the_both_scheme_signs_grpc_calls_for_old_and_new_handlers() -> None:
+    vector = GRPC[1]
+    events = [event_of(fields) for fields in vector["events"]]
+    secrets = ["k1-test-secret"]
+    at = vector["timestamp"]
+    signed = dict(Signer(secrets, "both").grpc(events, batch=True, timestamp=at))
+    signing.verify_grpc(signed, events, [b"k1-test-secret"], batch=True, now=at)
+    body = signing.grpc_batch_body((event.id, event.data) for event in events)
+    signing.legacy_verify(signed["nemesis-signature"], [b"k1-test-secret"], "", body, now=at)
+    legacy = dict(Signer(secrets, "legacy").grpc(events[:1], batch=False, timestamp=at))
+    assert set(legacy) == {"nemesis-signature"}
+    signing.legacy_verify(
+        legacy["nemesis-signature"], [b"k1-test-secret"], events[0].id, events[0].data, now=at
+    )
+
+
+def test_an_unknown_scheme_is_a_config_problem() -> None:
+    with pytest.raises(ValueError, match="scheme"):
+        TargetConfig.model_validate(
+            {"url": "http://x/events", "signing": {"secrets_env": ["S"], "scheme": "rsa"}}
+        )
