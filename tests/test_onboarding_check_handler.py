@@ -256,13 +256,7 @@ def secret_env(monkeypatch: pytest.MonkeyPatch) -> str:
 def signed_well(entry: LedgerEntry) -> bool:
     """What a handler that checks signatures decides for one event sent alone."""
     try:
-        signing.verify(
-            entry.headers.get("nemesis-signature"),
-            [SECRET],
-            entry.headers.get("ce-id", ""),
-            entry.body,
-            now=time.time(),
-        )
+        signing.verify_http(entry.headers.items(), entry.body, [SECRET], now=time.time())
     except signing.SignatureError:
         return False
     return True
@@ -285,7 +279,7 @@ async def test_an_http_handler_that_checks_signatures_passes(secret_env: str) ->
     )
     # The probes were signed; the two signature probes were not, or too long ago.
     assert [signed_well(e) for e in entries] == [True, True, True, False, False]
-    assert "nemesis-signature" not in entries[3].headers
+    assert "webhook-signature" not in entries[3].headers
     assert SECRET.decode() not in report.format()
 
 
@@ -327,12 +321,9 @@ async def test_without_the_secret_a_checking_handler_fails_with_a_hint() -> None
 def check_grpc_signature(
     method: str, events: Sequence[pb.Event], metadata: Mapping[str, str]
 ) -> Answer | None:
-    if method == "DeliverBatch":
-        event_id, body = "", signing.grpc_batch_body((e.id, e.data) for e in events)
-    else:
-        event_id, body = events[0].id, events[0].data
+    batch = method == "DeliverBatch"
     try:
-        signing.verify(metadata.get("nemesis-signature"), [SECRET], event_id, body, now=time.time())
+        signing.verify_grpc(metadata, events, [SECRET], batch=batch, now=time.time())
     except signing.SignatureError as refused:
         return Answer(grpc.StatusCode.UNAUTHENTICATED, str(refused))
     return None

@@ -10,10 +10,13 @@ demo payload answers 503) and comes back through a retry tier, and a payload the
 (422) that lands in the dead-letter queue. A second instance with a signing secret checks the
 handler's verifier against Nemesis's reference signer over real HTTP.
 
-Toolchains: Go from Debian's ``golang-go`` (installed here when ``go`` is missing and the tests
-run as root, the way ``.ci/run`` installs Chromium), Node.js 20 with npm (the TypeScript
-template's two devDependencies come from the npm registry, once per module), and JDK 17
-(``javac`` alone). A missing toolchain fails the tests with the command that installs it.
+Toolchains: Go 1.21 or later (Debian's ``golang-go`` is installed here when ``go`` is missing and
+the tests run as root, the way ``.ci/run`` installs Chromium; the template's one module, the
+Standard Webhooks library, comes from the Go module proxy), Node.js 20 with npm (the TypeScript
+template's packages, the Standard Webhooks library among them, come from the npm registry, once
+per module), and JDK 17 with Maven (``./build.sh`` has Maven copy the Standard Webhooks jar
+into ``lib/``, then compiles with ``javac``). A missing toolchain fails the tests with the command
+that installs it.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import httpx
 import pytest
 
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage
-from nemesis.delivery.signing import SIGNATURE_HEADER, sign
+from nemesis.delivery.signing import Signer
 from nemesis.onboarding.templates import (
     DEFAULT_URLS,
     HandlerLang,
@@ -71,7 +74,7 @@ class Toolchain:
     lint: tuple[str, ...] = ()  # prints nothing when the code is clean (else the build checks)
 
 
-JAVA_CLASSPATH = "build/classes:build/test-classes:src/test/resources"
+JAVA_CLASSPATH = "build/classes:build/test-classes:src/test/resources:lib/*"
 TOOLCHAINS = {
     "go-http": Toolchain(
         build=(("go", "build", "-o", "handler", "."),),
@@ -96,7 +99,7 @@ TOOLCHAINS = {
         build=(("./build.sh", "compile"),),
         own_tests=("./build.sh",),
         signing_tests=("java", "-cp", JAVA_CLASSPATH, "orders_handler.SigningTest"),
-        start=("java", "-cp", "build/classes", "orders_handler.Server"),
+        start=("java", "-cp", "build/classes:lib/*", "orders_handler.Server"),
         vectors="src/test/resources/signing-vectors.json",
         passed=re.compile(r"^ok   ", re.MULTILINE),
         failed=re.compile(r"^FAIL ", re.MULTILINE),
@@ -105,7 +108,11 @@ TOOLCHAINS = {
 REQUIRED = {
     "go-http": {"go": "Debian's golang-go (apt-get install -y golang-go)", "make": "make"},
     "typescript-node": {"node": "Node.js 20 (apt-get install -y nodejs npm)", "npm": "npm"},
-    "java-http": {"javac": "JDK 17 (apt-get install -y openjdk-17-jdk-headless)", "java": "JDK 17"},
+    "java-http": {
+        "javac": "JDK 17 (apt-get install -y openjdk-17-jdk-headless)",
+        "java": "JDK 17",
+        "mvn": "Maven, which fetches the Standard Webhooks library (apt-get install -y maven)",
+    },
 }
 
 
@@ -184,12 +191,11 @@ def project(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         **os.environ,
         "GOCACHE": str(root / "go-cache"),  # a clean build, as on a new machine
         "GOPATH": str(root / "go-path"),
-        "GOPROXY": "off",  # no dependencies: nothing to download
         "GOTOOLCHAIN": "local",
         # The handler's own environment decides, per test.
         "NEMESIS_SIGNING_SECRET": "",
         "NEMESIS_SIGNING_SECRET_PREVIOUS": "",
-        "NEMESIS_SIGNING_TOLERANCE_S": "",
+        "NEMESIS_SIGNING_DISABLED": "",
     }
     created = nemesis("new", "handler", "--lang", lang, PROJECT, cwd=root)
     assert created.returncode == 0, created.stderr
@@ -236,8 +242,10 @@ def stop(handler: Handler) -> None:
 
 @pytest.fixture(scope="module")
 def handler(project: Project) -> Iterator[Handler]:
-    """The project's handler, started as its README says, without a signing secret."""
-    started = start_handler(project, project.path.parent / "handler.log")
+    """The project's handler, started as its README says, told that signatures are off."""
+    started = start_handler(
+        project, project.path.parent / "handler.log", NEMESIS_SIGNING_DISABLED="true"
+    )
     yield started
     stop(started)
 
@@ -274,8 +282,7 @@ def test_the_template_passes_its_own_tests_which_check_the_shared_vectors(
 
     # The same tests fail when the vectors and the implementation disagree.
     document = json.loads(signing_vectors_text())
-    header = document["vectors"][0]["header"]
-    document["vectors"][0]["header"] = header[:-1] + ("0" if header[-1] != "0" else "1")
+    document["signed"][0]["content"] += " "
     vectors.write_text(json.dumps(document))
     try:
         tampered = run(toolchain.signing_tests, project.path, project.env)
@@ -283,6 +290,13 @@ def test_the_template_passes_its_own_tests_which_check_the_shared_vectors(
         vectors.write_text(signing_vectors_text())
     assert tampered.returncode != 0, tampered.stdout + tampered.stderr
     assert toolchain.failed.search(tampered.stdout + tampered.stderr), tampered.stdout
+
+
+@pytest.mark.slow
+def test_without_a_secret_the_handler_refuses_to_start(project: Project) -> None:
+    started = run(project.toolchain.start, project.path, {**project.env, "PORT": str(free_port())})
+    assert started.returncode != 0, started.stdout + started.stderr
+    assert "NEMESIS_SIGNING_DISABLED=true" in started.stdout + started.stderr
 
 
 @pytest.mark.slow
@@ -433,6 +447,13 @@ def test_nemesis_run_delivers_single_batched_retried_and_dead_events(
     assert dead["attempts"] == 1  # dead-lettered at once, not retried
 
 
+def signed(
+    headers: list[tuple[str, str]], body: bytes, secrets: list[str], at: int, *, batch: bool = False
+) -> dict[str, str]:
+    """A request's headers with the ``webhook-*`` headers of Nemesis' reference signer."""
+    return {**dict(headers), **dict(Signer(secrets).http(headers, body, batch=batch, timestamp=at))}
+
+
 @pytest.mark.slow
 def test_the_handler_checks_signatures_made_by_the_reference_signer(
     signed_handler: Handler,
@@ -441,28 +462,76 @@ def test_the_handler_checks_signatures_made_by_the_reference_signer(
     now = int(time.time())
     before = len(signed_handler.handled())
 
-    def post(event_id: str, signature: str | None, payload: bytes = body) -> int:
-        headers = {"ce-specversion": "1.0", "ce-id": event_id, "ce-type": "order.created"}
-        headers["content-type"] = "application/json"
-        if signature is not None:
-            headers[SIGNATURE_HEADER] = signature
-        return httpx.post(signed_handler.url, content=payload, headers=headers).status_code
+    def post(event_id: str, secrets: list[str] | None, at: int = now, payload: bytes = body) -> int:
+        headers = [("ce-specversion", "1.0"), ("ce-id", event_id), ("ce-type", "order.created")]
+        headers.append(("content-type", "application/json"))
+        sent = dict(headers) if secrets is None else signed(headers, body, secrets, at)
+        return httpx.post(signed_handler.url, content=payload, headers=sent).status_code
 
     assert post("a", None) == 401  # unsigned
-    assert post("b", sign([b"not-the-secret"], now, "b", body)) == 401
-    assert post("c", sign([SECRET.encode()], now - 400, "c", body)) == 401  # stale
-    assert post("d", sign([SECRET.encode()], now, "d", body), b'{"order_id": 2}') == 401
-    assert post("e", sign([SECRET.encode()], now, "e", body)) == 200
-    assert post("f", sign([OLD_SECRET.encode()], now, "f", body)) == 200  # the previous secret
+    assert post("b", ["not-the-secret"]) == 401
+    assert post("c", [SECRET], now - 400) == 401  # stale
+    assert post("d", [SECRET], payload=b'{"order_id": 2}') == 401
+    assert post("e", [SECRET]) == 200
+    assert post("f", [OLD_SECRET]) == 200  # the previous secret
     # Nemesis during a rotation: a v1 for each of its two secrets.
-    assert post("g", sign([b"newer", SECRET.encode()], now, "g", body)) == 200
+    assert post("g", ["newer", SECRET]) == 200
     batch = json.dumps([{"specversion": "1.0", "id": "h", "type": "t", "data": {}}]).encode()
-    signed_batch = {
-        "content-type": "application/cloudevents-batch+json",
-        SIGNATURE_HEADER: sign([SECRET.encode()], now, "", batch),  # a batch signs the empty id
-    }
-    assert httpx.post(signed_handler.url, content=batch, headers=signed_batch).status_code == 200
+    batch_headers = [("content-type", "application/cloudevents-batch+json")]
+    sent = signed(batch_headers, batch, [SECRET], now, batch=True)
+    assert httpx.post(signed_handler.url, content=batch, headers=sent).status_code == 200
     assert [i for _, i, _ in signed_handler.handled()[before:]] == ["e", "f", "g", "h"]
+
+
+VECTORS = json.loads(signing_vectors_text())
+
+
+@pytest.mark.slow
+def test_forgeries_and_hostile_headers_are_answered_401(signed_handler: Handler) -> None:
+    """The shared tables: each forgery of a signed request, each hostile signature header."""
+    now = int(time.time())
+    answers: dict[str, int] = {}
+    for forgery in VECTORS["forgeries"]:
+        original, forged = forgery["original"], forgery["forged"]
+        # A fresh id for each, so that de-duplication by ce-id cannot hide a forgery.
+        fresh = [
+            (n, f"{v}-{len(answers)}" if n == "ce-id" else v)
+            for n, v in original["request_headers"]
+        ]
+        body = bytes.fromhex(original["body_hex"])
+        headers = signed(fresh, body, [SECRET], now)
+        webhook = {n: v for n, v in headers.items() if n.startswith("webhook-")}
+        forged_headers = [
+            (n, f"{v}-{len(answers)}" if n == "ce-id" else v) for n, v in forged["request_headers"]
+        ]
+        answers[forgery["name"]] = httpx.post(
+            signed_handler.url,
+            content=bytes.fromhex(forged["body_hex"]),
+            headers=[*forged_headers, *webhook.items()],
+        ).status_code
+        answers[f"{forgery['name']}: the original"] = httpx.post(
+            signed_handler.url, content=body, headers=headers
+        ).status_code
+    vector = next(v for v in VECTORS["signed"] if v["transport"] == "http")
+    body = bytes.fromhex(vector["body_hex"])
+    for hostile in VECTORS["hostile_headers"]:
+        pairs = [(n, f"{v}-hostile" if n == "ce-id" else v) for n, v in vector["request_headers"]]
+        headers = signed(pairs, body, [SECRET], now)
+        for name, value in hostile.items():
+            if name == "name":
+                continue
+            if value is None:
+                headers.pop(name, None)
+            else:
+                headers[name] = value
+        raw = [(n.encode(), v.encode()) for n, v in headers.items()]
+        answers[hostile["name"]] = httpx.post(
+            signed_handler.url, content=body, headers=raw
+        ).status_code
+    # Each original passes the signature check (the handler may still reject its payload, 422);
+    # each forgery and each hostile header is refused by it.
+    refused = {name: status == 401 for name, status in answers.items()}
+    assert refused == {name: not name.endswith(": the original") for name in answers}
 
 
 @pytest.mark.slow
@@ -550,11 +619,13 @@ def test_a_new_project_is_complete_and_every_placeholder_filled(
     if lang == "typescript-node":
         package = json.loads((tmp_path / "class/package.json").read_text())
         assert set(package["devDependencies"]) == {"typescript", "@types/node"}
-        assert "dependencies" not in package  # nothing at run time
+        assert set(package["dependencies"]) == {"standardwebhooks"}  # the verifier
         json.loads((tmp_path / "class/tsconfig.json").read_text())
     if lang == "go-http":
         assert (tmp_path / "class/go.mod").read_text().splitlines() == [
             "module class",
             "",
-            "go 1.19",
+            "go 1.21.0",
+            "",
+            "require github.com/standard-webhooks/standard-webhooks/libraries v1.3.0",
         ]

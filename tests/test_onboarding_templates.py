@@ -30,7 +30,12 @@ import yaml
 
 from nemesis.cli import main
 from nemesis.onboarding.schema import json_schema
-from nemesis.onboarding.templates import HANDLER_LANGS, IntegrationSpec, render_integration
+from nemesis.onboarding.templates import (
+    HANDLER_LANGS,
+    IntegrationSpec,
+    new_handler,
+    render_integration,
+)
 from nemesis.proto import handler_proto_text
 from tests.conftest import REPO, Workspace, stop_gracefully
 
@@ -137,10 +142,22 @@ def test_template_starts_passes_its_tests_and_the_contract_check(
     assert " passed" in tested.stdout
     assert " failed" not in tested.stdout
 
-    # Two instances: one without a signing secret (accepts every request, as before
-    # signing existed), one with NEMESIS_SIGNING_SECRET (refuses unsigned and stale ones).
+    # Without a secret, and without being told that signatures are off, it does not start.
+    refused = subprocess.run(
+        START[lang](free_port()),
+        cwd=project,
+        env={k: v for k, v in os.environ.items() if not k.startswith("NEMESIS_SIGNING_")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode != 0
+    assert "NEMESIS_SIGNING_DISABLED=true" in refused.stdout + refused.stderr
+    # Two instances: one told that signatures are off (accepts every request), one with
+    # NEMESIS_SIGNING_SECRET (refuses unsigned and stale ones).
     plain, checking = (
-        start_handler(lang, project, tmp_path, processes),
+        start_handler(lang, project, tmp_path, processes, {"NEMESIS_SIGNING_DISABLED": "true"}),
         start_handler(
             lang, project, tmp_path, processes, {"NEMESIS_SIGNING_SECRET": SIGNING_SECRET}
         ),
@@ -502,9 +519,11 @@ def test_validate_checks_the_secret_variable_names(
     assert message in validated.stdout + validated.stderr
 
 
-def test_the_python_templates_share_one_signature_check() -> None:
-    templates = REPO / "nemesis" / "onboarding" / "templates"
-    fastapi, grpc = (
-        templates / lang / "signatures.py.tmpl" for lang in ("python-fastapi", "python-grpc")
-    )
-    assert fastapi.read_text() == grpc.read_text()
+def test_the_python_templates_share_one_signature_check(tmp_path: Path) -> None:
+    written = {
+        lang: (tmp_path / lang / "signatures.py").read_text()
+        for lang in ("python-fastapi", "python-grpc")
+        if new_handler(tmp_path / lang, lang)
+    }
+    assert written["python-fastapi"] == written["python-grpc"]
+    assert "from standardwebhooks" in written["python-fastapi"]

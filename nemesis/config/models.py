@@ -167,8 +167,15 @@ class SigningConfig(Model):
     (the new secret and the previous one): every request then carries one
     signature per secret. ``nemesis run`` reads them when the integration
     starts and refuses to start it when one is unset or empty.
+
+    ``scheme``: the headers that carry the signature. ``standard-webhooks``
+    (the default) signs every ``ce-*`` attribute, the content type and the
+    body's digest; ``legacy`` sends only the ``nemesis-signature`` header of
+    earlier releases, ``both`` sends both while handlers move (legacy is
+    supported until ``nemesis.delivery.signing.LEGACY_END``).
     """
 
+    scheme: Literal["standard-webhooks", "legacy", "both"] = "standard-webhooks"
     secrets_env: Annotated[
         list[Annotated[str, Field(pattern=ENV_NAME_PATTERN, max_length=128)]],
         Field(min_length=1, max_length=2),

@@ -20,8 +20,8 @@ would otherwise have to copy lives here:
   integration's header values and the credentials in any URL or
   ``Authorization``-like value replaced (``Redactor``); it goes to logs and
   the DLQ, which must never carry a secret or the payload;
-- signing (``nemesis.delivery.signing``): the ``nemesis-signature`` value of
-  a request, so that every transport signs the same way.
+- signing (``nemesis.delivery.signing``): the headers that sign a request,
+  so that every transport signs the same way.
 """
 
 from __future__ import annotations
@@ -33,17 +33,20 @@ import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import TargetConfig
 from nemesis.delivery import signing
 from nemesis.delivery.port import DeliveryResult, Outcome
 
+if TYPE_CHECKING:  # the generated code is a build product: only the gRPC transport needs it
+    from nemesis.proto.nemesis.v1 import handler_pb2 as pb
+
 VERDICT_HEADER: Final = "nemesis-verdict"  # an HTTP header or a gRPC trailer
 RETRY_AFTER_HEADER: Final = "retry-after"  # an HTTP header or a gRPC trailer
 PUSHBACK_TRAILER: Final = "grpc-retry-pushback-ms"
-SIGNATURE_HEADER: Final = signing.SIGNATURE_HEADER  # an HTTP header or gRPC metadata
+SIGNING_HEADERS: Final = signing.SIGNING_HEADERS  # HTTP headers or gRPC metadata
 
 # A handler's Retry-After is obeyed up to this: a wrong date or a huge number must not
 # park a message for days; the retry tiers take over from there.
@@ -373,40 +376,51 @@ class Contract:
     """One integration's side of the handler contract, shared by whichever transport it uses.
 
     ``redact``: values that must never appear in error text (the target's
-    header values, the signing secrets). ``signing_secrets``: when given,
-    every request is signed (``sign``) with ``t`` from ``clock``.
+    header values, the signing secrets). ``signer``: when given, every
+    request is signed (``sign_http``, ``sign_grpc``) with a timestamp from ``clock``.
     """
 
-    __slots__ = ("_clock", "_redactor", "_signing_secrets")
+    __slots__ = ("_clock", "_redactor", "_signer")
 
     def __init__(
         self,
         *,
         clock: Clock = SYSTEM_CLOCK,
         redact: Iterable[str | bytes] = (),
-        signing_secrets: Sequence[bytes] = (),
+        signer: signing.Signer | None = None,
     ) -> None:
         self._clock = clock
-        self._signing_secrets = tuple(signing_secrets)
-        self._redactor = Redactor([*redact, *self._signing_secrets])
+        self._signer = signer
+        secrets: list[str | bytes] = []
+        if signer is not None:
+            secrets += [*signer.secrets, *signer.keys]
+        self._redactor = Redactor([*redact, *secrets])
 
     @property
     def clock(self) -> Clock:
-        """The clock the results' durations and the signatures' ``t`` are read from."""
+        """The clock the results' durations and the signatures' timestamps are read from."""
         return self._clock
 
     @property
     def signs(self) -> bool:
         """Whether requests are signed."""
-        return bool(self._signing_secrets)
+        return self._signer is not None
 
-    def sign(self, event_id: str, body: bytes) -> str:
-        """The ``nemesis-signature`` value for a request, ``t`` read now (only when ``signs``).
+    def sign_http(
+        self, headers: Iterable[tuple[str, str]], body: bytes, *, batch: bool = False
+    ) -> list[tuple[str, str]]:
+        """The headers that sign an HTTP request, timestamp read now (only when ``signs``).
 
-        ``event_id`` is the event's id for one event, the empty string for a
-        batch; ``body`` is what the handler verifies (see ``nemesis.delivery.signing``).
+        ``headers``: the request's other headers (its ``ce-*`` and
+        ``content-type`` are signed); ``body``: the bytes sent.
         """
-        return signing.sign(self._signing_secrets, int(self._clock.time()), event_id, body)
+        assert self._signer is not None
+        return self._signer.http(headers, body, batch=batch, timestamp=int(self._clock.time()))
+
+    def sign_grpc(self, events: Sequence[pb.Event], *, batch: bool) -> list[tuple[str, str]]:
+        """The metadata that signs a ``Deliver`` or ``DeliverBatch`` call (only when ``signs``)."""
+        assert self._signer is not None
+        return self._signer.grpc(events, batch=batch, timestamp=int(self._clock.time()))
 
     def http_answer(
         self,
@@ -501,9 +515,10 @@ def contract_for(
 
     Raises ``ConfigError`` when a variable ``target.signing`` names is unset or empty.
     """
-    secrets: tuple[bytes, ...] = ()
+    signer = None
     if target.signing is not None:
         secrets = signing.secrets_from_environment(
             target.signing, os.environ if env is None else env, where=f"integration {integration}"
         )
-    return Contract(clock=clock, redact=redact, signing_secrets=secrets)
+        signer = signing.Signer(secrets, target.signing.scheme)
+    return Contract(clock=clock, redact=redact, signer=signer)

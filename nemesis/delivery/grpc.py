@@ -39,7 +39,7 @@ from nemesis.config.models import TargetConfig
 from nemesis.delivery.cloudevents import SPECVERSION, attributes_of, encode_forwarded, source_for
 from nemesis.delivery.contract import (
     RETRY_AFTER_HEADER,
-    SIGNATURE_HEADER,
+    SIGNING_HEADERS,
     VERDICT_HEADER,
     WireError,
     WireFailure,
@@ -49,7 +49,6 @@ from nemesis.delivery.contract import (
     timeout_after,
 )
 from nemesis.delivery.port import DeliveryResult, Event, Outcome, config_problem
-from nemesis.delivery.signing import grpc_batch_body
 from nemesis.delivery.tls import pem_files
 from nemesis.errors import ConfigError
 from nemesis.proto import SERVICE
@@ -226,7 +225,7 @@ class GrpcTransport:
         if event.forwarded:
             metadata = (*metadata, *forwarded_metadata(event))
         if self._contract.signs:
-            metadata = (*metadata, (SIGNATURE_HEADER, self._contract.sign(proto.id, proto.data)))
+            metadata = (*metadata, *self._contract.sign_grpc([proto], batch=False))
         request = pb.DeliverRequest(event=proto)
         call = self._open().deliver(request, timeout=self._timeout_s, metadata=metadata)
         return await self._call(call, (event.body,))
@@ -240,8 +239,7 @@ class GrpcTransport:
         protos = [event_message(event, self._source) for event in events]
         metadata = self._metadata
         if self._contract.signs:
-            signed = grpc_batch_body((proto.id, proto.data) for proto in protos)
-            metadata = (*metadata, (SIGNATURE_HEADER, self._contract.sign("", signed)))
+            metadata = (*metadata, *self._contract.sign_grpc(protos, batch=True))
         request = pb.DeliverBatchRequest(events=protos)
         call = self._open().deliver_batch(request, timeout=self._timeout_s, metadata=metadata)
         return await self._call(call, [event.body for event in events])
@@ -437,7 +435,7 @@ def _checked_metadata(headers: Mapping[str, str], integration: str) -> tuple[tup
             raise ConfigError([config_problem(integration, field, message)])
         if key.startswith("grpc-") or key in _RESERVED_METADATA:
             raise ConfigError([config_problem(integration, field, "set by gRPC itself")])
-        if key == SIGNATURE_HEADER:
+        if key in SIGNING_HEADERS:
             message = "set by Nemesis when target.signing is configured"
             raise ConfigError([config_problem(integration, field, message)])
         if _UNSAFE_VALUE_CHARS.search(value):

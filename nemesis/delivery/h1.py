@@ -69,13 +69,13 @@ from nemesis.delivery.cloudevents import (
     BATCH_CONTENT_TYPE,
     batch_body,
     binary_header_lines,
+    binary_headers,
     constant_headers,
     full_binary_headers,
     source_for,
 )
 from nemesis.delivery.contract import (
     ERROR_BODY_BYTES,
-    SIGNATURE_HEADER,
     WireError,
     WireFailure,
     contract_for,
@@ -584,10 +584,10 @@ class H1Transport:
         if head is None:
             head = self._constant_head(shared)
         body = event.message.value if event.payload is None else event.payload
-        event_id, lines = binary_header_lines(event)
+        _, lines = binary_header_lines(event)
         if self._signs:
-            # The id as the handler reads it: the ce-id header's value.
-            lines += f"{SIGNATURE_HEADER}: {self._contract.sign(event_id, body)}\r\n"
+            signed = self._contract.sign_http(binary_headers(event, self._source).items(), body)
+            lines += "".join(f"{name}: {value}\r\n" for name, value in signed)
         return self._post(head, lines, body, (body,))
 
     def _deliver_in_full(self, event: Event) -> Coroutine[Any, Any, DeliveryResult]:
@@ -599,8 +599,8 @@ class H1Transport:
         head += self._extra_head
         lines = ""
         if self._signs:
-            event_id = next(value for name, value in headers if name == "ce-id")
-            lines = f"{SIGNATURE_HEADER}: {self._contract.sign(event_id, body)}\r\n"
+            signed = self._contract.sign_http(headers, body)
+            lines = "".join(f"{name}: {value}\r\n" for name, value in signed)
         return self._post(head, lines, body, (body,))
 
     def deliver_batch(self, events: Sequence[Event]) -> Coroutine[Any, Any, DeliveryResult]:
@@ -610,8 +610,9 @@ class H1Transport:
         body = batch_body(events, self._source)
         lines = ""
         if self._signs:
-            # A batch signs the empty id: its body carries every event's id.
-            lines = f"{SIGNATURE_HEADER}: {self._contract.sign('', body)}\r\n"
+            batch = [("content-type", BATCH_CONTENT_TYPE)]
+            signed = self._contract.sign_http(batch, body, batch=True)
+            lines = "".join(f"{name}: {value}\r\n" for name, value in signed)
         return self._post(self._batch_head, lines, body, [event.body for event in events])
 
     async def close(self) -> None:

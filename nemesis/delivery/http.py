@@ -35,7 +35,6 @@ from nemesis.delivery.cloudevents import (
 )
 from nemesis.delivery.contract import (
     ERROR_BODY_BYTES,
-    SIGNATURE_HEADER,
     WireError,
     WireFailure,
     contract_for,
@@ -141,8 +140,7 @@ class HttpTransport:
         body = event.message.value if event.payload is None else event.payload  # event.body
         headers = binary_headers_from(constant, event)
         if self._signs:
-            # The id as the handler reads it: the ce-id header's value.
-            headers[SIGNATURE_HEADER] = self._contract.sign(headers["ce-id"], body)
+            headers.update(self._contract.sign_http(headers.items(), body))
         return self._post(body, headers, (body,))
 
     def _deliver_in_full(self, event: Event) -> Coroutine[Any, Any, DeliveryResult]:
@@ -151,7 +149,7 @@ class HttpTransport:
         headers = CIMultiDict(full_binary_headers(event, self._source))
         headers.extend(self._extra_headers)
         if self._signs:
-            headers[SIGNATURE_HEADER] = self._contract.sign(headers["ce-id"], body)
+            headers.extend(self._contract.sign_http(headers.items(), body))
         # An event without data has no content type: aiohttp must not add its own.
         skip = () if "content-type" in headers else _NO_CONTENT_TYPE
         return self._post(body, headers, (body,), skip)
@@ -172,8 +170,8 @@ class HttpTransport:
         body = batch_body(events, self._source)
         headers = self._batch_headers
         if self._signs:
-            # A batch signs the empty id: its body carries every event's id.
-            headers = {**headers, SIGNATURE_HEADER: self._contract.sign("", body)}
+            signed = self._contract.sign_http(headers.items(), body, batch=True)
+            headers = {**headers, **dict(signed)}
         return self._post(body, headers, [event.body for event in events])
 
     async def close(self) -> None:

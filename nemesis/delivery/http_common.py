@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from nemesis import __version__
-from nemesis.delivery.contract import SIGNATURE_HEADER
+from nemesis.delivery.contract import SIGNING_HEADERS
 from nemesis.delivery.port import config_problem
 from nemesis.errors import ConfigError
 
@@ -37,7 +37,7 @@ def checked_headers(headers: Mapping[str, str], integration: str) -> dict[str, s
     """``target.headers`` with lowercased names; a ``ConfigError`` naming the first bad one.
 
     Refused: a name that is not an HTTP token, a header the contract or the
-    framing sets (``ce-*``, ``content-type``, ``nemesis-signature``...), and a
+    framing sets (``ce-*``, ``content-type``, ``webhook-signature``...), and a
     value with control characters (a CR/LF would split the request).
     """
     checked: dict[str, str] = {}
@@ -49,7 +49,7 @@ def checked_headers(headers: Mapping[str, str], integration: str) -> dict[str, s
         if lowered.startswith("ce-") or lowered in RESERVED_HEADERS:
             message = "set by Nemesis (handler contract)"
             raise ConfigError([config_problem(integration, field, message)])
-        if lowered == SIGNATURE_HEADER:
+        if lowered in SIGNING_HEADERS:
             message = "set by Nemesis when target.signing is configured"
             raise ConfigError([config_problem(integration, field, message)])
         if _UNSAFE_VALUE_CHARS.search(value):

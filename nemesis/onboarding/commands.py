@@ -117,26 +117,34 @@ _NEXT_STEPS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
     "python-fastapi": (
         ("make install", "or: pip install -r requirements.txt"),
         ("make test", "the handler's own contract tests"),
+        ("export NEMESIS_SIGNING_DISABLED=true", "unsigned, to try it (or NEMESIS_SIGNING_SECRET)"),
         ("make run", "serves on 127.0.0.1:{port}"),
     ),
     "python-grpc": (
         ("make install", "or: pip install -r requirements.txt"),
         ("make proto", "generate the gRPC code"),
         ("make test", "the handler's own contract tests"),
+        ("export NEMESIS_SIGNING_DISABLED=true", "unsigned, to try it (or NEMESIS_SIGNING_SECRET)"),
         ("make run", "serves on 127.0.0.1:{port}"),
     ),
     "go-http": (
         ("make test", "go vet and go test: the contract and the signing vectors"),
+        ("export NEMESIS_SIGNING_DISABLED=true", "unsigned, to try it (or NEMESIS_SIGNING_SECRET)"),
         ("make run", "go build, then serves on 127.0.0.1:{port}"),
     ),
     "typescript-node": (
-        ("npm install", "typescript and @types/node, for the build"),
+        ("npm install", "standardwebhooks, and typescript and @types/node for the build"),
         ("npm test", "tsc, then node --test: the contract and the signing vectors"),
+        ("export NEMESIS_SIGNING_DISABLED=true", "unsigned, to try it (or NEMESIS_SIGNING_SECRET)"),
         ("npm start", "serves on 127.0.0.1:{port}"),
     ),
     "java-http": (
-        ("./build.sh", "javac, then the tests: the contract and the signing vectors"),
-        ("java -cp build/classes {java_package}.Server", "serves on 127.0.0.1:{port}"),
+        ("./build.sh", "Maven copies the Standard Webhooks jar to lib/, javac, then the tests"),
+        ("export NEMESIS_SIGNING_DISABLED=true", "unsigned, to try it (or NEMESIS_SIGNING_SECRET)"),
+        (
+            "java -cp 'build/classes:lib/*' {java_package}.Server",
+            "serves on 127.0.0.1:{port}",
+        ),
     ),
 }
 # The file a team edits in each template, and the function in it.

@@ -48,7 +48,7 @@ from nemesis.config.models import (
     parse_duration,
     parse_start_from,
 )
-from nemesis.delivery.contract import SIGNATURE_HEADER
+from nemesis.delivery.contract import SIGNING_HEADERS
 from nemesis.delivery.http_common import (
     HEADER_NAME_PATTERN,
     RESERVED_HEADERS,
@@ -255,7 +255,7 @@ def _integration_rules(root: dict[str, Any], definitions: dict[str, Any]) -> Non
                 "properties": {
                     "headers": {
                         "propertyNames": _not_named(
-                            ("ce-",), (*sorted(RESERVED_HEADERS), SIGNATURE_HEADER)
+                            ("ce-",), (*sorted(RESERVED_HEADERS), *sorted(SIGNING_HEADERS))
                         ),
                         "additionalProperties": http_values,
                     }
@@ -270,7 +270,7 @@ def _integration_rules(root: dict[str, Any], definitions: dict[str, Any]) -> Non
                         "propertyNames": {
                             "allOf": [
                                 {"pattern": _GRPC_METADATA_KEY},
-                                _not_named(("grpc-",), (*_GRPC_RESERVED, SIGNATURE_HEADER)),
+                                _not_named(("grpc-",), (*_GRPC_RESERVED, *sorted(SIGNING_HEADERS))),
                                 {"not": {"pattern": f"{_anycase('-bin')}$"}},
                             ]
                         },

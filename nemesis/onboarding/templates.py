@@ -7,8 +7,8 @@ integration. ``{{name}}`` placeholders are filled in, in the files and in
 their paths (the Java package's folder); a placeholder without a value is an
 error, so a template and the code that fills it cannot drift apart silently.
 The gRPC template also gets the handler contract,
-``proto/nemesis_handler.proto``, copied from ``nemesis.proto``, and the Go,
-TypeScript and Java templates get the signing test vectors,
+``proto/nemesis_handler.proto``, copied from ``nemesis.proto``, and every
+template gets the signing test vectors,
 ``nemesis/delivery/signing-vectors.json``, which their own tests check their
 verifier against (one source for each everywhere).
 """
@@ -44,6 +44,8 @@ from nemesis.proto import handler_proto_text
 _WITH_COMMON: Final[frozenset[HandlerLang]] = frozenset({"python-fastapi", "python-grpc"})
 # Where a template's own tests find the signing vectors they check the verifier against.
 _VECTORS_COPY: Final[Mapping[HandlerLang, str]] = {
+    "python-fastapi": "signing-vectors.json",
+    "python-grpc": "signing-vectors.json",
     "go-http": "testdata/signing-vectors.json",
     "typescript-node": "test/signing-vectors.json",
     "java-http": "src/test/resources/signing-vectors.json",

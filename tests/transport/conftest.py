@@ -23,7 +23,6 @@ from aiohttp import web
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import TargetConfig
 from nemesis.delivery import signing
-from nemesis.delivery.cloudevents import BATCH_CONTENT_TYPE
 from nemesis.delivery.contract import GrpcCode
 from nemesis.delivery.grpc import GrpcTransport
 from nemesis.delivery.h1 import H1Transport
@@ -57,7 +56,7 @@ class Arrival:
 
     ids: tuple[str, ...]  # the events' ids, in order
     batch: bool
-    signature: str | None  # the nemesis-signature header / metadata
+    signature: str | None  # the webhook-signature header / metadata
 
 
 @dataclass
@@ -202,7 +201,7 @@ class HttpKit(Kit):
             Arrival(
                 tuple(entry.id or "" for entry in entries),
                 entries[0].mode == "batch",
-                entries[0].headers.get("nemesis-signature"),
+                entries[0].headers.get(signing.WEBHOOK_SIGNATURE_HEADER),
             )
             for entries in by_request.values()
         ]
@@ -210,11 +209,9 @@ class HttpKit(Kit):
     async def check_signatures(self, secrets: Sequence[bytes], now: float) -> str:
         async def handle(request: web.Request) -> web.Response:
             body = await request.read()
-            header = request.headers.get(signing.SIGNATURE_HEADER)
-            batch = request.content_type == BATCH_CONTENT_TYPE
-            event_id = "" if batch else request.headers.get("ce-id", "")
+            header = request.headers.get(signing.WEBHOOK_SIGNATURE_HEADER)
             try:
-                signing.verify(header, secrets, event_id, body, now=now)
+                signing.verify_http(request.headers.items(), body, secrets, now=now)
             except signing.SignatureError as refused:
                 self.checked.append((header, False))
                 return web.Response(status=401, text=str(refused))
@@ -325,7 +322,7 @@ class GrpcKit(Kit):
             Arrival(
                 tuple(event.id for event in call.events),
                 call.method == "DeliverBatch",
-                call.metadata.get("nemesis-signature"),
+                call.metadata.get(signing.WEBHOOK_SIGNATURE_HEADER),
             )
             for call in self.handler.calls
         ]
@@ -334,14 +331,10 @@ class GrpcKit(Kit):
         def check(
             method: str, events: Sequence[pb.Event], metadata: Mapping[str, str]
         ) -> Answer | None:
-            header = metadata.get(signing.SIGNATURE_HEADER)
-            if method == "DeliverBatch":
-                event_id, body = "", signing.grpc_batch_body((e.id, e.data) for e in events)
-            else:
-                [event] = events
-                event_id, body = event.id, event.data
+            header = metadata.get(signing.WEBHOOK_SIGNATURE_HEADER)
+            batch = method == "DeliverBatch"
             try:
-                signing.verify(header, secrets, event_id, body, now=now)
+                signing.verify_grpc(metadata, events, secrets, batch=batch, now=now)
             except signing.SignatureError as refused:
                 self.checked.append((header, False))
                 return Answer(grpc.StatusCode.UNAUTHENTICATED, str(refused))

@@ -174,20 +174,11 @@ def test_redactor() -> None:
 
 VECTORS: list[dict[str, Any]] = json.loads(
     Path(signing.__file__).with_name("signing-vectors.json").read_text()
-)["vectors"]
-
-
-@pytest.mark.parametrize("vector", [v for v in VECTORS if "grpc_events" in v], ids=str)
-def test_the_grpc_batch_vector(vector: dict[str, Any]) -> None:
-    events = [(e["id"], bytes.fromhex(e["data_hex"])) for e in vector["grpc_events"]]
-    body = signing.grpc_batch_body(events)
-    assert body.hex() == vector["body_hex"]
-    secrets = [s.encode() for s in vector["secrets"]]
-    assert signing.sign(secrets, vector["timestamp"], "", body) == vector["header"]
+)["signed"]
 
 
 def test_the_grpc_batch_body_frames_what_could_be_confused() -> None:
-    # Without the lengths these two batches would sign the same bytes.
+    # The legacy scheme's gRPC batch: without the lengths these two would sign the same bytes.
     assert signing.grpc_batch_body([("a", b"1,2:b")]) != signing.grpc_batch_body(
         [("a", b"1"), ("b", b"")]
     )
@@ -197,7 +188,7 @@ def test_the_grpc_batch_body_frames_what_could_be_confused() -> None:
 def test_the_contract_signs_with_the_clock_it_was_given() -> None:
     class At:
         def time(self) -> float:
-            return 1733060000.9
+            return 1733060000.9  # the vector's timestamp, in whole seconds
 
         def monotonic(self) -> float:
             return 0.0
@@ -205,8 +196,10 @@ def test_the_contract_signs_with_the_clock_it_was_given() -> None:
         async def sleep(self, seconds: float) -> None:
             raise AssertionError
 
-    contract = Contract(clock=At(), signing_secrets=[b"k1-test-secret"])
-    body = bytes.fromhex(VECTORS[0]["body_hex"])
+    vector = VECTORS[0]
+    contract = Contract(clock=At(), signer=signing.Signer(vector["secrets"]))
+    body = bytes.fromhex(vector["body_hex"])
+    headers = [(name, value) for name, value in vector["request_headers"]]
     assert contract.signs
-    assert contract.sign("orders/0/42", body) == VECTORS[0]["header"]
+    assert dict(contract.sign_http(headers, body)) == vector["signed_headers"]
     assert not Contract().signs
