@@ -442,7 +442,7 @@ async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
             )
             failures = ServiceFailures()
             services = [
-                *_side_services(config, proxy, reloader, failures, fleet),
+                *_side_services(config, proxy, reloader, failures, fleet, dlq),
                 *plugin_services(config, proxy, dlq, broker, state),
             ]
             settle_heap()
@@ -465,6 +465,7 @@ def _side_services(
     reloader: ConfigReloader,
     failures: ServiceFailures,
     fleet: FleetMember,
+    dlq: DeadLetterStore,
 ) -> list[Service]:
     """What serves beside the proxy, in its event loop: the admin API (the viewer joins here).
 
@@ -476,16 +477,26 @@ def _side_services(
 
     services: list[Service] = []
     if config.admin.enabled:
-        token = config.admin.token
+        token, metrics_token = config.admin.token, config.admin.metrics_token
         app = create_admin_app(
             proxy,
             token=None if token is None else token.get_secret_value(),
+            auth=config.auth,
+            metrics_token=None if metrics_token is None else metrics_token.get_secret_value(),
+            audit=dlq,
             reloader=reloader,
             services=failures,
             fleet=fleet,
         )
         services.append(
-            UvicornService(app, host=config.admin.host, port=config.admin.port, name=ADMIN_API)
+            UvicornService(
+                app,
+                host=config.admin.host,
+                port=config.admin.port,
+                name=ADMIN_API,
+                # The TCP peer, not a forwarded address: auth.trusted_header trusts peers.
+                proxy_headers=False,
+            )
         )
     return services
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 # The bounds repeat DeliveryConfig's and BatchConfig's (tests/test_admin_api.py
 # checks that they agree): the schema tells a client what fits before it asks.
@@ -289,11 +289,15 @@ class FleetMemberStatus(BaseModel):
     this: bool  # the member answering
 
 
+# An enum of one rather than ``const``: OpenAPI client generators read enums.
+AllReplicas = Annotated[Literal["all"], WithJsonSchema({"type": "string", "enum": ["all"]})]
+
+
 class FleetPlacement(BaseModel):
     """Who should run an integration (``assigned``) and who runs it now (``running``)."""
 
     name: str
-    replicas: int | Literal["all"]
+    replicas: int | AllReplicas
     assigned: list[str]
     running: list[str]
 
@@ -319,3 +323,28 @@ class FleetStatus(BaseModel):
     integrations: list[FleetPlacement]
     overrides: list[FleetOverride]
     last_error: str | None  # the state store's last failure, while it lasts
+
+
+AuditAction = Literal[
+    "requeue", "discard", "seek", "skip", "pause", "resume", "tune", "reset", "reload"
+]
+
+
+class AuditEntry(BaseModel):
+    """One entry of the audit log: who did what, when, to which integrations."""
+
+    seq: int
+    at: float  # Unix seconds
+    who: str
+    action: AuditAction
+    integrations: list[str]  # for a team: only its own
+    # How many messages or fields; null when the entry also covered another team's integrations.
+    count: int | None
+    description: str
+
+
+class AuditPage(BaseModel):
+    """Audit entries, newest first; ``next_cursor`` asks for the next page (null: the end)."""
+
+    entries: list[AuditEntry]
+    next_cursor: str | None
