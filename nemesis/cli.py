@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import orjson
 
 from nemesis import __version__
+from nemesis.cli_ctl import add_ctl_commands
 from nemesis.cli_dlq import DlqContext, add_dlq_commands
 from nemesis.cli_offsets import add_offsets_commands
 from nemesis.errors import ConfigError, NemesisError
@@ -173,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_dlq_commands(commands, _config_option, stores)
     add_offsets_commands(commands, _config_option, stores)
+    add_ctl_commands(commands, _config_option)
 
     # --- onboarding: new, check-handler, schema (nemesis.onboarding.commands) ----------
     add_onboarding_commands(commands, run_async)

@@ -245,6 +245,11 @@ def test_prometheus_configuration_passes_promtool(tmp_path: Path) -> None:
     settings = load(DEPLOY / "prometheus/prometheus.yml")
     # As mounted in compose: the rule file beside it.
     settings["rule_files"] = [str(DEPLOY / "prometheus/alerts.yaml")]
+    # And the metrics token's file, which compose's entrypoint writes before Prometheus starts.
+    token_file = tmp_path / "metrics-token"
+    token_file.write_text("a-metrics-token-long-enough-for-it")
+    for job in settings["scrape_configs"]:
+        job["authorization"]["credentials_file"] = str(token_file)
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(settings))
     checked = run_promtool("check", "config", str(path))
