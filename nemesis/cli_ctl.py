@@ -79,22 +79,26 @@ def add_ctl_commands(
     status.add_argument("--json", action="store_true", help="the API's JSON as it answered")
     for verb, help_text in (("pause", "stop reading"), ("resume", "read again")):
         switch = action(verb, help_text, cmd_pause_resume)
-        switch.add_argument("integration")
+        switch.add_argument("integration", help="one of your team's integrations")
         switch.set_defaults(verb=verb)
     tune = action("set", "live values over the YAML (FIELD=VALUE ...)", cmd_set)
-    tune.add_argument("integration")
+    tune.add_argument("integration", help="one of your team's integrations")
     tune.add_argument(
         "assignments", nargs="+", metavar="FIELD=VALUE", help=f"one of {', '.join(SETTABLE)}"
     )
     flag = action("flag", "message types acknowledged without delivery", cmd_flag)
-    flag.add_argument("integration")
-    flag.add_argument("--disable", action="append", default=[], metavar="TYPE")
-    flag.add_argument("--enable", action="append", default=[], metavar="TYPE")
+    flag.add_argument("integration", help="one of your team's integrations")
+    flag.add_argument(
+        "--disable", action="append", default=[], metavar="TYPE", help="acknowledge TYPE unsent"
+    )
+    flag.add_argument(
+        "--enable", action="append", default=[], metavar="TYPE", help="deliver TYPE again"
+    )
     reset = action("reset", "back to the YAML: every live field, or one", cmd_reset)
-    reset.add_argument("integration")
-    reset.add_argument("field", nargs="?", choices=SETTABLE)
+    reset.add_argument("integration", help="one of your team's integrations")
+    reset.add_argument("field", nargs="?", choices=SETTABLE, help="one field (default: all)")
     audit = action("audit", "who changed what, newest first", cmd_audit)
-    audit.add_argument("--limit", type=int, default=20)
+    audit.add_argument("--limit", type=int, default=20, help="entries shown (default: 20)")
 
 
 class AdminClient:
