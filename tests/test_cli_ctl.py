@@ -21,6 +21,7 @@ from nemesis.config.models import EmbeddedBackendConfig
 from nemesis.dlq import open_sqlite_dlq
 from nemesis.dlq.sqlite import SqliteDeadLetterStore
 from nemesis.errors import NemesisError
+from nemesis.runtime.app import Proxy
 from tests.test_admin_access import PLATFORM_TOKEN, TOKENS, auth_config, team_proxy
 
 
@@ -36,6 +37,11 @@ async def audit_store(tmp_path: Path) -> AsyncIterator[SqliteDeadLetterStore]:
     store = await open_sqlite_dlq(tmp_path / "dlq.db")
     yield store
     await store.close()
+
+
+def paused(proxy: Proxy, name: str) -> bool:
+    """The running configuration's ``paused`` (read anew: a call changes it)."""
+    return proxy.integrations[name].paused
 
 
 async def ctl(url: str, token: str | None, *args: str, cwd: Path) -> tuple[int, str, str]:
@@ -71,7 +77,7 @@ async def test_a_team_pauses_retunes_and_flags_its_own_integration_only(
         assert code == 0, err
         assert out.startswith("alpha: ")
         assert "paused" in out
-        assert proxy.integrations["alpha"].paused
+        assert paused(proxy, "alpha")
 
         code, out, err = await ctl(
             url, alpha, "set", "alpha", "delivery.workers=5", "rate_limits.main=100", cwd=tmp_path
@@ -95,7 +101,7 @@ async def test_a_team_pauses_retunes_and_flags_its_own_integration_only(
         code, out, err = await ctl(url, alpha, "pause", "beta", cwd=tmp_path)
         assert code == 1
         assert "404 no integration 'beta'" in err
-        assert not proxy.integrations["beta"].paused
+        assert not paused(proxy, "beta")
         code, _, err = await ctl(url, None, "pause", "alpha", cwd=tmp_path)
         assert code == 1
         assert "401" in err
@@ -109,7 +115,7 @@ async def test_a_team_pauses_retunes_and_flags_its_own_integration_only(
         assert proxy.integrations["alpha"].delivery.workers == 8
         code, out, err = await ctl(url, alpha, "resume", "alpha", cwd=tmp_path)
         assert code == 0, err
-        assert not proxy.integrations["alpha"].paused
+        assert not paused(proxy, "alpha")
 
         code, out, err = await ctl(url, alpha, "audit", cwd=tmp_path)
         assert code == 0, err
