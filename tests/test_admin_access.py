@@ -17,16 +17,16 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import pytest
 
-from nemesis.admin import UvicornService, create_admin_app
+from nemesis.admin import UvicornService, create_admin_app, schemas
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.config.models import AuthConfig, EmbeddedBackendConfig
 from nemesis.config.passwords import hash_token
-from nemesis.dlq import open_sqlite_dlq
+from nemesis.dlq import Action, open_sqlite_dlq
 from nemesis.dlq.sqlite import SqliteDeadLetterStore
 from nemesis.runtime.app import Proxy
 from nemesis.runtime.reload import ConfigReloader
@@ -464,3 +464,7 @@ async def test_bad_input_never_gets_a_500(
             assert answer.status_code < 500, (method, path, headers, answer.text)
             if not headers or headers == JSON:  # the odd headers alone refuse nothing
                 assert answer.status_code >= 400, (method, path, headers)
+
+
+def test_the_audit_schema_names_every_action_of_the_audit_log() -> None:
+    assert set(get_args(schemas.AuditAction)) == {action.value for action in Action}
