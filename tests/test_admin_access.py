@@ -468,3 +468,31 @@ async def test_bad_input_never_gets_a_500(
 
 def test_the_audit_schema_names_every_action_of_the_audit_log() -> None:
     assert set(get_args(schemas.AuditAction)) == {action.value for action in Action}
+
+
+async def test_operations_are_named_for_what_they_do_and_the_schema_has_no_const(
+    broker: EmbeddedBroker,
+) -> None:
+    """Client generators (openapi-python-client) refuse ``const``; names come from the code."""
+    spec = create_admin_app(Proxy(broker, {})).openapi()
+    ids = {
+        (method.upper(), path): operation["operationId"]
+        for path, operations in spec["paths"].items()
+        for method, operation in operations.items()
+    }
+    assert ids[("GET", "/integrations")] == "list_integrations"
+    assert ids[("POST", "/integrations/{name}/pause")] == "pause"
+    assert ids[("GET", "/audit")] == "audit_log"
+    assert len(set(ids.values())) == len(ids)
+    assert not [i for i in ids.values() if i.endswith(("_get", "_post", "_patch", "_delete"))]
+
+    def keys(node: Any) -> set[str]:
+        if isinstance(node, dict):
+            return set(node).union(*(keys(value) for value in node.values()))
+        if isinstance(node, list):
+            return set().union(*(keys(value) for value in node))
+        return set()
+
+    assert "const" not in keys(spec)
+    replicas = spec["components"]["schemas"]["FleetPlacement"]["properties"]["replicas"]
+    assert {"type": "string", "enum": ["all"]} in replicas["anyOf"]

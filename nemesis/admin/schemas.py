@@ -223,7 +223,7 @@ class IntegrationList(BaseModel):
 class Health(BaseModel):
     """The process answers."""
 
-    status: Literal["ok"]
+    status: Annotated[Literal["ok"], WithJsonSchema({"type": "string", "enum": ["ok"]})]
 
 
 class Readiness(BaseModel):
