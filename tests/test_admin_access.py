@@ -164,6 +164,15 @@ TARGETS = ("alpha", "beta", "missing")
 OWNERS = {"alpha": "team-alpha", "beta": "team-beta"}
 
 
+def as_configured(who: Who, *, platform_token: bool, metrics_token: bool) -> Who:
+    """``who`` as the configuration sees it: a token nobody configured proves nobody."""
+    if (who.kind == "scraper" and not metrics_token) or (
+        who.name == "admin.token" and not platform_token
+    ):
+        return Who(who.name, who.headers, kind="wrong")
+    return who
+
+
 def expected(call: Call, who: Who, target: str | None) -> int:
     """The oracle: the status the rules of the access table give."""
     if call.kind == "health":
@@ -257,10 +266,23 @@ def path_of(call: Call, target: str | None) -> str:
     return path + call.query
 
 
+@pytest.mark.parametrize(
+    ("platform_token", "metrics_token"),
+    [(True, True), (False, False)],
+    ids=["with-admin-and-metrics-tokens", "team-tokens-only"],
+)
 async def test_every_route_and_identity_gets_what_the_table_allows(
-    broker: EmbeddedBroker, tmp_path: Path, audit_store: SqliteDeadLetterStore
+    broker: EmbeddedBroker,
+    tmp_path: Path,
+    audit_store: SqliteDeadLetterStore,
+    platform_token: bool,
+    metrics_token: bool,
 ) -> None:
-    options = {"token": PLATFORM_TOKEN, "auth": auth_config(), "metrics_token": METRICS_TOKEN}
+    options: dict[str, Any] = {"auth": auth_config()}
+    if platform_token:
+        options["token"] = PLATFORM_TOKEN
+    if metrics_token:
+        options["metrics_token"] = METRICS_TOKEN
     async with (
         team_proxy(broker, tmp_path, audit_store, **options) as (_proxy, url),
         clients(url) as client_for,
@@ -285,7 +307,10 @@ async def test_every_route_and_identity_gets_what_the_table_allows(
                         json=call.body,
                     )
                     sent += 1
-                    want = expected(call, who, target)
+                    seen_as = as_configured(
+                        who, platform_token=platform_token, metrics_token=metrics_token
+                    )
+                    want = expected(call, seen_as, target)
                     where = f"{call.method} {path_of(call, target)} as {who.name}"
                     if answer.status_code != want:
                         mismatches.append(f"{where}: {answer.status_code}, expected {want}")
@@ -314,7 +339,7 @@ async def test_every_route_and_identity_gets_what_the_table_allows(
         assert await names(by_name["team alpha"], "/integrations", "integrations") == ["alpha"]
         assert await names(by_name["team beta"], "/integrations", "integrations") == ["beta"]
         assert await names(by_name["sso, no teams"], "/integrations", "integrations") == []
-        assert await names(by_name["admin.token"], "/integrations", "integrations") == [
+        assert await names(by_name["admin token (auth)"], "/integrations", "integrations") == [
             "alpha",
             "beta",
         ]
