@@ -13,6 +13,8 @@ team's answers as one that does not exist.
     nemesis ctl set NAME delivery.workers=16 rate_limits.main=200
     nemesis ctl flag NAME --disable order.test [--enable order.old]
     nemesis ctl reset NAME [FIELD]         back to the YAML
+    nemesis ctl offsets NAME               committed offsets and lag per partition
+    nemesis ctl skip NAME --count N        past a message that blocks (paused only)
     nemesis ctl audit [--limit N]          who changed what
 
 The admin API's address: ``--url``, else ``$NEMESIS_ADMIN_URL``, else the
@@ -97,6 +99,13 @@ def add_ctl_commands(
     reset = action("reset", "back to the YAML: every live field, or one", cmd_reset)
     reset.add_argument("integration", help="one of your team's integrations")
     reset.add_argument("field", nargs="?", choices=SETTABLE, help="one field (default: all)")
+    offsets = action("offsets", "committed offset, end offset and lag per partition", cmd_offsets)
+    offsets.add_argument("integration", help="one of your team's integrations")
+    skip = action("skip", "pass over the next N messages of a paused integration", cmd_skip)
+    skip.add_argument("integration", help="one of your team's integrations (paused)")
+    skip.add_argument("--count", type=int, required=True, help="messages to pass over")
+    skip.add_argument("--flow", default="main", help="main (default), retry-N or replay")
+    skip.add_argument("--partition", type=int, help="one partition (default: every one)")
     audit = action("audit", "who changed what, newest first", cmd_audit)
     audit.add_argument("--limit", type=int, default=20, help="entries shown (default: 20)")
 
@@ -283,4 +292,30 @@ def cmd_audit(args: argparse.Namespace) -> int:
         )
         names = ", ".join(entry["integrations"]) or "-"
         _print(f"{when} {entry['who']} {entry['action']} {names}: {entry['description']}")
+    return 0
+
+
+def cmd_offsets(args: argparse.Namespace) -> int:
+    found = _client(args).call("GET", f"/integrations/{_name(args.integration)}/offsets")
+    for flow in found["flows"]:
+        _print(f"flow {flow['flow']}: topic {flow['topic']}, consumer {flow['consumer']}")
+        if flow["partitions"] is None:
+            _print("  (no topic yet: nothing was written to it)")
+            continue
+        for p in flow["partitions"]:
+            _print(
+                f"  partition {p['partition']}: committed {p['committed']}, end {p['end']},"
+                f" lag {p['lag']}"
+            )
+    return 0
+
+
+def cmd_skip(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"flow": args.flow, "count": args.count}
+    if args.partition is not None:
+        body["partition"] = args.partition
+    done = _client(args).call("POST", f"/integrations/{_name(args.integration)}/offsets/skip", body)
+    for move in done["moves"]:
+        delta = move["after"] - move["before"]
+        _print(f"  partition {move['partition']}: {move['before']} -> {move['after']} ({delta:+d})")
     return 0

@@ -154,6 +154,8 @@ CALLS = [
     Call("POST", "/integrations/{name}/resume", "change"),
     Call("DELETE", "/integrations/{name}/overrides/{field}", "change"),
     Call("DELETE", "/integrations/{name}/overrides", "change"),
+    Call("GET", "/integrations/{name}/offsets", "read"),
+    Call("POST", "/integrations/{name}/offsets/skip", "skip", {"count": 1}),
     Call("GET", "/fleet", "read"),
     Call("GET", "/config", "platform_read"),
     Call("POST", "/config/reload", "platform_change"),
@@ -187,6 +189,9 @@ def expected(call: Call, who: Who, target: str | None) -> int:
         return 403
     if call.kind in ("platform_read", "platform_change"):
         return 200 if who.platform else 403
+    owned = target is not None and (who.platform or OWNERS.get(target, "") in who.teams)
+    if call.kind == "skip" and target != "missing" and owned:
+        return 409  # allowed, and refused for what it is: the integration is not paused
     if target is None:
         # Not about one integration; /fleet answers 404 without a fleet, for every identity.
         return 404 if call.path == "/fleet" else 200

@@ -79,6 +79,17 @@ async def test_a_team_pauses_retunes_and_flags_its_own_integration_only(
         assert "paused" in out
         assert paused(proxy, "alpha")
 
+        # While paused, the team moves its own offsets; the skip is audited.
+        code, out, err = await ctl(url, alpha, "offsets", "alpha", cwd=tmp_path)
+        assert code == 0, err
+        assert "flow main: topic orders, consumer alpha" in out
+        code, out, err = await ctl(url, alpha, "skip", "alpha", "--count", "1", cwd=tmp_path)
+        assert code == 0, err
+        assert "partition 0:" in out
+        code, _, err = await ctl(url, alpha, "skip", "beta", "--count", "1", cwd=tmp_path)
+        assert code == 1
+        assert "404" in err
+
         code, out, err = await ctl(
             url, alpha, "set", "alpha", "delivery.workers=5", "rate_limits.main=100", cwd=tmp_path
         )
@@ -120,7 +131,11 @@ async def test_a_team_pauses_retunes_and_flags_its_own_integration_only(
         code, out, err = await ctl(url, alpha, "audit", cwd=tmp_path)
         assert code == 0, err
         actions = [line.split(" (API token) ")[1].split()[0] for line in out.splitlines()]
-        assert actions == ["resume", "reset", "tune", "tune", "pause"]
+        assert actions == ["resume", "reset", "tune", "tune", "skip", "pause"]
+        code, _, err = await ctl(url, alpha, "skip", "alpha", "--count", "1", cwd=tmp_path)
+        assert code == 1
+        assert "409" in err
+        assert "not paused" in err
         assert all(" ci-alpha (API token) " in line for line in out.splitlines())
         # Beta's team sees none of it.
         code, out, err = await ctl(url, TOKENS["beta"], "audit", cwd=tmp_path)

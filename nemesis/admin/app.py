@@ -49,7 +49,7 @@ from nemesis.admin.server import ServiceFailures
 from nemesis.admin.status import integration_status, reload_result
 from nemesis.config.models import NAME_PATTERN, AuthConfig
 from nemesis.dlq.port import Action, PageRequest
-from nemesis.errors import DlqError, InvalidQuery, StateError
+from nemesis.errors import BrokerError, DlqError, InvalidQuery, StateError
 from nemesis.fleet.member import FleetMember
 from nemesis.fleet.status import fleet_status
 from nemesis.identity import Identities, Identity
@@ -79,6 +79,9 @@ _UNKNOWN: Final[dict[int | str, dict[str, Any]]] = {
 }
 _STORE_DOWN: Final[dict[int | str, dict[str, Any]]] = {
     503: {"model": schemas.ErrorMessage, "description": "The fleet's state store is unreachable."}
+}
+_BROKER_DOWN: Final[dict[int | str, dict[str, Any]]] = {
+    503: {"model": schemas.ErrorMessage, "description": "The broker did not answer."}
 }
 _UNREADABLE: Final[dict[int | str, dict[str, Any]]] = {
     400: {"model": schemas.ErrorMessage, "description": "The body is not JSON text."}
@@ -326,6 +329,88 @@ def create_admin_app(
             # What is left over the YAML does not fit without this one.
             raise _unfit(exc, ("path", "field"), {}) from None
         return status_of(name, identity)
+
+    @app.get(
+        "/integrations/{name}/offsets",
+        tags=["integrations"],
+        responses={**_SIGN_IN, **_UNKNOWN, **_BROKER_DOWN},
+    )
+    async def offsets(name: IntegrationName, identity: Reader) -> schemas.OffsetsStatus:
+        """Committed offset, end offset and lag per flow and partition."""
+        from nemesis.cli_offsets import _flow_json, _flow_offsets
+
+        status_of(name, identity)
+        try:
+            found = [
+                _flow_json(await _flow_offsets(proxy.broker, flow))
+                for flow in proxy.flows(proxy.integrations[name])
+            ]
+        except BrokerError as exc:
+            raise HTTPException(503, f"the broker did not answer: {exc}") from None
+        return schemas.OffsetsStatus.model_validate({"integration": name, "flows": found})
+
+    @app.post(
+        "/integrations/{name}/offsets/skip",
+        tags=["integrations"],
+        responses={
+            **_UNREADABLE,
+            **_REFUSED,
+            **_UNKNOWN,
+            **_BROKER_DOWN,
+            409: {"model": schemas.ErrorMessage, "description": "Not paused, or nothing to move."},
+        },
+    )
+    async def skip(
+        name: IntegrationName, request: schemas.SkipRequest, identity: Changer
+    ) -> schemas.SkipResult:
+        """Passes over the next ``count`` messages unread: only while the integration is paused.
+
+        The way out when one message blocks an ordered integration; each move
+        is in the audit log.
+        """
+        from nemesis.cli_offsets import _committed
+
+        if not status_of(name, identity).paused:
+            raise HTTPException(409, f"integration {name!r} is not paused: pause it first")
+        flows = {flow.name: flow for flow in proxy.flows(proxy.integrations[name])}
+        flow = flows.get(request.flow)
+        if flow is None:
+            raise HTTPException(409, f"no flow {request.flow!r} (flows: {', '.join(flows)})")
+        admin = proxy.broker.admin
+        moves = []
+        try:
+            described = await admin.describe_topic(flow.topic)
+            chosen = [
+                p
+                for p in described.partitions
+                if request.partition is None or p.partition == request.partition
+            ]
+            if not chosen:
+                raise HTTPException(409, f"topic {flow.topic} has no partition {request.partition}")
+            for info in chosen:
+                target = _committed(info, flow.consumer) + request.count
+                moves.append(await admin.seek(flow.topic, flow.consumer, info.partition, target))
+        except BrokerError as exc:
+            raise HTTPException(503, f"the broker did not answer: {exc}") from None
+        finally:
+            if moves:  # what moved is audited even when a later partition failed
+                moved = "; ".join(f"p{m.partition} {m.before}->{m.after}" for m in moves)
+                await trail.record(
+                    identity,
+                    Action.SKIP,
+                    [name],
+                    f"offsets skip --count {request.count}: flow {flow.name}, topic {flow.topic},"
+                    f" consumer {flow.consumer}: {moved}",
+                    count=sum(abs(m.after - m.before) for m in moves),
+                )
+        return schemas.SkipResult(
+            integration=name,
+            flow=flow.name,
+            moves=[
+                schemas.OffsetMove(partition=m.partition, before=m.before, after=m.after)
+                for m in moves
+            ],
+        )
 
     @app.get(
         "/fleet",

@@ -348,3 +348,54 @@ class AuditPage(BaseModel):
 
     entries: list[AuditEntry]
     next_cursor: str | None
+
+
+class PartitionOffsets(BaseModel):
+    """One partition of a flow: where its consumer stands and how far behind."""
+
+    partition: int
+    start: int
+    committed: int
+    end: int
+    lag: int
+    next_written_at: float | None  # Unix seconds: when the next message to deliver was written
+
+
+class FlowOffsetsStatus(BaseModel):
+    """A flow's topic and consumer; ``partitions`` null: its topic does not exist yet."""
+
+    flow: str
+    topic: str
+    consumer: str
+    partitions: list[PartitionOffsets] | None
+
+
+class OffsetsStatus(BaseModel):
+    """An integration's committed offsets, flow by flow (``nemesis offsets show``)."""
+
+    integration: str
+    flows: list[FlowOffsetsStatus]
+
+
+class SkipRequest(_Request):
+    """Moves a paused integration's committed offsets past the next ``count`` messages."""
+
+    flow: Annotated[str, Field(min_length=1, max_length=64)] = "main"
+    count: Annotated[int, Field(ge=1, le=1_000_000)]
+    partition: Annotated[int, Field(ge=0, le=1_000_000)] | None = None  # None: every partition
+
+
+class OffsetMove(BaseModel):
+    """One partition's committed offset before and after a move."""
+
+    partition: int
+    before: int
+    after: int
+
+
+class SkipResult(BaseModel):
+    """What moved; it is in the audit log too."""
+
+    integration: str
+    flow: str
+    moves: list[OffsetMove]
