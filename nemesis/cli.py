@@ -480,6 +480,15 @@ def _side_services(
     services: list[Service] = []
     if config.admin.enabled:
         token, metrics_token = config.admin.token, config.admin.metrics_token
+        auth = config.auth
+        if config.admin.host not in ("127.0.0.1", "::1", "localhost") and not (
+            auth.users or auth.tokens or auth.trusted_header
+        ):
+            log.warning(
+                "the admin API listens on %s with no team identity in auth: anyone who reaches"
+                " it reads every integration (docs/admin-access.md: give each team a token)",
+                config.admin.host,
+            )
         app = create_admin_app(
             proxy,
             token=None if token is None else token.get_secret_value(),
