@@ -20,7 +20,6 @@ from dlq_viewer.actions import BulkJob, BulkJobs, JobState, Requeuer, replay_req
 from dlq_viewer.app import create_app
 from dlq_viewer.auth import (
     Authenticator,
-    Identity,
     MemorySessionRevocations,
     SessionRevocations,
 )
@@ -34,6 +33,7 @@ from dlq_viewer.server import (
     serve_viewer,
     viewer_server,
 )
+from nemesis.identity import Identity
 
 __all__ = [
     "Authenticator",

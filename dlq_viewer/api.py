@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from dlq_viewer.actions import BulkJob, JobState, act_on_ids
-from dlq_viewer.auth import SESSION_COOKIE, Identity
+from dlq_viewer.auth import SESSION_COOKIE
 from dlq_viewer.context import (
     Acting,
     NotFound,
@@ -51,6 +51,7 @@ from nemesis.dlq import (
 from nemesis.dlq.port import shown_key
 from nemesis.dlq.requeue import ActionResult
 from nemesis.errors import InvalidQuery
+from nemesis.identity import Identity, Method
 
 router = APIRouter(prefix="/api", tags=["dlq"])
 
@@ -385,7 +386,7 @@ class MeOut(ApiModel):
     name: str
     teams: list[str]
     admin: bool
-    method: Literal["password", "token", "sso"]
+    method: Method
     integrations: list[str] | None = Field(description="null for an admin: every integration")
 
 

@@ -40,19 +40,19 @@ import logging
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
-from dlq_viewer.passwords import hash_password, hash_token, verify_password
+from dlq_viewer.passwords import hash_password, verify_password
 from nemesis.clock import SYSTEM_CLOCK, Clock
-from nemesis.config.models import AuthConfig, IntegrationConfig, UserConfig
+from nemesis.config.models import AuthConfig, UserConfig
 from nemesis.errors import StateError
+from nemesis.identity import Identities, Identity, Method
 
 log = logging.getLogger(__name__)
 
 SESSION_COOKIE = "nemesis_session"
 LOGIN_COOKIE = "nemesis_login"
 MAX_COOKIE_CHARS = 1024
-MAX_NAME_CHARS = 128
 # Failed sign-ins that cost nothing: per user name and client address, and per address
 # across names (one client trying many names). After them each try waits twice as long
 # as the one before, from FIRST_DELAY_S up to MAX_DELAY_S; a quiet key is forgotten.
@@ -66,35 +66,9 @@ MAX_REVOKED = 100_000  # ended sessions remembered in memory until their cookies
 _SHARED_PER_CALL = 16  # sign-outs kept here during an outage, written to the store per call
 STORE_RETRY_S = 5.0  # after the state store failed a call, it is asked again this much later
 _CONCURRENT_HASHES = 2  # scrypt costs 32 MiB and tens of milliseconds each
-_WARNED_PEERS = 256
 
-Method = Literal["password", "token", "sso"]
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 _MAX_HOPS = 32  # forwarded hops looked at, nearest first
-
-
-@dataclass(frozen=True, slots=True)
-class Identity:
-    """A signed-in user or API client, with what they may see."""
-
-    name: str
-    teams: frozenset[str]
-    admin: bool
-    method: Method
-    csrf_seed: str | None  # what the CSRF token is derived from; None: no CSRF (API token)
-
-    @property
-    def actor(self) -> str:
-        """How the audit log names this identity."""
-        return f"{self.name} (API token)" if self.method == "token" else self.name
-
-    def scope(self, integrations: Mapping[str, IntegrationConfig]) -> frozenset[str] | None:
-        """The integrations this identity may see and act on; None: all (an admin)."""
-        if self.admin:
-            return None
-        return frozenset(
-            name for name, config in integrations.items() if self.teams.intersection(config.owners)
-        )
 
 
 def _b64(data: bytes) -> str:
@@ -445,11 +419,7 @@ class Authenticator:
         secret = config.session_secret or secrets.token_urlsafe(48)
         self._key = hashlib.sha256(b"nemesis-viewer\x00" + secret.encode()).digest()
         self._users = {user.name: user for user in config.users}
-        self._tokens = {token.token_hash: token for token in config.tokens}
-        self._admin_teams = frozenset(config.admin_teams)
-        self._proxies = (
-            [] if config.trusted_header is None else list(config.trusted_header.trusted_proxies)
-        )
+        self.identities = Identities(config)
         self.revocations: SessionRevocations = (
             MemorySessionRevocations(clock) if revocations is None else revocations
         )
@@ -457,7 +427,6 @@ class Authenticator:
         self.address_throttle = LoginThrottle(clock, free_failures=FREE_ADDRESS_FAILURES)
         self._hashing = asyncio.Semaphore(_CONCURRENT_HASHES)
         self._decoy_hash: str | None = None
-        self._warned: set[str] = set()
 
     # --- signing ---------------------------------------------------------------
 
@@ -475,13 +444,8 @@ class Authenticator:
 
     # --- identities ------------------------------------------------------------
 
-    def _identity(
-        self, name: str, teams: frozenset[str], admin: bool, method: Method, seed: str | None
-    ) -> Identity:
-        return Identity(name, teams, admin or bool(teams & self._admin_teams), method, seed)
-
     def _user_identity(self, user: UserConfig, method: Method, seed: str | None) -> Identity:
-        return self._identity(user.name, frozenset(user.teams), user.admin, method, seed)
+        return self.identities.identity(user.name, frozenset(user.teams), user.admin, method, seed)
 
     async def check_password(self, name: str, password: str) -> UserConfig | None:
         """The user whose name and password these are, else None (constant-ish time)."""
@@ -558,47 +522,11 @@ class Authenticator:
 
     def from_bearer(self, authorization: str | None) -> Identity | None:
         """The identity of an ``Authorization: Bearer <token>`` header, or None."""
-        if not authorization:
-            return None
-        scheme, _, token = authorization.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token or len(token) > 256:
-            return None
-        found = self._tokens.get(hash_token(token))
-        if found is None:
-            return None
-        return self._identity(found.name, frozenset(found.teams), found.admin, "token", None)
+        return self.identities.from_bearer(authorization)
 
     def from_trusted_header(self, headers: Mapping[str, str], peer: str | None) -> Identity | None:
         """The identity a trusted SSO proxy vouches for, or None (no header, untrusted peer)."""
-        trusted = self.config.trusted_header
-        if trusted is None or peer is None:
-            return None
-        name = headers.get(trusted.user_header.lower(), "").strip()
-        if not name:
-            return None
-        try:
-            address = ipaddress.ip_address(peer)
-        except ValueError:
-            return None
-        if not any(address in network for network in self._proxies):
-            # Once per address: anyone can send the header, and the log must not be theirs.
-            if peer not in self._warned and len(self._warned) < _WARNED_PEERS:
-                self._warned.add(peer)
-                log.warning("ignored %s from %s: not a trusted proxy", trusted.user_header, peer)
-            return None
-        if len(name) > MAX_NAME_CHARS or not name.isprintable():
-            return None
-        teams: set[str] = set()
-        if trusted.teams_header is not None:
-            raw = headers.get(trusted.teams_header.lower(), "")
-            teams.update(t.strip() for t in raw.split(",") if t.strip())
-        user = self._users.get(name)
-        admin = False
-        if user is not None:
-            teams.update(user.teams)
-            admin = user.admin
-        return self._identity(name, frozenset(teams), admin, "sso", f"sso\x00{name}")
+        return self.identities.from_trusted_header(headers, peer)
 
     # --- CSRF ------------------------------------------------------------------
 

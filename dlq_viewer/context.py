@@ -14,11 +14,12 @@ from fastapi import Depends, Request
 from fastapi.templating import Jinja2Templates
 
 from dlq_viewer.actions import BulkJobs, Requeuer
-from dlq_viewer.auth import SESSION_COOKIE, Authenticator, Identity, IPNetwork, client_address
+from dlq_viewer.auth import SESSION_COOKIE, Authenticator, IPNetwork, client_address
 from dlq_viewer.render import PayloadDecoder
 from nemesis.clock import Clock
 from nemesis.config.models import IntegrationConfig
 from nemesis.dlq import ActionRecord, DeadLetterStore
+from nemesis.identity import Identity
 
 FLASH_COOKIE = "nemesis_flash"
 CSRF_HEADER = "x-csrf-token"

@@ -14,7 +14,7 @@ from starlette.datastructures import FormData
 
 from dlq_viewer import render
 from dlq_viewer.actions import BulkJob, act_on_ids
-from dlq_viewer.auth import LOGIN_COOKIE, SESSION_COOKIE, Identity
+from dlq_viewer.auth import LOGIN_COOKIE, SESSION_COOKIE
 from dlq_viewer.context import (
     FLASH_COOKIE,
     MAX_FORM_FIELDS,
@@ -48,6 +48,7 @@ from nemesis.dlq import (
     TimeBucket,
 )
 from nemesis.errors import InvalidQuery
+from nemesis.identity import Identity
 
 router = APIRouter(include_in_schema=False)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import orjson
 
 from nemesis import __version__
+from nemesis.cli_ctl import add_ctl_commands
 from nemesis.cli_dlq import DlqContext, add_dlq_commands
 from nemesis.cli_offsets import add_offsets_commands
 from nemesis.errors import ConfigError, NemesisError
@@ -173,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_dlq_commands(commands, _config_option, stores)
     add_offsets_commands(commands, _config_option, stores)
+    add_ctl_commands(commands, _config_option)
 
     # --- onboarding: new, check-handler, schema (nemesis.onboarding.commands) ----------
     add_onboarding_commands(commands, run_async)
@@ -442,7 +444,7 @@ async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
             )
             failures = ServiceFailures()
             services = [
-                *_side_services(config, proxy, reloader, failures, fleet),
+                *_side_services(config, proxy, reloader, failures, fleet, dlq),
                 *plugin_services(config, proxy, dlq, broker, state),
             ]
             settle_heap()
@@ -465,6 +467,7 @@ def _side_services(
     reloader: ConfigReloader,
     failures: ServiceFailures,
     fleet: FleetMember,
+    dlq: DeadLetterStore,
 ) -> list[Service]:
     """What serves beside the proxy, in its event loop: the admin API (the viewer joins here).
 
@@ -476,16 +479,35 @@ def _side_services(
 
     services: list[Service] = []
     if config.admin.enabled:
-        token = config.admin.token
+        token, metrics_token = config.admin.token, config.admin.metrics_token
+        auth = config.auth
+        if config.admin.host not in ("127.0.0.1", "::1", "localhost") and not (
+            auth.users or auth.tokens or auth.trusted_header
+        ):
+            log.warning(
+                "the admin API listens on %s with no team identity in auth: anyone who reaches"
+                " it reads every integration (docs/admin-access.md: give each team a token)",
+                config.admin.host,
+            )
         app = create_admin_app(
             proxy,
             token=None if token is None else token.get_secret_value(),
+            auth=config.auth,
+            metrics_token=None if metrics_token is None else metrics_token.get_secret_value(),
+            audit=dlq,
             reloader=reloader,
             services=failures,
             fleet=fleet,
         )
         services.append(
-            UvicornService(app, host=config.admin.host, port=config.admin.port, name=ADMIN_API)
+            UvicornService(
+                app,
+                host=config.admin.host,
+                port=config.admin.port,
+                name=ADMIN_API,
+                # The TCP peer, not a forwarded address: auth.trusted_header trusts peers.
+                proxy_headers=False,
+            )
         )
     return services
 

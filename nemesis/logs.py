@@ -41,6 +41,8 @@ COORDINATES: Final = (
     "tier",
     "file",
     "field",
+    "action",  # an audited change (nemesis.admin.audit): what, and who made it
+    "who",
 )
 
 TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"

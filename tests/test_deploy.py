@@ -45,6 +45,7 @@ CONFIG_MOUNT = "/etc/nemesis/config/nemesis.yaml"
 # What the Secret nemesis-secrets holds, as a cluster would have it.
 SECRETS = {
     "admin-token": "a-token-long-enough-for-the-check",
+    "metrics-token": "a-metrics-token-long-enough-for-it",
     "session-secret": "a-session-secret-long-enough-for-the-check-0123",
     "db-dsn": "postgresql://nemesis:pw@db.example.com:5432/nemesis",
 }
@@ -244,6 +245,11 @@ def test_prometheus_configuration_passes_promtool(tmp_path: Path) -> None:
     settings = load(DEPLOY / "prometheus/prometheus.yml")
     # As mounted in compose: the rule file beside it.
     settings["rule_files"] = [str(DEPLOY / "prometheus/alerts.yaml")]
+    # And the metrics token's file, which compose's entrypoint writes before Prometheus starts.
+    token_file = tmp_path / "metrics-token"
+    token_file.write_text("a-metrics-token-long-enough-for-it")
+    for job in settings["scrape_configs"]:
+        job["authorization"]["credentials_file"] = str(token_file)
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(settings))
     checked = run_promtool("check", "config", str(path))
@@ -472,6 +478,16 @@ def test_prometheus_scrapes_the_admin_port_and_loads_the_alerts(
     assert (discovery["type"], discovery["port"]) == ("A", config.admin.port)
     assert "nemesis" in compose["services"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    # /metrics takes admin.metrics_token: Prometheus sends the replicas' own variable.
+    assert job["authorization"]["type"] == "Bearer"
+    token_file = job["authorization"]["credentials_file"]
+    script = " ".join(prometheus["entrypoint"])
+    assert f'"$$NEMESIS_METRICS_TOKEN" > {token_file}' in script
+    nemesis_env = compose["services"]["nemesis"]["environment"]
+    assert (
+        prometheus["environment"]["NEMESIS_METRICS_TOKEN"] == nemesis_env["NEMESIS_METRICS_TOKEN"]
+    )
+    assert config.admin.metrics_token is not None
 
 
 def test_grafana_provisions_the_datasource_and_the_dashboard(compose: dict[str, Any]) -> None:
@@ -583,7 +599,7 @@ def test_the_deployment_probes_ports_and_mounts(
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     env = {e["name"]: e for e in container["env"]}
     # Secrets come from the Secret, never a value in the manifest.
-    secrets = {"NEMESIS_ADMIN_TOKEN", "NEMESIS_SESSION_SECRET"}
+    secrets = {"NEMESIS_ADMIN_TOKEN", "NEMESIS_METRICS_TOKEN", "NEMESIS_SESSION_SECRET"}
     if variant.backend == "kafka":
         secrets.add("NEMESIS_DB_DSN")
     for name in secrets:
@@ -629,6 +645,11 @@ def test_services_pdb_and_servicemonitor_select_the_pods(
     [endpoint] = monitor["spec"]["endpoints"]
     assert endpoint["path"] == "/metrics"
     assert endpoint["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
+    # The scrape sends admin.metrics_token, from the Secret the pods read it from.
+    credentials = endpoint["authorization"]["credentials"]
+    assert (credentials["name"], credentials["key"]) == ("nemesis-secrets", "metrics-token")
+    env = pod_env(the_container(manifests))
+    assert env["NEMESIS_METRICS_TOKEN"] == SECRETS["metrics-token"]
     assert services["nemesis"]["spec"]["ports"][0]["port"] == config.admin.port
 
 

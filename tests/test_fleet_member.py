@@ -214,7 +214,7 @@ async def test_the_admin_api_stores_changes_for_the_fleet_and_answers_503_withou
         assert (stored.field, stored.value, stored.set_by) == (
             "delivery.workers",
             16,
-            "admin API of a",
+            "platform (admin.token) through the admin API of a",  # who, and where
         )
         fleet = (await admin.get("/fleet")).json()
         assert [m["member_id"] for m in fleet["members"]] == ["a"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 # The bounds repeat DeliveryConfig's and BatchConfig's (tests/test_admin_api.py
 # checks that they agree): the schema tells a client what fits before it asks.
@@ -223,7 +223,7 @@ class IntegrationList(BaseModel):
 class Health(BaseModel):
     """The process answers."""
 
-    status: Literal["ok"]
+    status: Annotated[Literal["ok"], WithJsonSchema({"type": "string", "enum": ["ok"]})]
 
 
 class Readiness(BaseModel):
@@ -289,11 +289,15 @@ class FleetMemberStatus(BaseModel):
     this: bool  # the member answering
 
 
+# An enum of one rather than ``const``: OpenAPI client generators read enums.
+AllReplicas = Annotated[Literal["all"], WithJsonSchema({"type": "string", "enum": ["all"]})]
+
+
 class FleetPlacement(BaseModel):
     """Who should run an integration (``assigned``) and who runs it now (``running``)."""
 
     name: str
-    replicas: int | Literal["all"]
+    replicas: int | AllReplicas
     assigned: list[str]
     running: list[str]
 
@@ -319,3 +323,79 @@ class FleetStatus(BaseModel):
     integrations: list[FleetPlacement]
     overrides: list[FleetOverride]
     last_error: str | None  # the state store's last failure, while it lasts
+
+
+AuditAction = Literal[
+    "requeue", "discard", "seek", "skip", "pause", "resume", "tune", "reset", "reload"
+]
+
+
+class AuditEntry(BaseModel):
+    """One entry of the audit log: who did what, when, to which integrations."""
+
+    seq: int
+    at: float  # Unix seconds
+    who: str
+    action: AuditAction
+    integrations: list[str]  # for a team: only its own
+    # How many messages or fields; null when the entry also covered another team's integrations.
+    count: int | None
+    description: str
+
+
+class AuditPage(BaseModel):
+    """Audit entries, newest first; ``next_cursor`` asks for the next page (null: the end)."""
+
+    entries: list[AuditEntry]
+    next_cursor: str | None
+
+
+class PartitionOffsets(BaseModel):
+    """One partition of a flow: where its consumer stands and how far behind."""
+
+    partition: int
+    start: int
+    committed: int
+    end: int
+    lag: int
+    next_written_at: float | None  # Unix seconds: when the next message to deliver was written
+
+
+class FlowOffsetsStatus(BaseModel):
+    """A flow's topic and consumer; ``partitions`` null: its topic does not exist yet."""
+
+    flow: str
+    topic: str
+    consumer: str
+    partitions: list[PartitionOffsets] | None
+
+
+class OffsetsStatus(BaseModel):
+    """An integration's committed offsets, flow by flow (``nemesis offsets show``)."""
+
+    integration: str
+    flows: list[FlowOffsetsStatus]
+
+
+class SkipRequest(_Request):
+    """Moves a paused integration's committed offsets past the next ``count`` messages."""
+
+    flow: Annotated[str, Field(min_length=1, max_length=64)] = "main"
+    count: Annotated[int, Field(ge=1, le=1_000_000)]
+    partition: Annotated[int, Field(ge=0, le=1_000_000)] | None = None  # None: every partition
+
+
+class OffsetMove(BaseModel):
+    """One partition's committed offset before and after a move."""
+
+    partition: int
+    before: int
+    after: int
+
+
+class SkipResult(BaseModel):
+    """What moved; it is in the audit log too."""
+
+    integration: str
+    flow: str
+    moves: list[OffsetMove]

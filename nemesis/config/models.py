@@ -466,15 +466,18 @@ MIN_ADMIN_TOKEN_CHARS = 16
 class AdminConfig(ListenConfig):
     """The admin API: health, readiness, ``/metrics``, live status, and live changes.
 
-    Changes (``PATCH``, pause, reload) need ``Authorization: Bearer <token>``;
-    without a token the API is read-only. Set it from the environment:
-    ``token: ${NEMESIS_ADMIN_TOKEN:-}``.
+    ``token`` is the platform's token: it sees and changes every integration.
+    Teams use the tokens and SSO identities of ``auth:``, each for its own
+    integrations (``nemesis.admin.access``). ``metrics_token`` is the one
+    credential Prometheus needs for ``/metrics``. Set them from the
+    environment: ``token: ${NEMESIS_ADMIN_TOKEN:-}``.
     """
 
     port: Annotated[int, Field(ge=0, le=65535)] = 8081
     token: SecretStr | None = None
+    metrics_token: SecretStr | None = None
 
-    @field_validator("token")
+    @field_validator("token", "metrics_token")
     @classmethod
     def _strong_token(cls, value: SecretStr | None) -> SecretStr | None:
         if value is None or not value.get_secret_value():  # the variable is unset or empty

@@ -60,12 +60,21 @@ class Status(enum.StrEnum):
 
 
 class Action(enum.StrEnum):
-    """What a person did to dead letters, or to an integration's offsets (the audit log)."""
+    """What a person did to dead letters, an integration's offsets or its live settings.
+
+    The audit log: the viewer's actions, ``nemesis offsets``, and every change
+    made through the admin API (``nemesis.admin.audit``).
+    """
 
     REQUEUE = "requeue"
     DISCARD = "discard"
     SEEK = "seek"  # nemesis offsets seek: committed offsets moved
     SKIP = "skip"  # nemesis offsets skip: messages passed over unread
+    PAUSE = "pause"  # admin API: reading stopped
+    RESUME = "resume"  # admin API: reading again
+    TUNE = "tune"  # admin API: live values laid over the YAML (PATCH)
+    RESET = "reset"  # admin API: live values cleared, back to the YAML
+    RELOAD = "reload"  # admin API: the integrations directory read again
 
 
 @dataclass(frozen=True, slots=True)
