@@ -37,7 +37,7 @@ from typing import Annotated, Any, Final, TypeVar
 from pydantic import Field, TypeAdapter, ValidationError
 
 from nemesis.config.document import DataPath, YamlDocument, format_path, parse_yaml
-from nemesis.config.loader import YAML_SUFFIXES, ValidationContext
+from nemesis.config.loader import YAML_SUFFIXES, ValidationContext, max_file_size
 from nemesis.config.models import SourceConfig, TargetConfig
 from nemesis.delivery.port import Transport
 from nemesis.errors import ConfigError, ConfigProblem
@@ -263,9 +263,12 @@ class _Run:
 
     def read(self, file: Path) -> YamlDocument:
         try:
-            text = file.read_text(encoding="utf-8-sig")
-        except (OSError, UnicodeDecodeError):
+            too_large = file.stat().st_size > max_file_size()
+            text = "" if too_large else file.read_text(encoding="utf-8-sig")
+        except (OSError, UnicodeDecodeError, ValueError):
             # The loader already reported why the file cannot be read.
+            return YamlDocument(str(file))
+        if too_large:
             return YamlDocument(str(file))
         return parse_yaml(text, str(file))
 
