@@ -217,7 +217,7 @@ def load_process_config(path: Path | None, env: Mapping[str, str] | None = None)
         return NemesisConfig()
     parsed = parse_file(path, NemesisConfig, env=env)
     if parsed.value is None:
-        raise ConfigError(limit_problems(parsed.problems))
+        raise ConfigError(limit_problems(sort_problems(parsed.problems)))
     return _resolve_dirs(parsed.value, path.parent)
 
 
@@ -225,7 +225,7 @@ def load_integration_file(path: Path, env: Mapping[str, str] | None = None) -> I
     """One integration file (its name must match the file name); raises ConfigError."""
     loaded = _load_integration(path, env, require_env=True)
     if loaded.config is None:
-        raise ConfigError(limit_problems(loaded.problems))
+        raise ConfigError(limit_problems(sort_problems(loaded.problems)))
     return loaded.config
 
 
@@ -233,7 +233,9 @@ def load_integrations(directory: Path, env: Mapping[str, str] | None = None) -> 
     """Every ``*.yaml``/``*.yml`` in ``directory``: the good ones, and the problems of the rest."""
     files, problems = _integration_files(directory)
     loaded = _load_integration_set(files, env, require_env=True)
-    return IntegrationSet(loaded.integrations, limit_problems([*problems, *loaded.problems]))
+    return IntegrationSet(
+        loaded.integrations, limit_problems(sort_problems([*problems, *loaded.problems]))
+    )
 
 
 def is_process_config_file(path: Path) -> bool:
@@ -316,7 +318,9 @@ def check_paths(
         problems.extend(checker.check(checker_paths, context))
     read = len(process_files) + len(integration_files)
     read += sum(_yaml_files_in(path) for paths_of in claimed for path in paths_of)
-    return ValidationReport(limit_problems(problems), limit_problems(warnings), read)
+    return ValidationReport(
+        limit_problems(sort_problems(problems)), limit_problems(sort_problems(warnings)), read
+    )
 
 
 # --- internals -----------------------------------------------------------------

@@ -108,11 +108,11 @@ def _order(problem: ConfigProblem) -> tuple[Any, ...]:
 def limit_problems(
     problems: Iterable[ConfigProblem], per_file: int = MAX_PROBLEMS_PER_FILE
 ) -> list[ConfigProblem]:
-    """The first ``per_file`` problems of each file, then ``... and K more`` for the rest."""
+    """The first ``per_file`` problems of each file, in the given order, then ``... and K more``."""
     kept: list[ConfigProblem] = []
     shown: dict[str, int] = {}
     omitted: dict[str, int] = {}
-    for problem in sort_problems(problems):
+    for problem in problems:
         if isinstance(problem, OmittedProblems):
             omitted[problem.file] = omitted.get(problem.file, 0) + problem.count
         elif shown.get(problem.file, 0) < per_file:
@@ -124,7 +124,7 @@ def limit_problems(
         OmittedProblems(file, None, None, f"... and {count} more", count)
         for file, count in omitted.items()
     )
-    return sort_problems(kept)
+    return kept
 
 
 def format_problems(
