@@ -65,7 +65,7 @@ def get_path(data: Any, *path: str, default: Any = None) -> Any:
 class Model(BaseModel):
     # .inf and .nan are never a setting: a breaker with cooldown_s: .inf never recovers.
     model_config = ConfigDict(
-        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False, defer_build=True
     )
 
     # Rules across fields run on the input even when some other field is invalid,
