@@ -98,7 +98,7 @@ def test_help_loads_no_config_models() -> None:
     ],
     ids=" ".join,
 )
-def test_validate_loads_no_metrics_client_and_discovers_no_pydantic_plugins(
+def test_validate_loads_no_metrics_client_event_loop_or_pydantic_plugins(
     argv: list[str],
 ) -> None:
     # Compiling a pipeline needs its counters, not prometheus_client; nemesis uses no
@@ -106,4 +106,6 @@ def test_validate_loads_no_metrics_client_and_discovers_no_pydantic_plugins(
     report = probe(*argv)
     assert report["code"] == 0
     assert "prometheus_client" not in report["modules"]
+    # An http target is checked as the transport checks it, without building one.
+    assert not {"asyncio", "httptools"} & set(report["modules"])
     assert report["plugins_looked_up"] is False

@@ -52,10 +52,17 @@ INTERNAL_PREFIX: Final = "nemesis."
 
 T = TypeVar("T")
 
-TransportFactory = Callable[[TargetConfig, str, int], Transport]
+# Builds (or only checks, returning None) the transport of a target.
+TransportFactory = Callable[[TargetConfig, str, int], Transport | None]
 
 
-def _http(target: TargetConfig, integration: str, max_connections: int) -> Transport:
+def _http(target: TargetConfig, integration: str, max_connections: int) -> Transport | None:
+    if target.transport == "h1":
+        # Nemesis' own client checks without being built: validating loads no event loop.
+        from nemesis.delivery.http_common import check_http_target
+
+        check_http_target(target, integration)
+        return None
     from nemesis.delivery.http_clients import http_transport_for
 
     return http_transport_for(target, integration=integration, max_connections=max_connections)
