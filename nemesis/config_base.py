@@ -63,7 +63,10 @@ def get_path(data: Any, *path: str, default: Any = None) -> Any:
 
 
 class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # .inf and .nan are never a setting: a breaker with cooldown_s: .inf never recovers.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False, defer_build=True
+    )
 
     # Rules across fields run on the input even when some other field is invalid,
     # so that one run of ``nemesis validate`` reports every problem in a file.

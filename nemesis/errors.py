@@ -49,6 +49,13 @@ class ConfigProblem:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class OmittedProblems(ConfigProblem):
+    """Stands for the problems of one file past the first ones reported (sorted last)."""
+
+    count: int = 0
+
+
 class ConfigError(NemesisError):
     """Configuration could not be loaded; ``problems`` lists every one found."""
 

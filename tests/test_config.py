@@ -99,15 +99,17 @@ def test_unknown_key_without_a_close_match_lists_the_fields(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("extra", "field", "message"),
     [
-        ("paused: maybe", "paused", "Input should be a valid boolean, unable to interpret input"),
+        ("paused: maybe", "paused", "expected true or false, got a string"),
         ("breaker: [1]", "breaker", "expected a mapping, got a list"),
         ("flags: {disabled_types: no}", "flags.disabled_types", "expected a list, got a boolean"),
         ("delivery: {workers: [4]}", "delivery.workers", "expected an integer, got a list"),
-        (
-            "delivery: {workers: many}",
-            "delivery.workers",
-            "Input should be a valid integer, unable to parse string as an integer",
-        ),
+        ("delivery: {workers: many}", "delivery.workers", "expected an integer, got a string"),
+        ("delivery: {workers: 2.5}", "delivery.workers", "expected a whole number, got a number"),
+        ("breaker: {cooldown_s: .inf}", "breaker.cooldown_s", "expected a finite number, got .inf"),
+        ("breaker: {window_s: .nan}", "breaker.window_s", "expected a finite number, got .nan"),
+        ("rate_limits: {main: .inf}", "rate_limits.main", "expected a finite number, got .inf"),
+        ("retry: {tiers: [1m, .inf]}", "retry.tiers[1]", "expected a finite number, got .inf"),
+        ("rate_limits: {retry: -.inf}", "rate_limits.retry", "expected a finite number, got -.inf"),
         # A union (name or inline stages) fails once, not once per member.
         ("pipeline: 5", "pipeline", "expected a string or a list, got a number"),
     ],
@@ -422,7 +424,7 @@ def test_alias_expansion_is_bounded(tmp_path: Path) -> None:
     levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 7)]
     path = write(tmp_path, "orders.yaml", "\n".join(levels) + "\n")
     assert ConfigProblem(
-        str(path), 1, None, f"the file expands to more than {MAX_VALUES} values (aliases?)"
+        str(path), 1, None, f"aliases expand to more than {MAX_VALUES} values"
     ) in problems_of(path)
 
 
@@ -505,7 +507,7 @@ def test_interpolated_numbers_are_validated_without_echoing_the_value(tmp_path: 
             str(path),
             1,
             "admin.port",
-            "Input should be a valid integer, unable to parse string as an integer",
+            "expected an integer, got a string",
         )
     ]
     assert "hunter2" not in str(info.value)
@@ -541,9 +543,7 @@ def test_a_directory_yields_the_good_configs_and_the_problems_of_the_bad(
     integrations, problems = load_integrations(tmp_path, env={})
     assert integrations == {"orders": load_integration_file(good, env={})}
     assert problems == [
-        ConfigProblem(
-            str(bad), 6, "paused", "Input should be a valid boolean, unable to interpret input"
-        )
+        ConfigProblem(str(bad), 6, "paused", "expected true or false, got a number")
     ]
 
 

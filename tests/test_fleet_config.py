@@ -105,7 +105,7 @@ def test_single_host_is_a_boolean(workspace: Workspace) -> None:
     result = workspace.cli("validate", "nemesis.yaml")
     assert result.returncode == 1
     problem = problems_of(result.stdout + result.stderr)["nemesis.yaml:2: single_host"]
-    assert "valid boolean" in problem
+    assert problem == "expected true or false, got a string"
 
 
 def test_run_refuses_at_start_before_it_opens_anything(workspace: Workspace) -> None:

@@ -90,7 +90,7 @@ def test_what_run_refuses_validate_refuses_too(workspace: Workspace) -> None:
     expected = [
         f"{file}:4: target.url: the port must be a number from 1 to 65535",
         f"{file}:5: delivery: buffer (2) must hold at least one batch (5)",
-        f"{file}:5: delivery.workers: Input should be a valid integer",
+        f"{file}:5: delivery.workers: expected an integer, got a string",
         f"{file}:7: retry.tiers: tier 3 (30s) is shorter than tier 2 (300s): each tier must"
         " wait at least as long as the one before it",
         f"{file}:8: retry.on_exhausted: halt needs delivery.ordering key or partition",
@@ -224,7 +224,7 @@ def test_the_pull_request_rules_still_run_on_a_file_with_a_field_error(
         f"{file}:2: owners[0]: 'Team Loyalty!' is not a team",
         f"{file}:3: source.topic: 'Orders_V2' does not follow the naming convention",
         f"{file}:4: target.url: a gRPC target is grpc://host:port",
-        f"{file}:5: delivery.workers: Input should be a valid integer",
+        f"{file}:5: delivery.workers: expected an integer, got a string",
     ):
         assert any(line.startswith(start) for line in result.stdout.splitlines()), (
             start,

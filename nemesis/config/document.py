@@ -26,8 +26,12 @@ _SEQ = "tag:yaml.org,2002:seq"
 _MERGE = "tag:yaml.org,2002:merge"
 _CONSTRUCTED = frozenset(f"tag:yaml.org,2002:{kind}" for kind in ("int", "float", "bool", "null"))
 _EMPTY = "the file is empty: expected a mapping such as `name: ...`"
-# Alias expansion can grow a small file exponentially ("billion laughs"); no
-# real configuration comes anywhere near this many values.
+# No real configuration comes near these counts (the largest shipped file has
+# under 1,000 values). Composing is counted as it goes, so a file of a million
+# flow items on one line is refused after the first MAX_NODES, not after all
+# of them; alias expansion can grow a small file exponentially ("billion
+# laughs"), so the values it expands to are bounded as well.
+MAX_NODES = 20_000
 MAX_VALUES = 100_000
 
 
@@ -78,9 +82,9 @@ class YamlDocument:
 def parse_yaml(text: str, file: str) -> YamlDocument:
     """Parse ``text`` into a YamlDocument; syntax and structure problems are recorded."""
     document = YamlDocument(file)
-    loader: yaml.SafeLoader | None = None
+    loader: _CountingLoader | None = None
     try:
-        loader = yaml.SafeLoader(text)
+        loader = _CountingLoader(text)
         root = loader.get_single_node()
         if root is None:
             document.problems.append(ConfigProblem(file, None, None, _EMPTY))
@@ -98,6 +102,13 @@ def parse_yaml(text: str, file: str) -> YamlDocument:
         return document
     except RecursionError:
         document.report((), "invalid YAML: values are nested too deeply")
+        return document
+    except _TooManyNodes as exc:
+        document.report(
+            (),
+            f"the file holds more than {MAX_NODES} values: no configuration needs that many",
+            line=exc.line,
+        )
         return document
     finally:
         if loader is not None:
@@ -172,10 +183,31 @@ def _line(node: Node) -> int:
     return int(node.start_mark.line) + 1
 
 
+class _TooManyNodes(Exception):
+    def __init__(self, line: int) -> None:
+        super().__init__(line)
+        self.line = line
+
+
+class _CountingLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that stops composing past MAX_NODES nodes (aliases included)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.nodes = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            event = self.peek_event()  # type: ignore[no-untyped-call]  # untyped in the stubs
+            raise _TooManyNodes(int(event.start_mark.line) + 1)
+        return super().compose_node(parent, index)
+
+
 class _Converter:
     """Walks a composed node tree into plain data, filling the document's lines and problems."""
 
-    def __init__(self, loader: yaml.SafeLoader, document: YamlDocument) -> None:
+    def __init__(self, loader: _CountingLoader, document: YamlDocument) -> None:
         self._loader = loader
         self._document = document
         self._values = 0
@@ -185,9 +217,10 @@ class _Converter:
     def convert(self, node: Node, path: DataPath) -> Any:
         self._values += 1
         if self._values > MAX_VALUES:
+            # At most MAX_NODES nodes were composed: the rest are aliases expanded.
             if self._values == MAX_VALUES + 1:
                 self._document.report(
-                    (), f"the file expands to more than {MAX_VALUES} values (aliases?)", line=1
+                    (), f"aliases expand to more than {MAX_VALUES} values", line=1
                 )
             return None
         if isinstance(node, ScalarNode):

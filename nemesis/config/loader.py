@@ -32,7 +32,12 @@ from pydantic import BaseModel, ValidationError
 from nemesis.config.document import YamlDocument, parse_yaml
 from nemesis.config.interpolation import interpolate
 from nemesis.config.models import NAME_PATTERN, IntegrationConfig, NemesisConfig
-from nemesis.config.problems import format_problems, sort_problems, validation_problems
+from nemesis.config.problems import (
+    format_problems,
+    limit_problems,
+    sort_problems,
+    validation_problems,
+)
 from nemesis.errors import ConfigError, ConfigProblem
 
 __all__ = [
@@ -57,6 +62,11 @@ __all__ = [
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 YAML_SUFFIXES = (".yaml", ".yml")
+# A configuration file is a few KiB; a larger one is refused before it is parsed.
+MAX_FILE_SIZE_ENV = "NEMESIS_MAX_FILE_SIZE"
+DEFAULT_MAX_FILE_SIZE = 1024 * 1024
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 DEFAULT_PROCESS_CONFIG = Path("nemesis.yaml")
 _PROCESS_DIRS = ("data_dir", "integrations_dir", "pipelines_dir")
 
@@ -116,21 +126,63 @@ class Checker(Protocol):
         ...
 
 
+def parse_size(text: str) -> int:
+    """``"1048576"``, ``"512KiB"``, ``"4MiB"``, ``"1MB"``, ``"2M"`` -> bytes (K, M, G are 1024s)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError(f"expected a size such as 1MiB or 512KiB, got {text!r}")
+    unit = (match.group(2) or "").lower()
+    decimal = unit.endswith("b") and not unit.endswith("ib") and unit != "b"
+    factor = 1000 ** "bkmg".index(unit[0]) if decimal else _SIZE_UNITS[unit[:1]]
+    return int(match.group(1)) * factor
+
+
+def max_file_size(env: Mapping[str, str] | None = None) -> int:
+    """The largest configuration file read, in bytes: NEMESIS_MAX_FILE_SIZE or 1 MiB."""
+    text = (os.environ if env is None else env).get(MAX_FILE_SIZE_ENV)
+    return DEFAULT_MAX_FILE_SIZE if text is None or not text.strip() else parse_size(text)
+
+
+def format_size(size: int) -> str:
+    """Bytes in the largest binary unit that keeps the figure at or above 1: ``1.5 MiB``."""
+    for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if size >= factor:
+            return f"{size / factor:.1f} {unit}".replace(".0 ", " ")
+    return f"{size} bytes"
+
+
 def read_yaml(
     path: Path, *, env: Mapping[str, str] | None = None, require_env: bool = True
 ) -> YamlDocument:
-    """Read a YAML file into plain data with lines, variables expanded; problems are recorded."""
+    """Read a YAML file into plain data with lines, variables expanded; problems are recorded.
+
+    A file over ``max_file_size`` is refused before it is parsed, with one problem.
+    """
     file = str(path)
+    document = YamlDocument(file)
     try:
-        raw = path.read_bytes()
+        limit = max_file_size(env)
+    except ValueError as exc:
+        document.report((), f"{MAX_FILE_SIZE_ENV}: {exc}")
+        return document
+    try:
+        with path.open("rb") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            raw = b"" if size > limit else stream.read(limit + 1)
     except OSError as exc:
-        document = YamlDocument(file)
         document.report((), f"cannot read the file: {exc.strerror or exc}")
+        return document
+    if size > limit or len(raw) > limit:
+        size = max(size, len(raw))
+        document.report(
+            (),
+            f"the file is {format_size(size)} ({size} bytes), over the {format_size(limit)}"
+            f" limit for a configuration file (set {MAX_FILE_SIZE_ENV} to change it)",
+        )
         return document
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        document = YamlDocument(file)
         line = raw.count(b"\n", 0, exc.start) + 1
         document.report((), "the file is not valid UTF-8", line=line)
         return document
@@ -149,13 +201,14 @@ def parse_file(
     """Read ``path`` and validate it as ``model``, collecting every problem."""
     document = read_yaml(path, env=env, require_env=require_env)
     if document.data is None:
-        return Parsed(document, None, list(document.problems))
+        return Parsed(document, None, limit_problems(document.problems))
     try:
         value = model.model_validate(document.data)
     except ValidationError as exc:
         problems = [*document.problems, *validation_problems(exc, document, model)]
-        return Parsed(document, None, problems)
-    return Parsed(document, None if document.problems else value, list(document.problems))
+        return Parsed(document, None, limit_problems(problems))
+    problems = limit_problems(document.problems)
+    return Parsed(document, None if problems else value, problems)
 
 
 def load_process_config(path: Path | None, env: Mapping[str, str] | None = None) -> NemesisConfig:
@@ -164,7 +217,7 @@ def load_process_config(path: Path | None, env: Mapping[str, str] | None = None)
         return NemesisConfig()
     parsed = parse_file(path, NemesisConfig, env=env)
     if parsed.value is None:
-        raise ConfigError(sort_problems(parsed.problems))
+        raise ConfigError(limit_problems(sort_problems(parsed.problems)))
     return _resolve_dirs(parsed.value, path.parent)
 
 
@@ -172,7 +225,7 @@ def load_integration_file(path: Path, env: Mapping[str, str] | None = None) -> I
     """One integration file (its name must match the file name); raises ConfigError."""
     loaded = _load_integration(path, env, require_env=True)
     if loaded.config is None:
-        raise ConfigError(sort_problems(loaded.problems))
+        raise ConfigError(limit_problems(sort_problems(loaded.problems)))
     return loaded.config
 
 
@@ -180,7 +233,9 @@ def load_integrations(directory: Path, env: Mapping[str, str] | None = None) -> 
     """Every ``*.yaml``/``*.yml`` in ``directory``: the good ones, and the problems of the rest."""
     files, problems = _integration_files(directory)
     loaded = _load_integration_set(files, env, require_env=True)
-    return IntegrationSet(loaded.integrations, sort_problems([*problems, *loaded.problems]))
+    return IntegrationSet(
+        loaded.integrations, limit_problems(sort_problems([*problems, *loaded.problems]))
+    )
 
 
 def is_process_config_file(path: Path) -> bool:
@@ -263,7 +318,9 @@ def check_paths(
         problems.extend(checker.check(checker_paths, context))
     read = len(process_files) + len(integration_files)
     read += sum(_yaml_files_in(path) for paths_of in claimed for path in paths_of)
-    return ValidationReport(sort_problems(problems), sort_problems(warnings), read)
+    return ValidationReport(
+        limit_problems(sort_problems(problems)), limit_problems(sort_problems(warnings)), read
+    )
 
 
 # --- internals -----------------------------------------------------------------

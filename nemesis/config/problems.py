@@ -27,7 +27,7 @@ from nemesis.config.models import (
     SOURCE_TOPIC_PATTERN,
     TOPIC_PATTERN,
 )
-from nemesis.errors import ConfigProblem
+from nemesis.errors import ConfigProblem, OmittedProblems
 from nemesis.terminal import inert
 
 ProblemFormat = Literal["text", "github"]
@@ -51,8 +51,16 @@ _EXPECTED = {
     "string_type": "a string",
     "int_type": "an integer",
     "float_type": "a number",
-    "bool_type": "a boolean",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "int_parsing": "an integer",
+    "int_from_float": "a whole number",
+    "float_parsing": "a number",
 }
+# One broken list of 100,000 items is one mistake: past this many problems in a
+# file, the rest are counted, not listed.
+MAX_PROBLEMS_PER_FILE = 50
+_DIGITS = re.compile(r"(\d+)")
 _TYPE_MESSAGE = re.compile(r"expected (.+), got (.+)")
 _INPUT_SHOULD_BE = "Input should be "
 
@@ -78,8 +86,45 @@ def validation_problems(
 
 
 def sort_problems(problems: Iterable[ConfigProblem]) -> list[ConfigProblem]:
-    """Problems ordered by file, then line, then field."""
-    return sorted(problems, key=lambda p: (p.file, p.line or 0, p.field or "", p.message))
+    """Problems ordered by file, then line, then field; a file's omitted count comes last."""
+    return sorted(problems, key=_order)
+
+
+def count_problems(problems: Iterable[ConfigProblem]) -> int:
+    """How many problems there are, those a ``... and K more`` stands for included."""
+    return sum(p.count if isinstance(p, OmittedProblems) else 1 for p in problems)
+
+
+def _order(problem: ConfigProblem) -> tuple[Any, ...]:
+    # Item indices in numeric order: items[2] before items[10].
+    field = tuple(
+        (0, int(part), "") if part.isdigit() else (1, 0, part)
+        for part in _DIGITS.split(problem.field or "")
+    )
+    omitted = isinstance(problem, OmittedProblems)
+    return (problem.file, omitted, problem.line or 0, field, problem.message)
+
+
+def limit_problems(
+    problems: Iterable[ConfigProblem], per_file: int = MAX_PROBLEMS_PER_FILE
+) -> list[ConfigProblem]:
+    """The first ``per_file`` problems of each file, in the given order, then ``... and K more``."""
+    kept: list[ConfigProblem] = []
+    shown: dict[str, int] = {}
+    omitted: dict[str, int] = {}
+    for problem in problems:
+        if isinstance(problem, OmittedProblems):
+            omitted[problem.file] = omitted.get(problem.file, 0) + problem.count
+        elif shown.get(problem.file, 0) < per_file:
+            kept.append(problem)
+            shown[problem.file] = shown.get(problem.file, 0) + 1
+        else:
+            omitted[problem.file] = omitted.get(problem.file, 0) + 1
+    kept.extend(
+        OmittedProblems(file, None, None, f"... and {count} more", count)
+        for file, count in omitted.items()
+    )
+    return kept
 
 
 def format_problems(
@@ -139,6 +184,10 @@ def _message(details: ErrorDetails, path: DataPath, model: type[BaseModel]) -> s
         return _unknown_field(path, model)
     if kind in _EXPECTED:
         return f"expected {_EXPECTED[kind]}, got {yaml_kind(details['input'])}"
+    if kind == "finite_number":
+        value = details["input"]
+        written = ".nan" if value != value else ("-.inf" if value < 0 else ".inf")
+        return f"expected a finite number, got {written}"
     if kind == "string_pattern_mismatch":
         pattern = details.get("ctx", {}).get("pattern")
         return _PATTERN_HELP.get(pattern, text) if isinstance(pattern, str) else text

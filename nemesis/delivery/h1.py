@@ -53,13 +53,11 @@ import base64
 import collections
 import errno
 import ipaddress
-import re
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, cast
-from urllib.parse import unquote, urlsplit
 
 import httptools
 
@@ -86,11 +84,12 @@ from nemesis.delivery.http_common import (
     DRAIN_LIMIT_BYTES,
     KEEPALIVE_S,
     USER_AGENT,
+    check_http_target,
     checked_headers,
+    parse_http_url,
 )
-from nemesis.delivery.port import DeliveryResult, Event, config_problem
+from nemesis.delivery.port import DeliveryResult, Event
 from nemesis.delivery.tls import ssl_context
-from nemesis.errors import ConfigError
 
 # A status line and headers longer than this are not read: no handler needs them.
 MAX_HEAD_BYTES: Final = 64 * 1024
@@ -98,7 +97,6 @@ MAX_HEAD_BYTES: Final = 64 * 1024
 _CONSTANT_HEADER_SETS: Final = 256
 # A body larger than this is written apart from the head rather than joined to it.
 _JOIN_BELOW_BYTES: Final = 64 * 1024
-_UNSAFE_IN_HEAD: Final = re.compile(r"[\r\n\x00]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,29 +313,19 @@ class _Target:
     """Where the requests go: host, port, TLS, and the start of every request head."""
 
     def __init__(self, url: str, integration: str, tls: TlsConfig | None) -> None:
-        parts = urlsplit(url)
-        try:
-            port = parts.port
-        except ValueError as exc:
-            raise ConfigError([config_problem(integration, "target.url", str(exc))]) from None
-        if parts.hostname is None:
-            raise ConfigError([config_problem(integration, "target.url", "names no host")])
+        parts = parse_http_url(url, integration)
+        port = parts.port
         # user:password@ in the URL: sent as Basic credentials, as HTTP clients do.
         self.basic_credentials: str | None = None
         self.secrets: list[str] = []  # to be kept out of error text
         if parts.username is not None or parts.password is not None:
-            self.secrets = [unquote(parts.password or "")]
-            pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+            self.secrets = [parts.password or ""]
+            pair = f"{parts.username or ''}:{parts.password or ''}"
             self.basic_credentials = "Basic " + base64.b64encode(pair.encode()).decode()
-        self.tls = parts.scheme == "https"
-        self.host = parts.hostname
+        self.tls = parts.tls
+        self.host = parts.host
         self.port = port or (443 if self.tls else 80)
-        path = parts.path or "/"
-        if parts.query:
-            path += "?" + parts.query
-        if _UNSAFE_IN_HEAD.search(path) or " " in path:
-            message = "blanks or CR/LF in the path"
-            raise ConfigError([config_problem(integration, "target.url", message)])
+        path = parts.path
         try:
             self.address: str | None = str(ipaddress.ip_address(self.host))
         except ValueError:
@@ -534,10 +522,7 @@ class H1Transport:
         keepalive_s: float = KEEPALIVE_S,
         resolve: Resolver | None = None,
     ) -> None:
-        if target.scheme not in ("http", "https"):
-            raise ConfigError(
-                [config_problem(integration, "target.url", "the HTTP transport needs http(s)://")]
-            )
+        check_http_target(target, integration)  # what `nemesis validate` checks too
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         self._target = _Target(target.url, integration, target.tls)

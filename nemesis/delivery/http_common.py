@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Final
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+from urllib.parse import unquote, urlsplit
 
 from nemesis import __version__
 from nemesis.delivery.contract import SIGNING_HEADERS
 from nemesis.delivery.port import config_problem
 from nemesis.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nemesis.config.models import TargetConfig
 
 USER_AGENT: Final = f"nemesis/{__version__}"
 
@@ -57,3 +62,57 @@ def checked_headers(headers: Mapping[str, str], integration: str) -> dict[str, s
             raise ConfigError([config_problem(integration, field, message)])
         checked[lowered] = value
     return checked
+
+
+_UNSAFE_IN_HEAD: Final = re.compile(r"[\r\n\x00]")
+
+
+@dataclass(frozen=True, slots=True)
+class HttpUrl:
+    """An http(s) target URL taken apart, as a request needs it."""
+
+    tls: bool
+    host: str
+    port: int | None  # as written; None: the scheme's default
+    path: str  # with the query, never empty
+    username: str | None  # percent-decoded
+    password: str | None
+
+
+def parse_http_url(url: str, integration: str) -> HttpUrl:
+    """``target.url`` taken apart; a ``ConfigError`` for a bad port, a missing host, CR/LF."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError([config_problem(integration, "target.url", str(exc))]) from None
+    if parts.hostname is None:
+        raise ConfigError([config_problem(integration, "target.url", "names no host")])
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    if _UNSAFE_IN_HEAD.search(path) or " " in path:
+        message = "blanks or CR/LF in the path"
+        raise ConfigError([config_problem(integration, "target.url", message)])
+    return HttpUrl(
+        tls=parts.scheme == "https",
+        host=parts.hostname,
+        port=port,
+        path=path,
+        username=None if parts.username is None else unquote(parts.username),
+        password=None if parts.password is None else unquote(parts.password),
+    )
+
+
+def check_http_target(target: TargetConfig, integration: str) -> None:
+    """What building an HTTP transport checks of its target, without loading one.
+
+    ``nemesis validate`` runs this: the scheme, the URL and the headers. A
+    ``ConfigError`` names the field.
+    """
+    if target.scheme not in ("http", "https"):
+        raise ConfigError(
+            [config_problem(integration, "target.url", "the HTTP transport needs http(s)://")]
+        )
+    parse_http_url(target.url, integration)
+    checked_headers(target.headers, integration)

@@ -39,7 +39,7 @@ from typing import Annotated, Any, Final, TypeVar
 from pydantic import Field, TypeAdapter, ValidationError
 
 from nemesis.config.document import DataPath, YamlDocument, format_path, parse_yaml
-from nemesis.config.loader import YAML_SUFFIXES, ValidationContext
+from nemesis.config.loader import YAML_SUFFIXES, ValidationContext, max_file_size
 from nemesis.config.models import SourceConfig, TargetConfig
 from nemesis.delivery.port import Transport
 from nemesis.errors import ConfigError, ConfigProblem
@@ -54,10 +54,17 @@ INTERNAL_PREFIX: Final = "nemesis."
 
 T = TypeVar("T")
 
-TransportFactory = Callable[[TargetConfig, str, int], Transport]
+# Builds (or only checks, returning None) the transport of a target.
+TransportFactory = Callable[[TargetConfig, str, int], Transport | None]
 
 
-def _http(target: TargetConfig, integration: str, max_connections: int) -> Transport:
+def _http(target: TargetConfig, integration: str, max_connections: int) -> Transport | None:
+    if target.transport == "h1":
+        # Nemesis' own client checks without being built: validating loads no event loop.
+        from nemesis.delivery.http_common import check_http_target
+
+        check_http_target(target, integration)
+        return None
     from nemesis.delivery.http_clients import http_transport_for
 
     return http_transport_for(target, integration=integration, max_connections=max_connections)
@@ -273,9 +280,12 @@ class _Run:
 
     def read(self, file: Path) -> YamlDocument:
         try:
-            text = file.read_text(encoding="utf-8-sig")
-        except (OSError, UnicodeDecodeError):
+            too_large = file.stat().st_size > max_file_size()
+            text = "" if too_large else file.read_text(encoding="utf-8-sig")
+        except (OSError, UnicodeDecodeError, ValueError):
             # The loader already reported why the file cannot be read.
+            return YamlDocument(str(file))
+        if too_large:
             return YamlDocument(str(file))
         return parse_yaml(text, str(file))
 

@@ -30,8 +30,8 @@ from typing import Final, NamedTuple
 import orjson
 
 from nemesis.broker.port import Message
-from nemesis.metrics import STAGE_BUCKETS_S, StageMeter
 from nemesis.pipeline.stage import PIPELINE_ERROR, Envelope, Stage, StageFailure
+from nemesis.stage_meter import STAGE_BUCKETS_S, StageMeter
 
 JSON_CONTENT_TYPE: Final = "application/json"
 

@@ -27,7 +27,7 @@ import difflib
 import re
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, ValidationError
 
@@ -36,11 +36,14 @@ from nemesis.config.loader import YAML_SUFFIXES, parse_file, read_yaml
 from nemesis.config.models import NAME_PATTERN, IntegrationConfig, Model
 from nemesis.config.problems import sort_problems, validation_problems
 from nemesis.errors import ConfigError, ConfigProblem
-from nemesis.metrics import Metrics, StageMeter
 from nemesis.pipeline.compiled import CompiledStage, Pipeline
 from nemesis.pipeline.registry import StageRegistry, default_registry
 from nemesis.pipeline.stage import BuildContext, Stage, StageConfig, StageConfigError, digest
 from nemesis.pipeline.stages.decode import decode_json
+from nemesis.stage_meter import StageMeter
+
+if TYPE_CHECKING:
+    from nemesis.metrics import Metrics
 
 AUTO_DECODE = "auto-decode"
 TEST_SUFFIXES = tuple(f".test{suffix}" for suffix in YAML_SUFFIXES)

@@ -174,7 +174,8 @@ class StageConfigError(Exception):
 class StageConfig(BaseModel):
     """Fields every stage accepts; a stage type's config model extends it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # .inf and .nan are never a setting: a breaker with cooldown_s: .inf never recovers.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     # The stage's label in metrics and reports; `<index>-<type>` when unset.
     name: Annotated[str, Field(pattern=NAME_PATTERN)] | None = None
