@@ -65,6 +65,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`nemesis dlq list | head`): what is left unwritten has
+        # nowhere to go. Python's own flush at exit would raise again, so stdout points
+        # at /dev/null from here; 141 is a shell's code for a death by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def build_parser() -> argparse.ArgumentParser:
