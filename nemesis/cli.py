@@ -12,8 +12,6 @@ from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-import orjson
-
 from nemesis import __version__
 from nemesis.cli_ctl import add_ctl_commands
 from nemesis.cli_dlq import DlqContext, add_dlq_commands
@@ -564,6 +562,8 @@ def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
 def cmd_fleet_status(args: argparse.Namespace) -> int:
     import time
 
+    import orjson  # here: `nemesis validate` and `--help` never need it
+
     from nemesis import backends
     from nemesis.config.loader import load_integrations
     from nemesis.fleet.status import as_json, describe, fleet_status
@@ -770,6 +770,8 @@ async def _write(writer: Any, batch: list[OutgoingMessage]) -> tuple[int, int]:
 
 
 def _json_field(payload: bytes, name: str) -> str | None:
+    import orjson
+
     try:
         document = orjson.loads(payload)
     except orjson.JSONDecodeError:
@@ -839,6 +841,8 @@ def cmd_topics_describe(args: argparse.Namespace) -> int:
 
 
 def _print_description(description: Any, as_json: bool, out: TextIO) -> None:
+    import orjson
+
     if as_json:
         document = {
             "name": description.name,

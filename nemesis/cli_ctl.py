@@ -25,19 +25,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final
-
-import orjson
+from typing import TYPE_CHECKING, Any, Final
 
 from nemesis.errors import NemesisError
 from nemesis.terminal import inert
+
+if TYPE_CHECKING:
+    import urllib.error
 
 TOKEN_ENV: Final = "NEMESIS_TOKEN"
 URL_ENV: Final = "NEMESIS_ADMIN_URL"
@@ -118,30 +118,38 @@ class AdminClient:
         self._token = token
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
+        # Imported here: urllib.request costs `nemesis validate` a sixth of its start-up.
+        import urllib.error
+        import urllib.request
+
         headers = {"accept": "application/json"}
         if self._token:
             headers["authorization"] = f"Bearer {self._token}"
         data = None
         if body is not None:
-            data = orjson.dumps(body)
+            data = _dumps(body).encode()
             headers["content-type"] = "application/json"
         request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
-                return orjson.loads(answer.read())
+                return json.loads(answer.read())
         except urllib.error.HTTPError as exc:
             raise NemesisError(f"the admin API refused {method} {path}: {_refusal(exc)}") from None
         except (urllib.error.URLError, TimeoutError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise NemesisError(f"the admin API at {self.url} did not answer: {reason}") from None
-        except orjson.JSONDecodeError:
+        except json.JSONDecodeError:
             raise NemesisError(f"the admin API at {self.url} answered no JSON") from None
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _refusal(exc: urllib.error.HTTPError) -> str:
     try:
-        detail = orjson.loads(exc.read()).get("detail")
-    except (orjson.JSONDecodeError, AttributeError, OSError):
+        detail = json.loads(exc.read()).get("detail")
+    except (json.JSONDecodeError, AttributeError, OSError):
         detail = None
     if isinstance(detail, list):  # a 422: each field and what is wrong with it
         detail = "; ".join(
@@ -194,7 +202,7 @@ def _line(status: dict[str, Any]) -> str:
     if isinstance(lag, dict) and lag.get("messages") is not None:
         parts.append(f"lag {lag['messages']}")
     live = [
-        f"{s['field']}={orjson.dumps(s['value']).decode()} ({s['source']})"
+        f"{s['field']}={_dumps(s['value'])} ({s['source']})"
         for s in status.get("settings", [])
         if isinstance(s, dict) and s.get("source") == "override"
     ]
@@ -210,7 +218,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         found = client.call("GET", "/integrations")["integrations"]
     if args.json:
-        sys.stdout.write(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode() + "\n")
+        sys.stdout.write(json.dumps(found, indent=2, ensure_ascii=False) + "\n")
     else:
         for status in found:
             _print(_line(status))
@@ -233,8 +241,8 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     if field == "flags.disabled_types":
         return field, [t.strip() for t in raw.split(",") if t.strip()]
     try:
-        return field, orjson.loads(raw)
-    except orjson.JSONDecodeError:
+        return field, json.loads(raw)
+    except json.JSONDecodeError:
         raise NemesisError(f"{text!r}: the value is not a number, true, false or null") from None
 
 

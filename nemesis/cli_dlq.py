@@ -11,8 +11,6 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from nemesis.broker.port import is_text_key, key_bytes
 from nemesis.dlq.port import (
     MAX_PAGE_ROWS,
@@ -313,11 +311,15 @@ def _row_json(row: DeadLetterRow) -> dict[str, Any]:
 
 
 def _json_line(document: dict[str, Any], *, indent: bool = False) -> str:
+    import orjson  # here, not at the top: every other command's start-up would pay for it
+
     text = orjson.dumps(document, option=orjson.OPT_INDENT_2 if indent else None).decode()
     return inert_json(text) + "\n"
 
 
 def _payload_text(payload: bytes) -> str:
+    import orjson
+
     try:
         return orjson.dumps(orjson.loads(payload), option=orjson.OPT_INDENT_2).decode()
     except orjson.JSONDecodeError:
