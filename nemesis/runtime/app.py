@@ -56,11 +56,11 @@ from nemesis.resilience.limits import FlowLimits, wait_recorder
 from nemesis.runtime import overrides as live
 from nemesis.runtime.internal import SharedReader
 from nemesis.runtime.lag import LagMonitor, LagTarget, PartitionLag, oldest_unfinished_from
-from nemesis.runtime.retries import FlowSpec, flows_of, tier_topic
+from nemesis.runtime.retries import FlowSpec, flows_of
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
 from nemesis.runtime.sizing import LiveSizing
 from nemesis.runtime.telemetry import IntegrationSnapshot, ProxySnapshot, metric_families
-from nemesis.topology import register_internal
+from nemesis.topology import register_internal, tier_topic
 
 log = logging.getLogger(__name__)
 

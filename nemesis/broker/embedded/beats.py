@@ -1,9 +1,9 @@
 """One lease heartbeat for every reader of a process, and one watch for lost rings.
 
 Each reader must renew its leases every ``lease_s / 3`` (``leases``). Done by
-each reader on its own, a process with a thousand readers woke a thousand
-times per interval and sent as many jobs to the write thread. Here one task
-beats for all of them: at each round, every reader due within the next half
+each reader on its own, a process with a thousand readers would wake a
+thousand times per interval and send as many jobs to the write thread. One
+task beats for all of them: at each round, every reader due within the next half
 interval is renewed in one job on the write thread, so readers that started
 at different times fall into step after their first shared round. In that
 job one transaction renews every lease of the process (``leases.renew_all``),
