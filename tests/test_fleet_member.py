@@ -24,13 +24,13 @@ from prometheus_client import generate_latest
 from nemesis import processes
 from nemesis.admin import create_admin_app
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
+from nemesis.config import overrides as live
 from nemesis.config.models import EmbeddedBackendConfig
 from nemesis.errors import StateError
 from nemesis.fleet.member import FleetMember, FleetOptions
 from nemesis.fleet.port import MemberInfo, StateStore
 from nemesis.fleet.sqlite import open_sqlite_state
 from nemesis.metrics import Metrics
-from nemesis.runtime import overrides as live
 from nemesis.runtime.app import Proxy
 from nemesis.testing.clock import FakeClock
 from tests.operability import AUTH, TOKEN, integration, metric_names, run_promtool

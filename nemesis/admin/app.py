@@ -38,11 +38,11 @@ from nemesis.admin import schemas
 from nemesis.admin.server import ServiceFailures
 from nemesis.admin.status import integration_status, reload_result
 from nemesis.config.models import NAME_PATTERN
+from nemesis.config.overrides import LiveField
 from nemesis.errors import StateError
 from nemesis.fleet.member import FleetMember
 from nemesis.fleet.status import fleet_status
 from nemesis.runtime.app import Proxy
-from nemesis.runtime.overrides import LiveField
 from nemesis.runtime.reload import ConfigReloader
 from nemesis.runtime.sizing import size_for
 

@@ -69,12 +69,12 @@ from pydantic import ValidationError
 
 from nemesis import processes
 from nemesis.clock import SYSTEM_CLOCK, Clock
+from nemesis.config import overrides as live
 from nemesis.config.models import IntegrationConfig
 from nemesis.errors import StateError
 from nemesis.fleet.plan import Plan, Situation, live_ids, plan, runners_of
 from nemesis.fleet.port import FleetView, MemberInfo, StateStore
 from nemesis.metrics import FLEET_STATE_OPERATIONS, Metrics
-from nemesis.runtime import overrides as live
 
 log = logging.getLogger(__name__)
 
