@@ -191,6 +191,24 @@ def test_no_layer_imports_one_above_it() -> None:
     assert stale == set(), "a known exception that no longer holds: take it out"
 
 
+BACKENDS = ("nemesis.broker.embedded", "nemesis.broker.kafka", "nemesis.broker.ydb")
+
+
+def test_no_broker_backend_imports_another() -> None:
+    """What two backends share belongs in the port (``partition_for_key``, say)."""
+
+    def backend(module: str) -> str | None:
+        return next((b for b in BACKENDS if module == b or module.startswith(b + ".")), None)
+
+    found = sorted(
+        (module, target)
+        for module, targets in import_graph().items()
+        for target in targets
+        if backend(module) and backend(target) and backend(module) != backend(target)
+    )
+    assert found == []
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
         path = root / "nemesis" / name
