@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import socket
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from nemesis.runtime.app import Proxy
 from nemesis.testing.clock import FakeClock
 from tests.operability import AUTH, TOKEN, integration, metric_names, run_promtool
 from tests.test_fleet_store import STORES
+from tests.test_processes import dead_pid
 
 NAMES = sorted(f"team-{n}" for n in range(12))
 OPTIONS = FleetOptions(lease_s=10, poll_s=1, handover_wait_s=60)
@@ -460,17 +459,6 @@ async def test_a_reload_that_removes_an_awaited_integration_ends_the_wait(
     )
 
 
-def _dead_pid() -> int:
-    """The pid of a process that has exited and been reaped."""
-    child = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return int(child.stdout)
-
-
 @pytest.mark.parametrize(
     ("node", "forgotten"),
     [
@@ -485,7 +473,7 @@ async def test_a_dead_neighbour_is_forgotten_at_join_and_a_container_row_is_not(
     clock = FakeClock()
     store = await open_sqlite_state(tmp_path / "state.db")
     try:
-        host, pid = socket.gethostname(), _dead_pid()
+        host, pid = socket.gethostname(), dead_pid()
         other = MemberInfo(f"{host}-{pid}-abcdef-{node}", host, pid, started_at=clock.time())
         await store.heartbeat(other, now=clock.time(), lease_s=600)
         await store.assign("team-1", other.member_id, now=clock.time())

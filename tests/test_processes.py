@@ -36,14 +36,19 @@ def test_a_zombie_is_dead_and_a_running_process_is_alive() -> None:
     assert not processes.alive(child.pid)  # reaped: gone
 
 
-def test_only_a_gone_pid_of_this_host_and_node_is_a_dead_neighbour() -> None:
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped (the other tests' too)."""
     child = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         check=True,
         capture_output=True,
         text=True,
     )
-    gone = int(child.stdout)
+    return int(child.stdout)
+
+
+def test_only_a_gone_pid_of_this_host_and_node_is_a_dead_neighbour() -> None:
+    gone = dead_pid()
     host, node = socket.gethostname(), processes.node()
     assert len(node) == 8
     assert processes.is_dead_neighbour(host, gone, node)
