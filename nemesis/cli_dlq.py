@@ -28,7 +28,7 @@ from nemesis.terminal import inert, inert_json
 if TYPE_CHECKING:
     from nemesis.broker.port import Broker
     from nemesis.config.models import NemesisConfig
-    from nemesis.runtime.replay import ActionResult
+    from nemesis.dlq.requeue import ActionResult
 
 ConfigLoader = Callable[[argparse.Namespace], "NemesisConfig"]
 Runner = Callable[[Coroutine[Any, Any, int]], int]
@@ -181,7 +181,7 @@ def cmd_discard(args: argparse.Namespace) -> int:
 
 
 def _act(args: argparse.Namespace, action: str) -> int:
-    from nemesis.runtime.replay import discard, matching_ids, requeue
+    from nemesis.dlq.requeue import discard, matching_ids, requeue
 
     if bool(args.ids) == bool(args.all_matching):
         raise NemesisError(f"dlq {action}: give row ids, or --all-matching with a filter")

@@ -4,22 +4,22 @@
 
     NemesisError
     ├── ConfigError            invalid configuration (carries file, line, field)
-    ├── BrokerError            a topic backend failed          retriable
-    │   ├── BrokerTimeout      a blocking call ran out of time retriable
+    ├── BrokerError            a topic backend failed
+    │   ├── BrokerTimeout      a blocking call ran out of time
     │   ├── TopicNotFound      the topic does not exist
     │   ├── TopicExists        create of an existing topic
-    │   ├── SessionLost        the partition session ended     (stale work, not retriable)
     │   └── BrokerAccessDenied credentials refused by the backend (retrying cannot help)
-    ├── DeliveryError          a transport could not deliver   retriable
-    ├── DlqError               the dead-letter store failed    retriable
-    │   ├── DlqTimeout         a store call ran out of time    retriable
+    ├── DlqError               the dead-letter store failed
+    │   ├── DlqTimeout         a store call ran out of time
     │   └── InvalidQuery       a filter or page the store refuses (the caller's 4xx)
     │       └── InvalidCursor  a page cursor the store did not issue
-    └── StateError             the fleet's state store failed  retriable
+    └── StateError             the fleet's state store failed
 
-Whether an error may be retried is data on its class (``retriable``). Library
-exceptions (sqlite3, aiohttp, ydb) are translated at the backend boundary.
-Delivery *outcomes* are values (``nemesis.delivery.Outcome``), not exceptions.
+A ``BrokerError``, ``DlqError`` or ``StateError`` itself, or a timeout, says
+the other side did not answer: the caller's loop tries again later. The other
+leaves are answers that retrying cannot change. Library exceptions (sqlite3,
+aiohttp, ydb) are translated at the backend boundary. Delivery *outcomes* are
+values (``nemesis.delivery.Outcome``), not exceptions.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from dataclasses import dataclass
 
 class NemesisError(Exception):
     """Root of every error Nemesis raises on purpose."""
-
-    retriable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,51 +63,35 @@ class ConfigError(NemesisError):
 
 
 class BrokerError(NemesisError):
-    retriable = True
+    """A topic backend could not do what was asked (it may answer later)."""
 
 
 class BrokerTimeout(BrokerError):
-    retriable = True
+    """A blocking call of a topic backend ran out of time."""
 
 
 class TopicNotFound(BrokerError):
-    retriable = False
+    """The topic does not exist."""
 
 
 class TopicExists(BrokerError):
-    retriable = False
-
-
-class SessionLost(BrokerError):
-    retriable = False
+    """A create of a topic that exists already."""
 
 
 class BrokerAccessDenied(BrokerError):
     """The backend refused the credentials or the permission (YDB: unauthenticated/unauthorized)."""
 
-    retriable = False
-
-
-class DeliveryError(NemesisError):
-    retriable = True
-
 
 class DlqError(NemesisError):
     """The dead-letter store could not do what was asked."""
-
-    retriable = True
 
 
 class DlqTimeout(DlqError):
     """A store call did not finish within its timeout."""
 
-    retriable = True
-
 
 class InvalidQuery(DlqError):
     """A filter, page or bulk request outside the store's limits: the caller's mistake."""
-
-    retriable = False
 
 
 class InvalidCursor(InvalidQuery):
@@ -118,5 +100,3 @@ class InvalidCursor(InvalidQuery):
 
 class StateError(NemesisError):
     """The fleet's state store (members, assignments, live overrides) could not answer."""
-
-    retriable = True

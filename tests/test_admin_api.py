@@ -12,8 +12,8 @@ from annotated_types import Ge, Le
 from nemesis.admin import schemas
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.config.models import BatchConfig, DeliveryConfig, EmbeddedBackendConfig
+from nemesis.config.overrides import LIVE_FIELDS
 from nemesis.runtime.app import Proxy, SupervisorOptions
-from nemesis.runtime.overrides import LIVE_FIELDS
 from nemesis.runtime.reload import ConfigReloader
 from nemesis.runtime.sizing import size_for
 from nemesis.testing import HandlerServer

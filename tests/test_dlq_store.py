@@ -720,7 +720,6 @@ def test_filters_and_pages_outside_the_limits_are_refused() -> None:
             PageRequest(limit=limit)
     assert issubclass(InvalidCursor, InvalidQuery)
     assert issubclass(InvalidQuery, NemesisError)
-    assert not InvalidQuery.retriable
 
 
 async def test_store_calls_outside_the_limits_are_refused(store: DeadLetterStore) -> None:

@@ -24,7 +24,6 @@ from nemesis.broker.embedded import (
     db,
     fair_share,
     open_embedded,
-    partition_for_key,
 )
 from nemesis.broker.embedded import broker as embedded_broker
 from nemesis.broker.embedded.db import BACKGROUND_NICENESS
@@ -38,6 +37,7 @@ from nemesis.broker.port import (
     TopicReader,
     TopicWriter,
     WriteStatus,
+    partition_for_key,
 )
 from nemesis.config.models import EmbeddedBackendConfig
 from nemesis.errors import BrokerError, BrokerTimeout, TopicExists, TopicNotFound
@@ -264,7 +264,7 @@ async def test_key_partitioning_is_stable_across_processes(broker: EmbeddedBroke
     keys = ["", "a", "user-42", "заказ", "x" * 300]
     script = (
         "import json, sys\n"
-        "from nemesis.broker.embedded import partition_for_key\n"
+        "from nemesis.broker.port import partition_for_key\n"
         "print(json.dumps([partition_for_key(k, 7) for k in json.loads(sys.argv[1])]))\n"
     )
     for seed in ("1", "2"):

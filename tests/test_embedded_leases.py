@@ -19,6 +19,7 @@ from nemesis.broker.embedded import EmbeddedBroker, leases, open_embedded
 from nemesis.broker.embedded.reader import EmbeddedSession
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage
 from nemesis.config.models import EmbeddedBackendConfig
+from tests.test_processes import dead_pid
 
 PARTITIONS = 4
 
@@ -331,19 +332,6 @@ async def test_a_commit_is_fenced_by_the_lease_and_never_moves_back(tmp_path: Pa
         await broker.close()
 
 
-def _dead_pid() -> int:
-    """The pid of a process that has exited and been reaped."""
-    import subprocess
-
-    child = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return int(child.stdout)
-
-
 def _neighbour_id(pid: int, node: str | None = None) -> str:
     """A member id as another broker process of this host, boot and pid namespace writes it."""
     host, _pid, _random, own_node = leases.local_member_id().split(":")
@@ -353,10 +341,10 @@ def _neighbour_id(pid: int, node: str | None = None) -> str:
 @pytest.mark.parametrize(
     ("predecessor", "taken_at_once"),
     [
-        (lambda: _neighbour_id(_dead_pid()), True),  # killed: its pid is gone
+        (lambda: _neighbour_id(dead_pid()), True),  # killed: its pid is gone
         (lambda: _neighbour_id(os.getppid()), False),  # alive
-        (lambda: _neighbour_id(_dead_pid(), node="0badc0de"), False),  # another container
-        (lambda: f"elsewhere:{_dead_pid()}:abcdef:0badc0de/1", False),  # another host
+        (lambda: _neighbour_id(dead_pid(), node="0badc0de"), False),  # another container
+        (lambda: f"elsewhere:{dead_pid()}:abcdef:0badc0de/1", False),  # another host
         (lambda: "a-named-member", False),  # an id that says nothing of where it runs
     ],
 )

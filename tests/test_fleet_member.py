@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,19 +19,21 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 
+from nemesis import processes
 from nemesis.admin import create_admin_app
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
+from nemesis.config import overrides as live
 from nemesis.config.models import EmbeddedBackendConfig
 from nemesis.errors import StateError
 from nemesis.fleet.member import FleetMember, FleetOptions
-from nemesis.fleet.port import StateStore
+from nemesis.fleet.port import MemberInfo, StateStore
 from nemesis.fleet.sqlite import open_sqlite_state
 from nemesis.metrics import Metrics
-from nemesis.runtime import overrides as live
 from nemesis.runtime.app import Proxy
 from nemesis.testing.clock import FakeClock
 from tests.operability import AUTH, TOKEN, integration, metric_names, run_promtool
 from tests.test_fleet_store import STORES
+from tests.test_processes import dead_pid
 
 NAMES = sorted(f"team-{n}" for n in range(12))
 OPTIONS = FleetOptions(lease_s=10, poll_s=1, handover_wait_s=60)
@@ -454,3 +457,31 @@ async def test_a_reload_that_removes_an_awaited_integration_ends_the_wait(
     assert gauge(metrics, "nemesis_fleet_integrations", state="waiting") == len(
         b.statistics().waiting
     )
+
+
+@pytest.mark.parametrize(
+    ("node", "forgotten"),
+    [
+        (processes.node(), True),  # this host, this node, its pid gone: killed
+        ("0badc0de", False),  # a container with the host's name: its pids are not ours
+    ],
+)
+async def test_a_dead_neighbour_is_forgotten_at_join_and_a_container_row_is_not(
+    broker: EmbeddedBroker, tmp_path: Path, node: str, forgotten: bool
+) -> None:
+    """A restart after kill -9 skips the lease wait; a live member elsewhere is never forgotten."""
+    clock = FakeClock()
+    store = await open_sqlite_state(tmp_path / "state.db")
+    try:
+        host, pid = socket.gethostname(), dead_pid()
+        other = MemberInfo(f"{host}-{pid}-abcdef-{node}", host, pid, started_at=clock.time())
+        await store.heartbeat(other, now=clock.time(), lease_s=600)
+        await store.assign("team-1", other.member_id, now=clock.time())
+        member = FleetMember(store, proxy(broker, clock), options=OPTIONS, clock=clock)
+        assert member.member_id.endswith(f"-{processes.node()}")  # its id says where it runs
+        await member.join()
+        ids = {m.member_id for m in (await store.view()).members}
+        assert (other.member_id not in ids) is forgotten
+        assert ("team-1" in member.statistics().running) is forgotten  # no wait for the other
+    finally:
+        await store.close()

@@ -8,7 +8,7 @@ import bisect
 import pytest
 
 from nemesis.config.models import RateLimitsConfig
-from nemesis.fleet.placement import assign, ranked, share_of, spread
+from nemesis.fleet.placement import assign, ranked, spread
 from nemesis.resilience.limits import Flow, FlowLimits
 from nemesis.testing.clock import FakeClock
 
@@ -67,12 +67,6 @@ def test_replicas_pick_distinct_members_and_all_means_every_member() -> None:
 
 def test_no_member_no_owner() -> None:
     assert assign({"orders": 1}, []) == {"orders": ()}
-
-
-def test_a_rate_limit_is_shared_by_its_runners() -> None:
-    assert share_of(200.0, 2) == 100.0
-    assert share_of(200.0, 0) == 200.0  # nobody counted yet: this one alone
-    assert share_of(None, 3) is None
 
 
 def busiest(grants: list[float], window_s: float) -> int:

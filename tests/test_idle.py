@@ -27,10 +27,10 @@ from nemesis.dlq.sqlite import open_sqlite_dlq
 from nemesis.runtime.app import Proxy
 from nemesis.runtime.internal import FlowReader
 from nemesis.runtime.lag import LagMonitor, LagTarget
-from nemesis.runtime.retries import replay_topic, tier_topic
 from nemesis.runtime.runner import RunnerState
 from nemesis.testing import HandlerServer
 from nemesis.testing.clock import FakeClock
+from nemesis.topology import replay_topic, tier_topic
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,8 +21,7 @@ import pytest
 
 from nemesis.backends.postgres import PostgresStateConfig
 from nemesis.errors import StateError
-from nemesis.fleet.core import Tx
-from nemesis.fleet.port import MemberInfo
+from nemesis.fleet.port import MemberInfo, Tx
 from nemesis.fleet.postgres import PostgresStateStore, numbered, open_postgres_state
 from nemesis.testing import HandlerServer
 from tests.conftest import Workspace, integration_yaml, kill_hard, stop_gracefully

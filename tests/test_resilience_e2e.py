@@ -25,14 +25,14 @@ from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
 from nemesis.dlq import DeadLetterFilter, Reason, SqliteDeadLetterStore, Status, open_sqlite_dlq
+from nemesis.dlq.requeue import requeue
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import BreakerState, BreakerTransition, CircuitBreaker
 from nemesis.runtime.app import Proxy
-from nemesis.runtime.replay import requeue
-from nemesis.runtime.retries import replay_topic, tier_topic
 from nemesis.runtime.runner import RunnerOptions
 from nemesis.testing import HandlerServer, LedgerEntry
 from nemesis.testing.clock import FakeClock
+from nemesis.topology import replay_topic, tier_topic
 
 # Fake time jumps once the loop has been idle this long (real seconds): room for the
 # requests on loopback to be answered first.

@@ -15,6 +15,7 @@ from nemesis.backends import (
     BackendModel,
     Backends,
     BrokerKind,
+    ProcessConfig,
     default_backends,
     open_backend,
     open_dlq,
@@ -57,7 +58,7 @@ async def test_the_default_kinds_open_from_the_configuration(tmp_path: Path) -> 
 async def test_a_registry_can_be_copied_and_given_other_factories(tmp_path: Path) -> None:
     opened: list[str] = []
 
-    async def fake_broker(config: NemesisConfig, clock: Clock) -> Broker:
+    async def fake_broker(config: ProcessConfig, clock: Clock) -> Broker:
         opened.append(config.backend.kind)
         raise RuntimeError("a fake that opens nothing")
 
@@ -112,7 +113,7 @@ class KafkaBackendConfig(BackendModel):
     default_partitions: int = 6
 
 
-async def open_kafka(config: NemesisConfig, clock: Clock) -> Broker:
+async def open_kafka(config: ProcessConfig, clock: Clock) -> Broker:
     raise NotImplementedError
 
 

@@ -17,7 +17,7 @@ from nemesis.broker.ydb import YdbBroker
 from nemesis.broker.ydb.admin import INTERNAL_TOPIC_PREFIXES, is_internal
 from nemesis.config.models import YdbBackendConfig
 from nemesis.runtime.lag import LagMonitor, LagTarget
-from nemesis.runtime.retries import replay_topic, tier_topic
+from nemesis.topology import replay_topic, tier_topic
 from tests.test_ydb_admin import Topic, TopicService, admin_over, lister
 
 

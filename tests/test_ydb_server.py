@@ -22,7 +22,7 @@ from nemesis.broker.ydb import YdbBroker, open_ydb
 from nemesis.broker.ydb.reader import YdbReader
 from nemesis.fleet.port import MemberInfo
 from nemesis.fleet.ydb import open_ydb_state
-from nemesis.runtime.retries import tier_topic
+from nemesis.topology import tier_topic
 from tests.contract.conftest import needs_ydb, ydb_backend_config
 
 pytestmark = [needs_ydb, pytest.mark.timeout(120)]

@@ -48,13 +48,13 @@ from nemesis.admin.docs import add_docs, secure_headers
 from nemesis.admin.server import ServiceFailures
 from nemesis.admin.status import integration_status, reload_result
 from nemesis.config.models import NAME_PATTERN, AuthConfig
+from nemesis.config.overrides import LiveField
 from nemesis.dlq.port import Action, PageRequest
 from nemesis.errors import BrokerError, DlqError, InvalidQuery, StateError
 from nemesis.fleet.member import FleetMember
 from nemesis.fleet.status import fleet_status
 from nemesis.identity import Identities, Identity
 from nemesis.runtime.app import Proxy
-from nemesis.runtime.overrides import LiveField
 from nemesis.runtime.reload import ConfigReloader
 from nemesis.runtime.sizing import size_for
 

@@ -6,10 +6,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, Literal
 
 from nemesis.admin import schemas
+from nemesis.config import overrides as live
 from nemesis.errors import ConfigProblem
 from nemesis.resilience.breaker import BreakerState
 from nemesis.resilience.limits import Flow
-from nemesis.runtime import overrides as live
 from nemesis.runtime.reload import ReloadReport
 from nemesis.runtime.runner import RunnerStats
 from nemesis.runtime.sizing import DEFAULT_HEADROOM

@@ -39,6 +39,7 @@ from nemesis.backends.base import (
     DlqFactory,
     DlqKind,
     DlqModel,
+    ProcessConfig,
     StateKind,
     StateModel,
 )
@@ -51,7 +52,6 @@ from nemesis.clock import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:  # the configuration imports this module for its kinds
     from nemesis.broker.port import Broker
-    from nemesis.config.models import NemesisConfig
     from nemesis.dlq.port import DeadLetterStore
     from nemesis.fleet.port import StateStore
 
@@ -63,6 +63,7 @@ __all__ = [
     "DlqFactory",
     "DlqKind",
     "DlqModel",
+    "ProcessConfig",
     "StateKind",
     "StateModel",
     "default_backends",
@@ -88,7 +89,7 @@ def default_backends() -> Backends:
 
 
 async def open_backend(
-    config: NemesisConfig, *, clock: Clock = SYSTEM_CLOCK, backends: Backends | None = None
+    config: ProcessConfig, *, clock: Clock = SYSTEM_CLOCK, backends: Backends | None = None
 ) -> Broker:
     """The broker ``config.backend`` names, connected."""
     registry = backends or default_backends()
@@ -99,7 +100,7 @@ async def open_backend(
 
 
 async def open_dlq(
-    config: NemesisConfig,
+    config: ProcessConfig,
     *,
     broker: Broker | None = None,
     clock: Clock = SYSTEM_CLOCK,
@@ -116,7 +117,7 @@ async def open_dlq(
     return await kind.open(config, broker, clock)
 
 
-async def open_state(config: NemesisConfig, *, backends: Backends | None = None) -> StateStore:
+async def open_state(config: ProcessConfig, *, backends: Backends | None = None) -> StateStore:
     """The fleet's state store ``config.state`` names, its tables or file created if missing."""
     registry = backends or default_backends()
     kind = registry.states.get(config.state.kind)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Protocol, Union
 
 from pydantic import (
     Discriminator,
@@ -28,7 +28,6 @@ from nemesis.config_base import DurationS, Model
 if TYPE_CHECKING:
     from nemesis.broker.port import Broker
     from nemesis.clock import Clock
-    from nemesis.config.models import NemesisConfig
     from nemesis.dlq.port import DeadLetterStore
     from nemesis.fleet.port import StateStore
 
@@ -92,9 +91,29 @@ class StateModel(Model):
         """Raises ValueError if the store cannot work with ``backend`` (see ``DlqModel``)."""
 
 
-BrokerFactory = Callable[["NemesisConfig", "Clock"], Awaitable["Broker"]]
-DlqFactory = Callable[["NemesisConfig", "Broker | None", "Clock"], Awaitable["DeadLetterStore"]]
-StateFactory = Callable[["NemesisConfig"], Awaitable["StateStore"]]
+class ProcessConfig(Protocol):
+    """What a factory reads of the process's configuration (``NemesisConfig`` has it).
+
+    A protocol, so that the kinds need not import the configuration that
+    imports them for its types.
+    """
+
+    @property
+    def backend(self) -> BackendModel: ...
+
+    @property
+    def dlq(self) -> DlqModel: ...
+
+    @property
+    def state(self) -> StateModel: ...
+
+    @property
+    def data_dir(self) -> str: ...
+
+
+BrokerFactory = Callable[[ProcessConfig, "Clock"], Awaitable["Broker"]]
+DlqFactory = Callable[[ProcessConfig, "Broker | None", "Clock"], Awaitable["DeadLetterStore"]]
+StateFactory = Callable[[ProcessConfig], Awaitable["StateStore"]]
 
 
 @dataclass(frozen=True)

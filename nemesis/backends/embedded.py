@@ -7,13 +7,12 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from nemesis.backends.base import BackendModel, BrokerKind
+from nemesis.backends.base import BackendModel, BrokerKind, ProcessConfig
 from nemesis.config_base import DurationS
 
 if TYPE_CHECKING:
     from nemesis.broker.port import Broker
     from nemesis.clock import Clock
-    from nemesis.config.models import NemesisConfig
 
 
 class EmbeddedBackendConfig(BackendModel):
@@ -27,7 +26,7 @@ class EmbeddedBackendConfig(BackendModel):
     spans_hosts: ClassVar[bool] = False  # one file: its readers share a host
 
 
-async def open_embedded_backend(config: NemesisConfig, clock: Clock) -> Broker:
+async def open_embedded_backend(config: ProcessConfig, clock: Clock) -> Broker:
     from nemesis.broker.embedded import open_embedded
 
     assert isinstance(config.backend, EmbeddedBackendConfig)  # chosen by kind

@@ -12,13 +12,12 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from nemesis.backends.base import BackendModel, BrokerKind
+from nemesis.backends.base import BackendModel, BrokerKind, ProcessConfig
 from nemesis.config_base import DurationS, Model
 
 if TYPE_CHECKING:
     from nemesis.broker.port import Broker
     from nemesis.clock import Clock
-    from nemesis.config.models import NemesisConfig
 
 # host:port, a bracketed IPv6 address allowed: what every Kafka client takes.
 _SERVER = r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$"
@@ -104,7 +103,7 @@ class KafkaBackendConfig(BackendModel):
         return self
 
 
-async def open_kafka_backend(config: NemesisConfig, clock: Clock) -> Broker:
+async def open_kafka_backend(config: ProcessConfig, clock: Clock) -> Broker:
     from nemesis.broker.kafka.broker import open_kafka
 
     assert isinstance(config.backend, KafkaBackendConfig)  # chosen by kind

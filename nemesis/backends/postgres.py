@@ -19,13 +19,12 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from nemesis.backends.base import DlqKind, DlqModel, StateKind, StateModel
+from nemesis.backends.base import DlqKind, DlqModel, ProcessConfig, StateKind, StateModel
 from nemesis.config_base import DurationS, Model
 
 if TYPE_CHECKING:
     from nemesis.broker.port import Broker
     from nemesis.clock import Clock
-    from nemesis.config.models import NemesisConfig
     from nemesis.dlq.port import DeadLetterStore
     from nemesis.fleet.port import StateStore
 
@@ -110,7 +109,7 @@ class PostgresDlqConfig(PostgresConnectionConfig, DlqModel):
 
 
 async def open_postgres_store(
-    config: NemesisConfig, broker: Broker | None, clock: Clock
+    config: ProcessConfig, broker: Broker | None, clock: Clock
 ) -> DeadLetterStore:
     from nemesis.dlq.postgres import open_postgres_dlq
 
@@ -133,7 +132,7 @@ class PostgresStateConfig(PostgresConnectionConfig, StateModel):
         return f"postgres:{self.address()} {self.schema_name}"
 
 
-async def open_postgres_state_store(config: NemesisConfig) -> StateStore:
+async def open_postgres_state_store(config: ProcessConfig) -> StateStore:
     from nemesis.fleet.postgres import open_postgres_state
 
     assert isinstance(config.state, PostgresStateConfig)  # chosen by kind

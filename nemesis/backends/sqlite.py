@@ -6,13 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from nemesis.backends.base import DlqKind, DlqModel, StateKind, StateModel
+from nemesis.backends.base import DlqKind, DlqModel, ProcessConfig, StateKind, StateModel
 from nemesis.config_base import DurationS
 
 if TYPE_CHECKING:
     from nemesis.broker.port import Broker
     from nemesis.clock import Clock
-    from nemesis.config.models import NemesisConfig
     from nemesis.dlq.port import DeadLetterStore
     from nemesis.fleet.port import StateStore
 
@@ -31,7 +30,7 @@ class SqliteDlqConfig(DlqModel):
 
 
 async def open_sqlite_store(
-    config: NemesisConfig, broker: Broker | None, clock: Clock
+    config: ProcessConfig, broker: Broker | None, clock: Clock
 ) -> DeadLetterStore:
     from nemesis.dlq.sqlite import open_sqlite_dlq
 
@@ -57,7 +56,7 @@ class SqliteStateConfig(StateModel):
         return f"sqlite:{Path(data_dir, self.path)}"
 
 
-async def open_sqlite_state_store(config: NemesisConfig) -> StateStore:
+async def open_sqlite_state_store(config: ProcessConfig) -> StateStore:
     from nemesis.fleet.sqlite import open_sqlite_state
 
     assert isinstance(config.state, SqliteStateConfig)  # chosen by kind

@@ -15,6 +15,7 @@ from nemesis.backends.base import (
     BrokerKind,
     DlqKind,
     DlqModel,
+    ProcessConfig,
     StateKind,
     StateModel,
 )
@@ -23,7 +24,6 @@ from nemesis.config_base import DurationS, Model
 if TYPE_CHECKING:
     from nemesis.broker.port import Broker
     from nemesis.clock import Clock
-    from nemesis.config.models import NemesisConfig
     from nemesis.dlq.port import DeadLetterStore
     from nemesis.fleet.port import StateStore
 
@@ -112,7 +112,7 @@ class YdbDlqConfig(DlqModel):
             )
 
 
-async def open_ydb_backend(config: NemesisConfig, clock: Clock) -> Broker:
+async def open_ydb_backend(config: ProcessConfig, clock: Clock) -> Broker:
     from nemesis.broker.ydb import open_ydb
 
     assert isinstance(config.backend, YdbBackendConfig)  # chosen by kind
@@ -120,7 +120,7 @@ async def open_ydb_backend(config: NemesisConfig, clock: Clock) -> Broker:
 
 
 async def open_ydb_store(
-    config: NemesisConfig, broker: Broker | None, clock: Clock
+    config: ProcessConfig, broker: Broker | None, clock: Clock
 ) -> DeadLetterStore:
     """The YDB DLQ; without a connection of its own it shares the YDB broker's driver."""
     from nemesis.broker.ydb import YdbBroker
@@ -155,7 +155,7 @@ class YdbStateConfig(StateModel):
             )
 
 
-async def open_ydb_state_store(config: NemesisConfig) -> StateStore:
+async def open_ydb_state_store(config: ProcessConfig) -> StateStore:
     """The YDB state store; without a connection of its own it reaches the backend's database."""
     from nemesis.fleet.ydb import open_ydb_state
 

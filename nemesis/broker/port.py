@@ -33,12 +33,21 @@ from __future__ import annotations
 
 import enum
 import itertools
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 # A record's headers: (name, value) in order; a value may be None (Kafka allows it).
 Headers = tuple[tuple[str, bytes | None], ...]
+
+
+def partition_for_key(key: str, partitions: int) -> int:
+    """The partition of a key: CRC-32 of its UTF-8 bytes, stable across processes and versions.
+
+    Every backend that picks a key's partition itself (embedded, YDB) uses it.
+    """
+    return zlib.crc32(key.encode("utf-8")) % partitions
 
 
 def key_text(raw: bytes) -> str:

@@ -4,10 +4,11 @@
   the generation) and its values;
 - ``core``: the store logic over SQL, once; ``sqlite``: the SQLite store,
   only its queries (the kind is registered in ``nemesis.backends``);
-- ``placement``: who runs which integration (rendezvous hashing) and each
-  runner's share of a rate limit;
-- ``member``: one replica's part (lease, placement, shares, overrides),
-  beside the proxy;
+- ``placement``: who should run which integration (rendezvous hashing);
+- ``plan``: what one member does after a look at the store (start, wait,
+  release, shares), a pure function of what it sees;
+- ``member``: one replica's part (lease, overrides), beside the proxy; it
+  carries the plan out;
 - ``status``: what ``nemesis fleet status`` and ``GET /fleet`` show;
 - ``revocations``: the DLQ viewer's signed-out sessions, shared by every
   replica through the store (each kind's statements, the logic once).

@@ -24,28 +24,24 @@ runs its connection (a worker thread for SQLite).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
 from nemesis.fleet import revocations
-from nemesis.fleet.port import Assignment, FleetView, Member, MemberInfo, StoredOverride
+from nemesis.fleet.port import (
+    MAX_REVOKED_ROWS,
+    Assignment,
+    FleetView,
+    Member,
+    MemberInfo,
+    StoredOverride,
+    Tx,
+)
 
 T = TypeVar("T")
-
-
-class Tx(Protocol):
-    """One open transaction."""
-
-    def execute(self, sql: str, parameters: Sequence[object] = ()) -> int:
-        """Runs a statement; returns the rows it changed."""
-        ...
-
-    def query(self, sql: str, parameters: Sequence[object] = ()) -> list[tuple[Any, ...]]:
-        """Runs a SELECT; returns its rows."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +239,7 @@ class SqlStateStore(abc.ABC):
         expires_at: float,
         *,
         now: float,
-        max_rows: int = revocations.MAX_REVOKED_ROWS,
+        max_rows: int = MAX_REVOKED_ROWS,
     ) -> int:
         q = self.revocation_queries
 

@@ -5,18 +5,20 @@ which asks it, before starting an integration, whether the integration runs
 here (``runs_here``). The member:
 
 1. **Joins**: writes its row (``heartbeat``), renews it every third of the
-   lease, and forgets rows of processes on its own host that no longer exist
-   (a predecessor killed with ``kill -9``) at once rather than after a lease.
+   lease, and forgets rows of processes on its own host and node that no
+   longer exist (a predecessor killed with ``kill -9``) at once rather than
+   after a lease (``nemesis.processes``: a member id ends with its node).
 2. **Watches** the store's generation every ``poll_s`` (one small read) and
    reads the whole view when it moved, when a peer's lease may have run out,
    or while it waits for a handover. A member whose lease has expired is
    deleted by whoever notices first; that moves the generation.
-3. **Places** every integration with rendezvous hashing over the active
-   (live, not draining) members (``nemesis.fleet.placement``): it starts
-   those it should run, once no live member outside their owners still runs
-   them (the old owner drains and commits first) or after ``handover_wait_s``;
-   it drains and stops those it should no longer run, then says so in the
-   store. The broker's partition fencing covers the overlap either way.
+3. **Places** every integration as the planner says (``nemesis.fleet.plan``:
+   rendezvous hashing over the active members, then what to start, release
+   and share) and carries the plan out: it starts those it should run, once
+   no live member outside their owners still runs them (the old owner drains
+   and commits first) or after ``handover_wait_s``; it drains and stops those
+   it should no longer run, then says so in the store. The broker's
+   partition fencing covers the overlap either way.
 4. **Shares** each running integration's rate limits by the number of
    members running it (the owners, or more while one hands over).
 5. **Keeps overrides fleet-wide**: a live change through any replica's admin
@@ -59,19 +61,20 @@ import os
 import secrets
 import socket
 from collections.abc import Awaitable, Collection, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from pydantic import ValidationError
 
+from nemesis import processes
 from nemesis.clock import SYSTEM_CLOCK, Clock
+from nemesis.config import overrides as live
 from nemesis.config.models import IntegrationConfig
 from nemesis.errors import StateError
-from nemesis.fleet.placement import Replicas, assign
-from nemesis.fleet.port import FleetView, Member, MemberInfo, StateStore
+from nemesis.fleet.plan import Plan, Situation, live_ids, plan, runners_of
+from nemesis.fleet.port import FleetView, MemberInfo, StateStore
 from nemesis.metrics import FLEET_STATE_OPERATIONS, Metrics
-from nemesis.runtime import overrides as live
 
 log = logging.getLogger(__name__)
 
@@ -141,21 +144,13 @@ class FleetStatistics:
 
 
 def new_member_id(host: str, pid: int) -> str:
-    """A member id: readable (host, pid) and unique across restarts (a random tail)."""
-    return f"{host}-{pid}-{secrets.token_hex(3)}"
+    """``host-pid-random-node``: readable, unique across restarts, and says where it runs."""
+    return f"{host}-{pid}-{secrets.token_hex(3)}-{processes.node()}"
 
 
-@dataclass(frozen=True)
-class _Placement:
-    """Every integration's owners for one set of active members and integrations."""
-
-    active: tuple[str, ...] = ()
-    integrations: frozenset[tuple[str, Replicas]] = frozenset()
-    owners: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, active: tuple[str, ...], integrations: Mapping[str, Replicas]) -> _Placement:
-        return cls(active, frozenset(integrations.items()), assign(integrations, active))
+def node_of(member_id: str) -> str:
+    """The node a member id names (its last part; anything for an id of another form)."""
+    return member_id.rpartition("-")[2]
 
 
 class FleetMember:
@@ -186,10 +181,10 @@ class FleetMember:
             started_at=clock.time(),
         )
         self._view = FleetView(0, (), (), ())
-        self._placement = _Placement()
+        self._plan = Plan()
         self._running: set[str] = set()
         self._releasing: set[str] = set()
-        self._waiting_since: dict[str, float] = {}
+        self._decided: dict[str, float] = {}  # to run here, waiting: since when
         self._next_heartbeat = 0.0
         self._next_expiry = float("inf")
         self._refused: dict[tuple[str, int], str] = {}  # overrides that do not fit, logged once
@@ -225,7 +220,7 @@ class FleetMember:
     @property
     def active(self) -> tuple[str, ...]:
         """The live members that take integrations, as last read."""
-        return self._placement.active
+        return self._plan.active
 
     def runs_here(self, name: str) -> bool:
         """Whether the integration runs on this member (the proxy asks before starting it)."""
@@ -233,21 +228,18 @@ class FleetMember:
 
     def owners_of(self, name: str) -> tuple[str, ...]:
         """The members that should run an integration, as this member sees the fleet."""
-        return self._placement.owners.get(name, ())
+        return self._plan.owners.get(name, ())
 
     def statistics(self) -> FleetStatistics:
         now = self._clock.time()
         me = self.member_id
         running = set(self._running)  # a copy: a release may end meanwhile
-        runners: dict[str, set[str]] = {name: {me} for name in running}
-        for assignment in self._view.assignments:
-            if assignment.member_id in self._live_others:
-                runners.setdefault(assignment.integration, set()).add(assignment.member_id)
+        runners = runners_of(self._view.assignments, self._live_others)
         groups = list(self._proxy.groups)
         unplaced = underplaced = placed = 0
         for name in groups:
             wanted = self.owners_of(name)
-            runs = runners.get(name, set())
+            runs = runners.get(name, frozenset()) | ({me} if name in running else frozenset())
             placed += me in wanted
             unplaced += not runs
             underplaced += not runs.issuperset(wanted)
@@ -256,10 +248,10 @@ class FleetMember:
             generation=self._view.generation,
             draining=self._info.draining,
             running=sorted(self._running),
-            waiting=sorted(n for n, t in self._waiting_since.items() if t <= now),
+            waiting=sorted(n for n, t in self._decided.items() if t <= now),
             releasing=sorted(self._releasing),
             last_error=self._last_error,
-            members_active=len(self._placement.active),
+            members_active=len(self._plan.active),
             members_draining=self._members_draining,
             placed=placed,
             unplaced=unplaced,
@@ -312,7 +304,7 @@ class FleetMember:
         if (
             generation != self._view.generation
             or now >= self._next_expiry
-            or self._waiting_since
+            or self._decided
             or self._settle_until
             or self._proxy.groups.keys() != self._placed
         ):
@@ -365,12 +357,13 @@ class FleetMember:
         return generation
 
     async def _forget_dead_neighbours(self) -> None:
-        """Forgets members of this host whose process is gone (no lease wait for a restart)."""
+        """Forgets members of this host and node whose process is gone (no lease wait)."""
         view = await self._stored("view", self.store.view())
         gone = [
             m.member_id
             for m in view.members
-            if m.host == self._info.host and m.pid != self._info.pid and not _alive(m.pid)
+            if m.member_id != self.member_id
+            and processes.is_dead_neighbour(m.host, m.pid, node_of(m.member_id))
         ]
         if gone:
             log.info("fleet: forgetting members of this host that are gone: %s", ", ".join(gone))
@@ -389,98 +382,81 @@ class FleetMember:
             self._options.lease_s,
         )
 
-    def _live(self, member: Member, now: float) -> bool:
-        """Live: its lease runs, or this member settles after an outage (see the docstring)."""
-        return member.live(now) or now < self._settle_until
-
     async def _refresh(self) -> None:
         view = await self._stored("view", self.store.view())
         now = self._clock.time()
         settling = now < self._settle_until
         if not settling:
             self._settle_until = 0.0
-        expired = [m.member_id for m in view.members if not self._live(m, now)]
+        live = live_ids(view.members, now, settling=settling)
+        expired = [m.member_id for m in view.members if m.member_id not in live]
         if expired:
             log.warning("fleet: members whose lease ran out: %s", ", ".join(expired))
             await self._stored("forget", self.store.forget(expired))
             view = await self._stored("view", self.store.view())
         self._view = view
-        others = [m for m in view.members if m.member_id != self.member_id and self._live(m, now)]
+        await self._apply_overrides(view)
+        integrations = {name: g.yaml.replicas for name, g in self._proxy.groups.items()}
+        before = self._plan
+        now_plan = plan(
+            Situation(
+                me=self.member_id,
+                now=now,
+                members=view.members,
+                assignments=view.assignments,
+                integrations=integrations,
+                draining=self._info.draining,
+                settling=settling,
+                running=frozenset(self._running),
+                releasing=frozenset(self._releasing),
+                decided=dict(self._decided),
+                taking_over=frozenset(self._taking_over),
+                owned_before=before.owners,
+                handover_wait_s=self._options.handover_wait_s,
+            )
+        )
+        if now_plan.active != before.active:
+            log.info(
+                "fleet: %d active members: %s", len(now_plan.active), ", ".join(now_plan.active)
+            )
+        self._plan = now_plan
+        others = [m for m in view.members if m.member_id != self.member_id and m.member_id in live]
         self._next_expiry = min((m.lease_until for m in others), default=float("inf"))
         self._live_others = frozenset(m.member_id for m in others)
-        active = {m.member_id for m in others if not m.draining}
-        self._members_draining = len(others) - len(active) + self._info.draining
-        if not self._info.draining:
-            active.add(self.member_id)  # even before its row is read back
-        ordered = tuple(sorted(active))
-        if ordered != self._placement.active:
-            log.info("fleet: %d active members: %s", len(ordered), ", ".join(ordered))
-        integrations = {name: g.yaml.replicas for name, g in self._proxy.groups.items()}
-        placement = self._placement
-        if ordered != placement.active or placement.integrations != integrations.items():
-            self._placement = _Placement.of(ordered, integrations)
-        await self._apply_overrides(view)
-        await self._place(view, now, placement.owners)
+        self._members_draining = sum(m.draining for m in others) + self._info.draining
+        await self._carry_out(now_plan, now)
+        self._placed = set(integrations)
 
-    async def _place(
-        self, view: FleetView, now: float, owned_before: Mapping[str, tuple[str, ...]]
-    ) -> None:
-        live_ids = {m.member_id for m in view.members if self._live(m, now)} | {self.member_id}
-        settling = now < self._settle_until
-        runners: dict[str, set[str]] = {}
-        for assignment in view.assignments:
-            if assignment.member_id in live_ids:
-                runners.setdefault(assignment.integration, set()).add(assignment.member_id)
+    async def _carry_out(self, plan: Plan, now: float) -> None:
+        """Does what the plan says, and nothing it does not."""
         me = self.member_id
-        groups = self._proxy.groups
-        for name in groups:
-            wanted = self.owners_of(name)
-            running = runners.get(name, set())
-            if name in self._running:
-                running = running | {me}
-            if me in wanted and name not in self._running:
-                blockers = running - set(wanted)
-                if name not in self._waiting_since:  # decided now
-                    self._waiting_since[name] = now
-                    if running - {me} or set(owned_before.get(name, ())) - {me}:
-                        self._taking_over.add(name)  # a handover, not a first start
-                since = self._waiting_since[name]
-                if settling:
-                    continue  # the membership may be stale: the others' heartbeats first
-                if blockers and now - since < self._options.handover_wait_s:
-                    continue  # the old owner drains first
-                del self._waiting_since[name]
-                await self._stored("assign", self.store.assign(name, me, now=now))
-                self._running.add(name)
-                self._proxy.set_runners(name, max(len(wanted), len(running | {me})))
-                self._proxy.start_integration(name)
-                if name in self._taking_over:
-                    self._taking_over.discard(name)
-                    self._handovers.inc()
-                    self._handover_duration.observe(now - since)
-                continue
-            self._waiting_since.pop(name, None)
-            self._taking_over.discard(name)
-            if name not in self._running:
-                continue
-            if me not in runners.get(name, ()):
-                # Forgotten while this member could not renew its lease: it runs it still.
-                await self._stored("assign", self.store.assign(name, me, now=now))
-            self._proxy.set_runners(name, max(len(wanted), len(running)))
-            if me not in wanted and name not in self._releasing:
-                self._releasing.add(name)
-                if self._tasks is None:
-                    await self._release(name)  # before run(): nothing started, nothing to drain
-                else:
-                    self._tasks.create_task(self._release(name), name=f"fleet:release:{name}")
-        for name in self._running - set(groups):  # removed by a reload
+        self._decided = dict(plan.decided)
+        self._taking_over = set(plan.takeovers)
+        for name in plan.start:
+            await self._stored("assign", self.store.assign(name, me, now=now))
+            since = self._decided.pop(name)
+            self._running.add(name)
+            self._proxy.set_runners(name, plan.shares[name])
+            self._proxy.start_integration(name)
+            if name in self._taking_over:
+                self._taking_over.discard(name)
+                self._handovers.inc()
+                self._handover_duration.observe(now - since)
+        for name in plan.reassert:
+            # Forgotten while this member could not renew its lease: it runs it still.
+            await self._stored("assign", self.store.assign(name, me, now=now))
+        for name, runners in plan.shares.items():
+            if name not in plan.start:
+                self._proxy.set_runners(name, runners)
+        for name in plan.release:
+            self._releasing.add(name)
+            if self._tasks is None:
+                await self._release(name)  # before run(): nothing started, nothing to drain
+            else:
+                self._tasks.create_task(self._release(name), name=f"fleet:release:{name}")
+        for name in plan.unassign:  # removed by a reload
             self._running.discard(name)
             await self._stored("unassign", self.store.unassign(name, me))
-        for name in self._waiting_since.keys() - set(groups):  # removed while it waited
-            # A wait left behind would make every poll read the whole view, forever.
-            del self._waiting_since[name]
-            self._taking_over.discard(name)
-        self._placed = set(groups)
 
     async def _release(self, name: str) -> None:
         """Drains and stops an integration that moved to another member, then says so."""
@@ -594,13 +570,3 @@ class FleetMember:
             " and none is taken or given up until it answers again",
             exc,
         )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: alive
-    return True

@@ -15,7 +15,7 @@ at best), because every integration still prefers the same members.
 ``replicas: all`` runs on every active member and counts against no cap.
 
 A rate limit is the integration's as a whole: each runner takes
-``budget / runners`` (``share_of``).
+``budget / runners``, the runners counted by ``nemesis.fleet.plan.share``.
 """
 
 from __future__ import annotations
@@ -80,10 +80,3 @@ def spread(assignment: Mapping[str, Iterable[str]], members: Iterable[str]) -> d
         for member in runners:
             counts[member] = counts.get(member, 0) + 1
     return counts
-
-
-def share_of(budget: float | None, runners: int) -> float | None:
-    """One runner's part of a rate limit held by ``runners`` members (None: unlimited)."""
-    if budget is None:
-        return None
-    return budget / max(1, runners)

@@ -34,11 +34,24 @@ the store cannot answer.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
-from nemesis.fleet.revocations import MAX_REVOKED_ROWS
+# The most revoked sessions a store keeps (as many as the viewer remembers in memory).
+MAX_REVOKED_ROWS: Final = 100_000
+
+
+class Tx(Protocol):
+    """One open transaction of a SQL store (``core`` holds the logic over it)."""
+
+    def execute(self, sql: str, parameters: Sequence[object] = ()) -> int:
+        """Runs a statement; returns the rows it changed."""
+        ...
+
+    def query(self, sql: str, parameters: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        """Runs a SELECT; returns its rows."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

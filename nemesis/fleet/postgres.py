@@ -26,7 +26,8 @@ import asyncpg
 
 from nemesis.backends.postgres import PostgresStateConfig
 from nemesis.errors import StateError
-from nemesis.fleet.core import Queries, SqlStateStore, Tx
+from nemesis.fleet.core import Queries, SqlStateStore
+from nemesis.fleet.port import Tx
 from nemesis.fleet.revocations import TABLE, postgres_revocations
 from nemesis.fleet.sqlite import QUERIES as SQLITE_QUERIES
 from nemesis.postgres import Translated, close_pool, describe, open_pool

@@ -12,7 +12,7 @@ store kind, created with the fleet's other tables. A row is useless once
 its cookie has expired: each ``revoke`` deletes up to
 ``EXPIRED_PER_REVOKE`` such rows, the soonest expired first, so the table
 is trimmed by the sign-outs that grow it and no timer is needed. The rows
-are bounded too (``MAX_REVOKED_ROWS``): a revoke that finds the table full
+are bounded too (``nemesis.fleet.port.MAX_REVOKED_ROWS``): a revoke that finds the table full
 deletes the rows whose cookies expire soonest to make room and stores its
 own, so the newest revocation is always kept; the caller learns how many
 it pushed out (and logs it), so a forgotten revocation is never silent.
@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from nemesis.fleet.core import Tx
+    from nemesis.fleet.port import Tx
 
-MAX_REVOKED_ROWS: Final = 100_000  # as many as the viewer remembers in memory
 EXPIRED_PER_REVOKE: Final = 32  # expired rows one revoke deletes, at most
 EVICTED_PER_REVOKE: Final = 32  # live rows one revoke deletes to make room, at most
 

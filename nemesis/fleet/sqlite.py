@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from nemesis.errors import BrokerError, StateError
-from nemesis.fleet.core import Queries, SqlStateStore, Tx
+from nemesis.fleet.core import Queries, SqlStateStore
+from nemesis.fleet.port import Tx
 from nemesis.fleet.revocations import SQLITE_REVOCATIONS
 from nemesis.sqlite_thread import SqliteThread, read_transaction, write_transaction
 

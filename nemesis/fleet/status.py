@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemesis.fleet.placement import Replicas, assign
+from nemesis.fleet.plan import active_ids, live_ids, runners_of
 from nemesis.fleet.port import FleetView
 
 
@@ -28,7 +29,7 @@ class IntegrationPlacement:
     name: str
     replicas: Replicas
     assigned: tuple[str, ...]  # who should run it (rendezvous hashing over the active members)
-    running: tuple[str, ...]  # who runs it now (their assignment rows)
+    running: tuple[str, ...]  # who runs it now (the assignment rows of live members)
 
     @property
     def settled(self) -> bool:
@@ -57,16 +58,16 @@ class FleetStatus:
 def fleet_status(
     view: FleetView, integrations: Mapping[str, Replicas], *, now: float, location: str
 ) -> FleetStatus:
-    """The fleet from a view of the store and the integrations' ``replicas``."""
-    live = [m for m in view.members if m.live(now)]
-    placed = assign(integrations, (m.member_id for m in live if not m.draining))
-    running: dict[str, list[str]] = {}
-    for assignment in view.assignments:
-        running.setdefault(assignment.integration, []).append(assignment.member_id)
+    """The fleet from a view of the store and the integrations' ``replicas``.
+
+    The members counted are the planner's (``nemesis.fleet.plan``): owners
+    over the live members that do not drain, runners among the live ones.
+    """
+    placed = assign(integrations, active_ids(view.members, now))
+    running = runners_of(view.assignments, live_ids(view.members, now))
     counts: dict[str, int] = {}
-    for members in running.values():
-        for member in members:
-            counts[member] = counts.get(member, 0) + 1
+    for assignment in view.assignments:
+        counts[assignment.member_id] = counts.get(assignment.member_id, 0) + 1
     return FleetStatus(
         location=location,
         generation=view.generation,
@@ -88,7 +89,7 @@ def fleet_status(
                 name=name,
                 replicas=replicas,
                 assigned=placed[name],
-                running=tuple(sorted(running.get(name, []))),
+                running=tuple(sorted(running.get(name, frozenset()))),
             )
             for name, replicas in sorted(integrations.items())
         ),

@@ -46,7 +46,8 @@ from nemesis.backends.ydb import YdbConnectionConfig, YdbStateConfig
 from nemesis.broker.ydb.connection import open_driver
 from nemesis.broker.ydb.errors import table_call
 from nemesis.errors import BrokerError, DlqError, StateError
-from nemesis.fleet.core import Queries, SqlStateStore, Tx
+from nemesis.fleet.core import Queries, SqlStateStore
+from nemesis.fleet.port import Tx
 from nemesis.fleet.revocations import ydb_revocations
 
 T = TypeVar("T")

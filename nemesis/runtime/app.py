@@ -14,7 +14,7 @@ Integrations come and go while the proxy runs (``nemesis.runtime.reload``):
 starts (the new one is built first, so a configuration that does not build
 leaves the old one running), and ``update_file_config`` takes a changed YAML
 whose changes all apply live. ``set_overrides`` lays live values (admin API)
-over the YAML (``nemesis.runtime.overrides``); live values reach the
+over the YAML (``nemesis.config.overrides``); live values reach the
 runners, the rate limiters and the pipeline's disabled types at once.
 
 In a fleet (``nemesis.fleet``) the proxy holds every integration but starts
@@ -42,6 +42,7 @@ from pydantic import ValidationError
 from nemesis.aio import first_of
 from nemesis.broker.port import Broker, ConsumerSpec, TopicReader, TopicWriter
 from nemesis.clock import SYSTEM_CLOCK, Clock
+from nemesis.config import overrides as live
 from nemesis.config.models import IntegrationConfig, TargetConfig
 from nemesis.delivery.http_clients import http_transport_for
 from nemesis.delivery.port import Transport
@@ -53,14 +54,13 @@ from nemesis.metrics import Metrics
 from nemesis.pipeline import Pipeline, build_integration_pipeline, file_digests
 from nemesis.resilience.breaker import BreakerListener, CircuitBreaker, bind_breaker_metrics
 from nemesis.resilience.limits import FlowLimits, wait_recorder
-from nemesis.runtime import overrides as live
 from nemesis.runtime.internal import SharedReader
 from nemesis.runtime.lag import LagMonitor, LagTarget, PartitionLag, oldest_unfinished_from
-from nemesis.runtime.retries import FlowSpec, flows_of, tier_topic
+from nemesis.runtime.retries import FlowSpec, flows_of
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
 from nemesis.runtime.sizing import LiveSizing
 from nemesis.runtime.telemetry import IntegrationSnapshot, ProxySnapshot, metric_families
-from nemesis.topology import register_internal
+from nemesis.topology import register_internal, tier_topic
 
 log = logging.getLogger(__name__)
 

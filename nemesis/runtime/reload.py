@@ -55,13 +55,13 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from nemesis.clock import SYSTEM_CLOCK, Clock
+from nemesis.config import overrides as live
 from nemesis.config.loader import YAML_SUFFIXES, load_integrations
 from nemesis.config.models import IntegrationConfig
 from nemesis.config.problems import sort_problems
 from nemesis.delivery.tls import tls_files
 from nemesis.errors import ConfigError, ConfigProblem
 from nemesis.pipeline import file_digests
-from nemesis.runtime import overrides as live
 from nemesis.runtime.app import Proxy
 
 log = logging.getLogger(__name__)

@@ -37,12 +37,10 @@ from nemesis.topology import (
     META_SOURCE_OFFSET,
     META_SOURCE_PARTITION,
     META_SOURCE_TOPIC,
+    internal_consumer,
+    replay_topic,
+    tier_topic,
 )
-
-# Named here too (explicitly re-exported): the runtime's modules import them from here.
-from nemesis.topology import internal_consumer as internal_consumer
-from nemesis.topology import replay_topic as replay_topic
-from nemesis.topology import tier_topic as tier_topic
 
 
 @dataclass(frozen=True, slots=True)

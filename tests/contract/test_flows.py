@@ -17,12 +17,12 @@ import pytest
 from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage
 from nemesis.config.models import IntegrationConfig
 from nemesis.dlq import DeadLetterFilter, Reason, Status
+from nemesis.dlq.requeue import requeue
 from nemesis.runtime.app import Proxy
 from nemesis.runtime.init import Outcome, init_backend
-from nemesis.runtime.replay import requeue
-from nemesis.runtime.retries import internal_consumer, replay_topic, tier_topic
 from nemesis.runtime.runner import RunnerOptions
 from nemesis.testing import HandlerServer, LedgerEntry
+from nemesis.topology import internal_consumer, replay_topic, tier_topic
 from tests.contract.conftest import Backend
 from tests.kafka_broker import Namespace
 

@@ -17,7 +17,6 @@ from nemesis.broker.embedded.broker import (
     open_embedded,
 )
 from nemesis.broker.embedded.leases import fair_share
-from nemesis.broker.embedded.log import partition_for_key
 from nemesis.broker.embedded.reader import (
     EmbeddedReader,
     EmbeddedSession,
@@ -38,5 +37,4 @@ __all__ = [
     "Wakeups",
     "fair_share",
     "open_embedded",
-    "partition_for_key",
 ]

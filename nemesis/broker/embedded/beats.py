@@ -1,9 +1,9 @@
 """One lease heartbeat for every reader of a process, and one watch for lost rings.
 
 Each reader must renew its leases every ``lease_s / 3`` (``leases``). Done by
-each reader on its own, a process with a thousand readers woke a thousand
-times per interval and sent as many jobs to the write thread. Here one task
-beats for all of them: at each round, every reader due within the next half
+each reader on its own, a process with a thousand readers would wake a
+thousand times per interval and send as many jobs to the write thread. One
+task beats for all of them: at each round, every reader due within the next half
 interval is renewed in one job on the write thread, so readers that started
 at different times fall into step after their first shared round. In that
 job one transaction renews every lease of the process (``leases.renew_all``),
@@ -31,16 +31,13 @@ import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from nemesis.aio import first_of
 from nemesis.broker.embedded import leases
 from nemesis.broker.embedded.db import Database
 from nemesis.clock import Clock
 from nemesis.errors import BrokerError, TopicNotFound
-
-if TYPE_CHECKING:
-    from nemesis.broker.embedded.reader import EmbeddedReader
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +53,37 @@ class BeatJob(NamedTuple):
     # The members its last heartbeat saw, when nothing since calls for the full protocol
     # (it holds its whole share and was not poked); None: run the full protocol.
     members: tuple[str, ...] | None = None
+
+
+class Beating(Protocol):
+    """What a shared round needs of a reader (``EmbeddedReader`` is one)."""
+
+    beat_due: float  # monotonic (clock) time of its next shared beat
+    beat_lock: asyncio.Lock  # one heartbeat of the reader at a time
+
+    def beat_job(self) -> BeatJob | None:
+        """What the round renews for it; None once it is closed."""
+        ...
+
+    def beat_answer(self, held: dict[int, int], result: leases.HeartbeatResult) -> None:
+        """The full protocol's answer for it."""
+        ...
+
+    def beat_renewed(self, held: dict[int, int], expires_at: float) -> None:
+        """The process renewal kept every lease of ``held`` until ``expires_at``."""
+        ...
+
+    def beat_failed(self, error: BrokerError) -> None:
+        """Its heartbeat failed (its topic was dropped, say)."""
+        ...
+
+    def beat_bug(self, error: BaseException) -> None:
+        """The round failed with a bug."""
+        ...
+
+    def beat_interval(self, interval_s: float) -> float:
+        """How long until its next beat."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,20 +103,20 @@ class SharedHeartbeat:
         self._clock = clock
         self._lease_s = lease_s
         self.interval_s = lease_s / 3
-        self._readers: set[EmbeddedReader] = set()
+        self._readers: set[Beating] = set()
         self._changed = asyncio.Event()
         self._rounds = 0
         self._beats = 0
         self._failures = 0
         self._full = 0
 
-    def add(self, reader: EmbeddedReader) -> None:
+    def add(self, reader: Beating) -> None:
         """Beats for ``reader`` from now on (it has just beaten itself)."""
         reader.beat_due = self._clock.monotonic() + reader.beat_interval(self.interval_s)
         self._readers.add(reader)
         self._changed.set()
 
-    def remove(self, reader: EmbeddedReader) -> None:
+    def remove(self, reader: Beating) -> None:
         self._readers.discard(reader)
 
     @property
@@ -115,10 +143,10 @@ class SharedHeartbeat:
             if due:
                 await self.beat(due)
 
-    async def beat(self, readers: Sequence[EmbeddedReader]) -> None:
+    async def beat(self, readers: Sequence[Beating]) -> None:
         """One round for ``readers``: one job on the write thread."""
-        locked: list[EmbeddedReader] = []
-        taken: list[tuple[EmbeddedReader, BeatJob]] = []
+        locked: list[Beating] = []
+        taken: list[tuple[Beating, BeatJob]] = []
         try:
             for reader in readers:
                 # Held from the snapshot of what it holds until the answer is applied.

@@ -1,10 +1,10 @@
 """Bells: how a reader in another process learns of an append within a fraction of a millisecond.
 
 A reader in the writer's own process is woken directly (see ``tail``); one
-in another process used to find appends only by polling the file. Now each
-broker that reads binds a UNIX datagram socket, its *bell*, and each of its
-readers registers the bell's address for its topic in the ``bells`` table,
-renewed and expired together with the reader's member row (``leases``). A
+in another process is rung. Each broker that reads binds a UNIX datagram
+socket, its *bell*, and each of its readers registers the bell's address
+for its topic in the ``bells`` table, renewed and expired together with the
+reader's member row (``leases``). A
 writer, once its append transaction has committed, sends one small datagram
 to every bell of the topic: the topic id and the partitions it appended to.
 The bell's broker wakes its readers holding one of those partitions, and
@@ -12,7 +12,7 @@ they read the file at once.
 
 A ring is sent after the commit, so a woken reader always finds the rows.
 An append of up to ``MAX_ROWS_BYTES`` also carries its rows, exactly as the
-file now holds them: the receiving broker puts them in its tail cache
+file holds them: the receiving broker puts them in its tail cache
 (``tail``) and its readers take them from there, without the round trip to
 the read thread (most of the cross-process write-to-receive latency). Rows
 are taken only from a sender of this user (``SO_PASSCRED``: the same trust as

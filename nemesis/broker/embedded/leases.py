@@ -32,83 +32,41 @@ before; the generation fences a mistaken takeover in any case.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
 import secrets
 import socket
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
+from nemesis import processes
 from nemesis.broker.embedded import bells, log
 from nemesis.broker.port import EARLIEST, StartFrom
 from nemesis.errors import TopicNotFound
 from nemesis.sqlite_thread import when_unlocked, write_transaction
 
 
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
-
-
-@functools.cache
-def _node() -> str:
-    """This boot of this machine and this pid namespace, as 8 hex digits.
-
-    Two processes with one node digest see each other's pids; a container has
-    its own pid namespace (so its own digest) even where it has the host's name.
-    """
-    boot = _read("/proc/sys/kernel/random/boot_id")
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        namespace = ""
-    if not boot or not namespace:
-        # Nothing to tell this boot and pid namespace from another: a random digest,
-        # so no other process can take this one for its neighbour (leases then expire).
-        return secrets.token_hex(4)
-    return hashlib.sha256(f"{boot}/{namespace}".encode()).hexdigest()[:8]
-
-
 def local_member_id() -> str:
     """``host:pid:random:node``: unique per broker, readable, and says where it runs."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}:{_node()}"
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}:{processes.node()}"
 
 
 def is_dead_neighbour(member_id: str) -> bool:
     """True when ``member_id`` is a process of this host, boot and pid namespace that is gone.
 
     A reader's id is its broker's plus ``/<n>``. Ids that say nothing of where
-    they run (other formats, other hosts) are never taken for dead.
+    they run (other formats, other hosts) are never taken for dead
+    (``nemesis.processes.is_dead_neighbour``).
     """
     parts = member_id.split("/", 1)[0].split(":")
-    if len(parts) != 4 or parts[0] != socket.gethostname() or parts[3] != _node():
+    if len(parts) != 4:
         return False
+    host, pid, _random, node = parts
     try:
-        pid = int(parts[1])
+        return processes.is_dead_neighbour(host, int(pid), node)
     except ValueError:
         return False
-    if pid <= 0 or pid == os.getpid():
-        return False
-    return not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, under another user
-    # Killed but not yet reaped by its parent: a zombie holds its pid and nothing else.
-    stat = _read(f"/proc/{pid}/stat")
-    state = stat.rpartition(")")[2].split()[:1]
-    return state != ["Z"]
 
 
 def fair_share(members: Sequence[str], partitions: int, member: str) -> frozenset[int]:

@@ -9,7 +9,6 @@ dense: the log never has gaps except the prefix retention removed.
 from __future__ import annotations
 
 import sqlite3
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -28,16 +27,12 @@ from nemesis.broker.port import (
     WriteResult,
     WriteStatus,
     build_message,
+    partition_for_key,
 )
 from nemesis.errors import TopicExists, TopicNotFound
 from nemesis.sqlite_thread import read_transaction, write_transaction
 
 _NO_METADATA: Mapping[str, str] = MappingProxyType({})
-
-
-def partition_for_key(key: str, partitions: int) -> int:
-    """The partition of a key: CRC-32 of its UTF-8 bytes, stable across processes and versions."""
-    return zlib.crc32(key.encode("utf-8")) % partitions
 
 
 @dataclass(frozen=True, slots=True)

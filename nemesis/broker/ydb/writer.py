@@ -6,7 +6,7 @@ opened on first use. Each lane writes as its own producer, ``<producer
 id>.p<partition>`` (``lane_producer_id``): YDB binds a producer id to the
 first partition it writes to (for 14 days) and refuses it on any other,
 with an error the SDK does not retry. A message goes to its ``partition`` if given, else to
-``partition_for_key(key)`` (the same hash as the embedded backend), else to
+``partition_for_key(key)`` (``nemesis.broker.port``: the embedded backend's hash too), else to
 the producer's home partition, ``partition_for_key(producer_id)``. Unkeyed
 messages are not spread round-robin as on the embedded backend: a retry of
 a batch must reach the partition that de-duplicates it, and writers with
@@ -39,8 +39,7 @@ from dataclasses import dataclass, field
 from ydb import TopicClientAsyncIO, TopicWriterAsyncIO, TopicWriterMessage, issues
 from ydb._topic_writer.topic_writer import PublicWriteResult
 
-from nemesis.broker.embedded import partition_for_key
-from nemesis.broker.port import OutgoingMessage, WriteResult, WriteStatus
+from nemesis.broker.port import OutgoingMessage, WriteResult, WriteStatus, partition_for_key
 from nemesis.broker.ydb.errors import broker_error
 from nemesis.broker.ydb.mapping import to_sdk_message
 from nemesis.clock import SYSTEM_CLOCK, Clock
