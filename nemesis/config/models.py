@@ -145,12 +145,10 @@ class SourceConfig(Model):
     # counts back from when the integration starts reading.
     start_from: Annotated[str, BeforeValidator(parse_start_from)] = "earliest"
     # The producer's headers (Kafka headers, YDB and embedded metadata) a handler
-    # receives as request headers (gRPC: metadata; docs/handler-contract.md): the
-    # W3C trace context by default, so a trace goes on through the handler.
-    forward_headers: Annotated[tuple[str, ...], AfterValidator(_check_forwarded)] = (
-        "traceparent",
-        "tracestate",
-    )
+    # receives as request headers (gRPC: metadata; docs/handler-contract.md). The W3C
+    # trace context is always sent, continued or started (docs/tracing.md): naming
+    # traceparent or tracestate here changes nothing.
+    forward_headers: Annotated[tuple[str, ...], AfterValidator(_check_forwarded)] = ()
 
     def start_position(self, now: float) -> StartFrom:
         """``start_from`` as the broker port takes it."""

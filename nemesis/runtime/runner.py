@@ -546,16 +546,23 @@ class IntegrationRunner:
         if self._plain:
             make_event = self._events
             if len(live) == 1:
-                events = [make_event(live[0].message, live[0].attempt)]
+                work = live[0]
+                event = make_event(work.message, work.attempt, None, None, work.trace)
+                work.trace = event.trace
+                events = [event]
             else:
-                events = [make_event(work.message, work.attempt) for work in live]
+                events = [make_event(w.message, w.attempt, None, None, w.trace) for w in live]
+                for work, event in zip(live, events, strict=True):
+                    work.trace = event.trace
         elif self._disabled or not self._pipeline.is_empty:
             live, events = await self._prepare(live)
             if not live:
                 return
         else:
             make_event, view = self._events, self._view
-            events = [make_event(view(work.message), work.attempt) for work in live]
+            events = [make_event(view(w.message), w.attempt, None, None, w.trace) for w in live]
+            for work, event in zip(live, events, strict=True):
+                work.trace = event.trace
         # Delivery is awaited here, not in a helper coroutine: every frame between the
         # worker's task and aiohttp is resumed again at each of a request's suspensions.
         breaker, limiter, count = self._breaker, self._limiter, len(live)
@@ -687,16 +694,24 @@ class IntegrationRunner:
         if self._disabled:
             batch = self._skip_disabled(batch)
         pipeline, make_event, view = self._pipeline, self._events, self._view
+        events: list[Event]
         if pipeline.is_empty:
-            return batch, [make_event(view(work.message), work.attempt) for work in batch]
+            events = [make_event(view(w.message), w.attempt, None, None, w.trace) for w in batch]
+            for work, event in zip(batch, events, strict=True):
+                work.trace = event.trace
+            return batch, events
         passed: list[Work] = []
-        events: list[Event] = []
+        events = []
         for work in batch:
             message = work.message
             result = pipeline.process(message)
             if result.verdict is Verdict.PASS:
                 payload = None if result.payload is message.value else result.payload
-                events.append(make_event(view(message), work.attempt, payload, result.content_type))
+                event = make_event(
+                    view(message), work.attempt, payload, result.content_type, work.trace
+                )
+                work.trace = event.trace
+                events.append(event)
                 passed.append(work)
             elif result.verdict is Verdict.FILTERED:
                 # Acknowledged and committed like a delivered one, with this turn's answers.

@@ -25,6 +25,7 @@ from typing import Final
 from nemesis.broker.port import Message, OutgoingMessage, TopicWriter
 from nemesis.clock import Clock
 from nemesis.config.models import IntegrationConfig
+from nemesis.delivery import tracecontext
 from nemesis.dlq import DeadLetter, DeadLetterStore, Reason
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import CircuitBreaker
@@ -202,6 +203,9 @@ class Settlement:
         meta[META_TIER] = str(tier)
         if failure.http_status is not None:
             meta[META_LAST_STATUS] = str(failure.http_status)
+        if work.trace is not None:
+            # A context Nemesis started goes on in the tier (a record's own travels in it).
+            meta.update(tracecontext.carried(work.trace))
         await self._writers[tier - 1].write(
             [
                 OutgoingMessage(
@@ -235,7 +239,7 @@ class Settlement:
                     attempts=work.attempt,
                     http_status=failure.http_status,
                     key=message.key,
-                    metadata=source_metadata(message),
+                    metadata=source_metadata(message) | _trace_kept(work),
                     headers=message.headers,
                     tombstone=message.tombstone,
                     stage=failure.stage,
@@ -291,6 +295,18 @@ class _RetryLog:
         )
         self._retried = self._waiting = 0
         self._next_at = now + RETRY_LOG_INTERVAL_S
+
+
+def _trace_kept(work: Work) -> dict[str, str]:
+    """A started trace context, kept with the dead letter so that a requeue continues it."""
+    trace = work.trace
+    if trace is None:
+        # Dead before any attempt (a pipeline stage refused it): its context, or a new one.
+        message = work.message
+        trace = tracecontext.record_context(message.metadata, message.headers)
+        if trace is None:
+            trace = work.trace = tracecontext.start()
+    return tracecontext.carried(trace)
 
 
 def _where(message: Message) -> dict[str, object]:
