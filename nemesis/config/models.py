@@ -489,6 +489,24 @@ class ReloadConfig(Model):
     force_polling: bool = False
 
 
+class TracingConfig(Model):
+    """OpenTelemetry spans of delivery attempts (docs/tracing.md): the ``tracing`` extra.
+
+    Off, Nemesis still continues or starts each event's W3C trace context; on,
+    it records a span per delivery attempt, a child of the producer's span,
+    exported over OTLP/HTTP.
+    """
+
+    enabled: bool = False
+    # The share of traces Nemesis starts that are recorded; a producer's trace follows
+    # the producer's sampled flag.
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    # The OTLP/HTTP traces URL; unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
+    # OTEL_EXPORTER_OTLP_ENDPOINT as the SDK reads them, else http://localhost:4318/v1/traces.
+    otlp_endpoint: Annotated[str, Field(pattern=r"^https?://")] | None = None
+    service_name: Annotated[str, Field(min_length=1, max_length=128)] = "nemesis"
+
+
 class MetricsConfig(Model):
     """How often the broker is asked for end offsets (commit lag); never per scrape."""
 
@@ -669,6 +687,10 @@ class NemesisConfig(Model):
     viewer: ViewerConfig = ViewerConfig()
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     log_format: Literal["text", "json"] = "text"
+    # The level of other libraries' records (aiokafka, ydb, uvicorn, ...); Nemesis' own
+    # follow --log-level.
+    library_log_level: Literal["debug", "info", "warning", "error"] = "warning"
+    tracing: TracingConfig = TracingConfig()
     auth: AuthConfig = AuthConfig()
     reload: ReloadConfig = ReloadConfig()
     metrics: MetricsConfig = MetricsConfig()

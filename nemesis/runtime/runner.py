@@ -81,6 +81,7 @@ from nemesis.runtime.retries import (
 )
 from nemesis.runtime.scheduler import Scheduler, Work
 from nemesis.runtime.settle import Settlement
+from nemesis.runtime.tracing import DeliveryTracing
 from nemesis.runtime.workers import WorkerPool, WorkerSlot
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class RunnerOptions:
     commit_interval_s: float = 0.1
     commit_timeout_s: float = 10.0
     shutdown_grace_s: float = 10.0
+    # Spans of delivery attempts (the tracing extra); None: none recorded.
+    tracing: DeliveryTracing | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +183,9 @@ class IntegrationRunner:
         self._clock = clock
         self._options = options
         self._events = EventFactory(config)
+        self._tracer = (
+            None if options.tracing is None else options.tracing.for_flow(config, self.flow)
+        )
         self._type_key = config.source.type_key
         self._take_live_settings(config)
         self._log = logs.bind(log, integration=config.name, flow=self.flow.name)
@@ -576,15 +582,20 @@ class IntegrationRunner:
             if limiter is not None and not limiter.try_acquire(count):
                 await limiter.acquire(count)
             self._in_flight += count
+            tracer = self._tracer
+            spans = None if tracer is None else tracer.begin(events)
+            answer: DeliveryResult | None = None
             try:
                 # A batch integration sends the batch form even for one message: its
                 # handler may implement only batches.
                 if count == 1 and self._batch_size == 1:
-                    result = await self._transport.deliver(events[0])
+                    result = answer = await self._transport.deliver(events[0])
                 else:
-                    result = await self._transport.deliver_batch(events)
+                    result = answer = await self._transport.deliver_batch(events)
             finally:
                 self._in_flight -= count
+                if tracer is not None and spans is not None:
+                    tracer.end(spans, answer)
             if permit is not None:
                 permit.record(is_healthy(result.outcome))
         finally:
