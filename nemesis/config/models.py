@@ -250,12 +250,23 @@ def _tls_needs_a_tls_url(target: Any) -> Iterator[tuple[tuple[Hashable, ...], st
         )
 
 
+def _not_the_trace_context(headers: dict[str, str]) -> dict[str, str]:
+    for name in headers:
+        if name.lower() in ("traceparent", "tracestate"):
+            raise ValueError(
+                f"{name!r}: set by Nemesis for every event (its trace context, docs/tracing.md)"
+            )
+    return headers
+
+
 class TargetConfig(Model):
     url: Annotated[str, AfterValidator(_check_target_url)]
     timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
     format: Literal["json", "protobuf", "bytes"] = "json"
     # Extra request headers; values may use ${VAR} interpolation for secrets.
-    headers: dict[str, str] = Field(default_factory=dict)
+    headers: Annotated[dict[str, str], AfterValidator(_not_the_trace_context)] = Field(
+        default_factory=dict
+    )
     # None: requests are not signed.
     signing: SigningConfig | None = None
     # The HTTP client of http(s):// targets: Nemesis' own HTTP/1.1 transport (h1), or
