@@ -27,9 +27,10 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))
 
-import delivery  # noqa: E402  (the delivery benchmark's workspace, handler and timing)
+# The delivery benchmark's workspace, handler and timing.
+from tests.bench import delivery  # noqa: E402
 
 MODES = {
     "off": "",
