@@ -12,7 +12,7 @@ way: the producer decided); a trace Nemesis started is recorded when its
 trace id falls under ``tracing.sample_ratio`` (the SDK's
 ``TraceIdRatioBased`` rule, so every attempt at one message decides the
 same). An attempt that is not recorded still gets a span id of its own and
-sends the sampled flag cleared.
+sends the sampled flag cleared; it costs no SDK span.
 
 Nothing here is imported unless ``tracing.enabled`` is set: without the
 extra installed the proxy runs as before, and enabling tracing then fails at
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Final
 
 from nemesis.config.models import IntegrationConfig, TracingConfig
 from nemesis.delivery.port import DeliveryResult, Event
-from nemesis.delivery.tracecontext import SAMPLED, TraceContext
+from nemesis.delivery.tracecontext import SAMPLED, TraceContext, new_span_id
 from nemesis.errors import ConfigError, ConfigProblem
 
 if TYPE_CHECKING:
@@ -118,6 +118,13 @@ class FlowTracer:
                 # Nemesis' own trace: sampled by its trace id, the same way on every attempt.
                 low = int(trace.trace_id, 16) & _LOW_64
                 flags = flags | SAMPLED if low < self._bound else flags & ~SAMPLED
+            if not flags & SAMPLED:
+                # Not recorded (ParentBased would drop it): a span id of its own for the
+                # handler, without the SDK's span machinery.
+                event.trace = TraceContext(
+                    trace.trace_id, new_span_id(), flags, trace.state, trace.started
+                )
+                continue
             state = TraceState.from_header([trace.state]) if trace.state else None
             parent = SpanContext(
                 int(trace.trace_id, 16),

@@ -9,7 +9,11 @@ modes take turns, round after round, and the figure of each is the median of
 its rounds; each is printed as CPU microseconds per message of the proxy
 process and as a ratio to tracing off, measured in the same run.
 
-Usage: `python tests/bench/tracing.py [--messages N] [--rounds R]`.
+With `--baseline-tree PATH` (a checkout of another commit, its protos
+generated), that tree's proxy runs as one more mode, tracing off: today's
+code against tracing off here, in the same run.
+
+Usage: `python tests/bench/tracing.py [--messages N] [--rounds R] [--baseline-tree PATH]`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ sys.path.insert(0, str(HERE.parents[1]))
 # The delivery benchmark's workspace, handler and timing.
 from tests.bench import delivery  # noqa: E402
 
+# With --baseline-tree: tracing off in a checkout of other code (today's main, say).
+BASELINE = "baseline"
 MODES = {
     "off": "",
     "on, 1%": "tracing: {enabled: true, sample_ratio: 0.01, otlp_endpoint: '%s'}\n",
@@ -71,20 +77,29 @@ async def main(args: argparse.Namespace) -> None:
     print(f"\nNemesis tracing benchmark ({os.cpu_count()} cores, {args.messages:,} messages a run)")
     receiver = Receiver()
     handler = delivery.Handler()
-    cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
-    spans: dict[str, list[int]] = {mode: [] for mode in MODES}
+    modes = dict(MODES)
+    if args.baseline_tree is not None:
+        modes[BASELINE] = ""
+    cpu: dict[str, list[float]] = {mode: [] for mode in modes}
+    spans: dict[str, list[int]] = {mode: [] for mode in modes}
     try:
         with tempfile.TemporaryDirectory(prefix="nemesis-bench-") as tmp:
             space = delivery.Workspace(Path(tmp))
             base = (space.root / "nemesis.yaml").read_text()
             for round_ in range(args.rounds):
-                for number, (mode, section) in enumerate(MODES.items()):
+                for number, (mode, section) in enumerate(modes.items()):
                     text = section % receiver.url if "%s" in section else section
                     (space.root / "nemesis.yaml").write_text(base + text)
                     before = receiver.spans()
-                    run = await delivery.through_proxy(
-                        space, handler, f"t{round_}m{number}", args.messages, args.workers, 1
-                    )
+                    if mode == BASELINE:
+                        # The proxy subprocess imports the other tree's nemesis.
+                        os.environ["PYTHONPATH"] = str(args.baseline_tree)
+                    try:
+                        run = await delivery.through_proxy(
+                            space, handler, f"t{round_}m{number}", args.messages, args.workers, 1
+                        )
+                    finally:
+                        os.environ.pop("PYTHONPATH", None)
                     cpu[mode].append(run.cpu_us)
                     # The proxy exported what it buffered when it stopped.
                     spans[mode].append(receiver.spans() - before)
@@ -92,7 +107,7 @@ async def main(args: argparse.Namespace) -> None:
         handler.close()
         receiver.close()
     baseline = statistics.median(cpu["off"])
-    for mode in MODES:
+    for mode in modes:
         median = statistics.median(cpu[mode])
         print(
             f"  tracing {mode:<9} {median:>7.1f} us CPU per message   x{median / baseline:.2f} of off"
@@ -106,4 +121,9 @@ if __name__ == "__main__":
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="a source tree (with generated protos) whose proxy runs as one more mode",
+    )
     asyncio.run(main(parser.parse_args()))

@@ -25,11 +25,14 @@ from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from nemesis.backends.kafka import KafkaBackendConfig
-from nemesis.broker.port import ConsumerSpec, OutgoingMessage
+from nemesis.broker.port import ConsumerSpec, Message, OutgoingMessage
 from nemesis.config.models import IntegrationConfig
+from nemesis.delivery.port import DeliveryResult, Outcome
 from nemesis.dlq import DeadLetterFilter
 from nemesis.runtime.app import Proxy
+from nemesis.runtime.events import EventFactory
 from nemesis.runtime.replay import requeue
+from nemesis.runtime.retries import flows_of
 from nemesis.runtime.runner import RunnerOptions
 from nemesis.runtime.tracing import DeliveryTracing
 from tests.contract.conftest import Backend
@@ -199,3 +202,43 @@ async def test_each_attempt_is_a_child_of_the_producers_span_and_the_parent_of_t
     first = attempts[0].context
     assert first is not None
     assert trace.format_span_id(first.span_id) in handler.received[0]["traceparent"]
+
+
+def test_sampling_follows_the_producer_and_the_ratio_for_traces_nemesis_starts(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    config = IntegrationConfig.model_validate(
+        {
+            "name": "it",
+            "owners": ["team"],
+            "source": {"topic": "orders", "consumer": "it"},
+            "target": {"url": "http://127.0.0.1:9/"},
+        }
+    )
+    events = EventFactory(config)
+    sampled = f"00-{'ab' * 16}-{'cd' * 8}-01"
+    unsampled = f"00-{'12' * 16}-{'34' * 8}-00"
+    batch = [
+        events(Message("orders", 0, 0, b"{}"), 1),  # Nemesis starts its trace
+        events(Message("orders", 0, 1, b"{}", metadata={"traceparent": sampled}), 1),
+        events(Message("orders", 0, 2, b"{}", metadata={"traceparent": unsampled}), 1),
+    ]
+    origins = [event.trace for event in batch]
+    tracer = DeliveryTracing(provider, sample_ratio=0.0, system="embedded").for_flow(
+        config, flows_of(config)[0]
+    )
+    spans = tracer.begin(batch)
+    tracer.end(spans, DeliveryResult(Outcome.DELIVERED, status=200))
+    [recorded] = exporter.get_finished_spans()
+    # Only the producer's sampled trace is recorded at a ratio of 0.
+    assert recorded.context is not None
+    assert trace.format_trace_id(recorded.context.trace_id) == "ab" * 16
+    assert dict(recorded.attributes or {})["messaging.batch.message_count"] == 3
+    for origin, event in zip(origins, batch, strict=True):
+        assert origin is not None
+        assert event.trace is not None
+        # Each attempt has a span id of its own in its event's trace...
+        assert event.trace.trace_id == origin.trace_id
+        assert event.trace.span_id != origin.span_id
+    # ...and the handler hears whether it was recorded.
+    assert [event.trace.sampled for event in batch if event.trace] == [False, True, False]
