@@ -2,7 +2,9 @@
 
 Answers every ``POST /v1/traces`` as a collector does (200, an empty
 ``ExportTraceServiceResponse``) and counts the spans it received; ``GET
-/count`` returns ``{"spans": N}``. Run by ``tests/bench/tracing.py``; not alone.
+/count`` returns ``{"spans": N}``, and ``GET /spans`` the first
+``KEPT_SPANS`` spans (name, trace id, span id, parent span id, hex). Run by
+``tests/bench/tracing.py`` and ``tests/test_tracing_otlp.py``; not alone.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+KEPT_SPANS = 1000
 _lock = threading.Lock()
 _spans = 0
+_kept: list[dict[str, str]] = []
 
 
 class Receiver(BaseHTTPRequestHandler):
