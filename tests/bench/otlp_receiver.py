@@ -30,13 +30,23 @@ class Receiver(BaseHTTPRequestHandler):
         global _spans
         body = self.rfile.read(int(self.headers.get("content-length", "0")))
         request = ExportTraceServiceRequest.FromString(body)
-        count = sum(
-            len(scope.spans)
+        spans = [
+            span
             for resource in request.resource_spans
             for scope in resource.scope_spans
-        )
+            for span in scope.spans
+        ]
         with _lock:
-            _spans += count
+            _spans += len(spans)
+            _kept.extend(
+                {
+                    "name": span.name,
+                    "trace_id": span.trace_id.hex(),
+                    "span_id": span.span_id.hex(),
+                    "parent_span_id": span.parent_span_id.hex(),
+                }
+                for span in spans[: max(0, KEPT_SPANS - len(_kept))]
+            )
         answer = ExportTraceServiceResponse().SerializeToString()
         self.send_response(200)
         self.send_header("content-type", "application/x-protobuf")
@@ -45,7 +55,9 @@ class Receiver(BaseHTTPRequestHandler):
         self.wfile.write(answer)
 
     def do_GET(self) -> None:
-        answer = json.dumps({"spans": _spans}).encode()
+        with _lock:
+            shown: object = list(_kept) if self.path == "/spans" else {"spans": _spans}
+        answer = json.dumps(shown).encode()
         self.send_response(200)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(answer)))
