@@ -74,6 +74,7 @@ class FlowTracer:
         "_flow",
         "_integration",
         "_offset_key",
+        "_otel",
         "_system",
         "_tracer",
     )
@@ -88,7 +89,20 @@ class FlowTracer:
         system: str,
         bound: int,
     ) -> None:
+        from opentelemetry import trace as otel
+
         self._tracer = tracer
+        # Looked up once: an import statement per request costs more than the span itself.
+        self._otel = (
+            otel.NonRecordingSpan,
+            otel.SpanContext,
+            otel.SpanKind,
+            otel.TraceFlags,
+            otel.TraceState,
+            otel.set_span_in_context,
+            otel.Status,
+            otel.StatusCode,
+        )
         self._integration = integration
         self._flow = flow
         self._consumer = consumer
@@ -98,15 +112,9 @@ class FlowTracer:
 
     def begin(self, events: Sequence[Event]) -> list[Span]:
         """One span per event, each a child of its event's trace; the events then carry it."""
-        from opentelemetry.trace import (
-            NonRecordingSpan,
-            SpanContext,
-            SpanKind,
-            TraceFlags,
-            TraceState,
-            set_span_in_context,
-        )
-
+        otel = self._otel
+        NonRecordingSpan, SpanContext, SpanKind, TraceFlags, TraceState = otel[:5]
+        set_span_in_context = otel[5]
         spans: list[Span] = []
         batch = len(events)
         for event in events:
@@ -168,8 +176,7 @@ class FlowTracer:
 
     def end(self, spans: Sequence[Span], result: DeliveryResult | None) -> None:
         """Ends the spans with the attempt's outcome (None: the attempt was cancelled)."""
-        from opentelemetry.trace import Status, StatusCode
-
+        Status, StatusCode = self._otel[6:8]
         for span in spans:
             if not span.is_recording():
                 span.end()
