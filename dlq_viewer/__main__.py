@@ -43,7 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    configure_logging(args.log_level, config.log_format, sys.stderr)
+    configure_logging(
+        args.log_level, config.log_format, sys.stderr, library_level=config.library_log_level
+    )
     try:
         asyncio.run(_serve(config))
     except (ViewerStartError, NemesisError) as exc:

@@ -36,6 +36,7 @@ from dlq_viewer.context import (
     seal_flash,
 )
 from dlq_viewer.filters import RANGES, STATUS_ANY, ListFilter
+from nemesis.delivery.tracecontext import record_context
 from nemesis.dlq import (
     MAX_PAGE_ROWS,
     Action,
@@ -348,6 +349,9 @@ async def message(
             "view": view,
             "hidden_count": render.hidden_characters(view.text)
             + render.hidden_characters(row.error),
+            # The trace its attempts were in (the producer's, or one Nemesis started), and
+            # that a requeue continues: docs/tracing.md.
+            "trace": record_context(row.metadata, row.headers),
         },
         nav="messages",
     )

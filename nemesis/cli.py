@@ -17,7 +17,7 @@ from nemesis.cli_ctl import add_ctl_commands
 from nemesis.cli_dlq import DlqContext, add_dlq_commands
 from nemesis.cli_offsets import add_offsets_commands
 from nemesis.errors import ConfigError, NemesisError
-from nemesis.logs import configure_logging
+from nemesis.logs import configure_logging, say
 from nemesis.onboarding.commands import add_onboarding_commands
 from nemesis.terminal import inert
 
@@ -56,10 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         from nemesis.config.loader import format_problems
 
-        print(format_problems(exc.problems), file=sys.stderr)
+        say(format_problems(exc.problems), sys.stderr, logging.ERROR)
         return EXIT_INVALID
     except NemesisError as exc:
-        print(f"nemesis: {inert(str(exc), multiline=True)}", file=sys.stderr)
+        say(f"nemesis: {inert(str(exc), multiline=True)}", sys.stderr, logging.ERROR)
         return EXIT_INVALID
     except KeyboardInterrupt:
         return 130
@@ -298,12 +298,20 @@ def _configure_logging(level: str) -> None:
 
 
 def _process_config(args: argparse.Namespace) -> NemesisConfig:
+    """The process configuration; from here on every log line is in its ``log_format``."""
     from nemesis.config.loader import load_process_config
 
     path: Path | None = args.config
     if path is None and Path("nemesis.yaml").exists():
         path = Path("nemesis.yaml")
-    return load_process_config(path)
+    config = load_process_config(path)
+    configure_logging(
+        getattr(args, "log_level", "info"),
+        config.log_format,
+        sys.stderr,
+        library_level=config.library_log_level,
+    )
+    return config
 
 
 def run_async(main: Coroutine[Any, Any, int]) -> int:
@@ -366,7 +374,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, latch) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         config = _process_config(args)
-        configure_logging(getattr(args, "log_level", "info"), config.log_format, sys.stderr)
         return run_async(_run(config, latch))
     finally:
         for sig, handler in previous.items():
@@ -390,6 +397,7 @@ async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
     from nemesis.runtime.housekeeping import enforce_dlq_retention
     from nemesis.runtime.reload import ConfigReloader
     from nemesis.runtime.runner import RunnerOptions
+    from nemesis.runtime.tracing import delivery_tracing
 
     integrations, problems = load_integrations(Path(config.integrations_dir))
     for problem in problems:
@@ -402,6 +410,9 @@ async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
     async with contextlib.AsyncExitStack() as opened:
         # Each part is closed however the ones after it fail (a DLQ that does not open,
         # a proxy that does not build), the last opened first.
+        tracing = delivery_tracing(config.tracing, config.backend.kind)
+        if tracing is not None:
+            opened.callback(tracing.shutdown)  # exports the spans still buffered
         broker = await open_broker(config)
         opened.push_async_callback(broker.close)
         dlq = await open_dlq(config, broker)
@@ -415,7 +426,7 @@ async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
             pipelines_dir=config.pipelines_dir,
             integration_files={name: path for name, path in files.items() if path is not None},
             metrics=Metrics(process=True),
-            runner_options=RunnerOptions(shutdown_grace_s=config.shutdown_grace_s),
+            runner_options=RunnerOptions(shutdown_grace_s=config.shutdown_grace_s, tracing=tracing),
             supervisor_options=SupervisorOptions(lag_refresh_s=config.metrics.lag_refresh_s),
         )
         fleet = FleetMember(
@@ -744,11 +755,12 @@ async def _publish(
                 written, duplicates = written + w, duplicates + d
         except (NemesisError, OSError):
             done = written + duplicates
-            print(
+            say(
                 f"nemesis publish: failed after writing {written} message(s) to {args.topic}"
                 + (f" ({duplicates} duplicate(s) skipped)" if duplicates else "")
                 + f"; the input from message {done + 1} on was not written",
-                file=sys.stderr,
+                sys.stderr,
+                logging.ERROR,
             )
             raise
         await writer.close()

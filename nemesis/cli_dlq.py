@@ -23,6 +23,7 @@ from nemesis.dlq.port import (
     shown_key,
 )
 from nemesis.errors import NemesisError
+from nemesis.logs import say
 from nemesis.terminal import inert, inert_json
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             else:
                 print(inert(_row_line(row)))
         if not args.json:
-            print(f"{len(page.rows)} of {total} shown", file=sys.stderr)
+            say(f"{len(page.rows)} of {total} shown", sys.stderr)
         return 0
 
     return _with_store(args, work)

@@ -7,6 +7,12 @@ simply through a logger bound once per component::
     log = bind(logging.getLogger(__name__), integration="orders", flow="main")
     log.warning("commit failed", extra={"topic": "orders", "partition": 3, "offset": 41})
 
+One handler on the root logger writes every record, other libraries' (aiokafka,
+ydb, uvicorn, grpc, Python's warnings) included, in the configured format.
+Nemesis' own loggers (``nemesis.*``, ``dlq_viewer.*``) log at the level asked
+for (``--log-level``); every other library at ``library_log_level``, warnings
+and above by default, so that a quiet run stays quiet.
+
 The JSON formatter writes only the coordinates listed in ``COORDINATES``:
 anything else passed as ``extra`` (a payload, a header with a secret) is
 never written, so a careless call site cannot leak message contents into the
@@ -34,6 +40,7 @@ COORDINATES: Final = (
     "partition",
     "offset",
     "event_id",
+    "trace_id",
     "attempt",
     "stage",
     "outcome",
@@ -43,7 +50,11 @@ COORDINATES: Final = (
     "field",
     "action",  # an audited change (nemesis.admin.audit): what, and who made it
     "who",
+    "reason",
 )
+
+# The loggers that follow --log-level; every other one follows library_log_level.
+OWN_LOGGERS: Final = ("nemesis", "dlq_viewer")
 
 TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -91,9 +102,13 @@ def bind(logger: logging.Logger, **coordinates: object) -> BoundLogger:
 
 
 def configure_logging(
-    level: str = "info", log_format: LogFormat = "text", stream: TextIO | None = None
+    level: str = "info",
+    log_format: LogFormat = "text",
+    stream: TextIO | None = None,
+    library_level: str = "warning",
 ) -> None:
-    """Sends every record at ``level`` and above to ``stream`` (stderr) in the chosen format."""
+    """Sends Nemesis' records at ``level`` and above, and other libraries' at
+    ``library_level`` and above, to ``stream`` (stderr) in the chosen format."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         if getattr(handler, _HANDLER_MARK, False):
@@ -105,7 +120,12 @@ def configure_logging(
     )
     handler.setFormatter(formatter)
     root.addHandler(handler)
-    root.setLevel(getattr(logging, level.upper()))
+    root.setLevel(getattr(logging, library_level.upper()))
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(getattr(logging, level.upper()))
+    # Python's warnings (a library's DeprecationWarning at run time) as records too: a
+    # line written to stderr past the handler would break a JSON log.
+    logging.captureWarnings(True)
     # Servers started beside the proxy log through the root handler; a line per HTTP
     # request (a scrape every few seconds) would drown the proxy's own records.
     logging.getLogger("uvicorn.access").disabled = True
@@ -115,6 +135,27 @@ def configure_logging(
         uvicorn_logger.propagate = True
     # The reload that follows a change says what changed; "1 change detected" says nothing.
     logging.getLogger("watchfiles").setLevel(logging.WARNING)
+
+
+def say(text: str, stream: TextIO | None = None, level: int = logging.INFO) -> None:
+    """A command's words to its user on stderr: one JSON record when the log is JSON.
+
+    Text stays text (a person reads it); with ``log_format: json`` the words go
+    through the one handler as a record of ``nemesis.cli``, whatever the level
+    filters say, so that every line on stderr parses.
+    """
+    handler = next(
+        (
+            h
+            for h in logging.getLogger().handlers
+            if getattr(h, _HANDLER_MARK, False) and isinstance(h.formatter, JsonFormatter)
+        ),
+        None,
+    )
+    if handler is None:
+        print(text, file=stream or sys.stderr)
+        return
+    handler.handle(logging.LogRecord("nemesis.cli", level, __file__, 0, text, None, None))
 
 
 def _iso_time(created: float) -> str:

@@ -32,6 +32,11 @@ META_LAST_STATUS = "nemesis-last-status"
 META_STAGE = "nemesis-stage"
 META_TIER = "nemesis-tier"
 META_REPLAY = "nemesis-replay"  # set on messages requeued from the DLQ
+# A trace context Nemesis started (the record carried none): nemesis.delivery.tracecontext.
+META_TRACEPARENT = "nemesis-traceparent"
+META_TRACESTATE = "nemesis-tracestate"
+# Bookkeeping a requeue keeps: the started trace goes on through the replay.
+_KEPT_BY_REPLAY = (META_TRACEPARENT, META_TRACESTATE)
 
 
 def tier_topic(integration: str, tier: int) -> str:
@@ -88,7 +93,9 @@ def replay_message(
     tombstone: bool = False,
 ) -> OutgoingMessage:
     """A dead letter on its way back to its integration's replay topic, as it was read."""
-    meta = {k: v for k, v in metadata.items() if not k.startswith(META_PREFIX)}
+    meta = {
+        k: v for k, v in metadata.items() if not k.startswith(META_PREFIX) or k in _KEPT_BY_REPLAY
+    }
     meta[META_EVENT_ID] = event
     meta[META_SOURCE_TOPIC] = source_topic
     meta[META_SOURCE_PARTITION] = str(source_partition)

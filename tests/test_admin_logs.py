@@ -6,7 +6,7 @@ import io
 import json
 import logging
 
-from nemesis.logs import bind, configure_logging
+from nemesis.logs import bind, configure_logging, say
 
 
 def fail() -> None:
@@ -55,3 +55,37 @@ def test_configuring_again_replaces_the_handler() -> None:
     finally:
         configure_logging("info", "text")
     assert stream.getvalue().count("once") == 1
+
+
+def test_libraries_log_at_warning_and_above_unless_told_otherwise() -> None:
+    stream = io.StringIO()
+    configure_logging("info", "json", stream)
+    try:
+        logging.getLogger("aiokafka.consumer").info("joined group")
+        logging.getLogger("aiokafka.consumer").warning("heartbeat failed")
+        logging.getLogger("nemesis.test").info("ours")
+        configure_logging("info", "json", stream, library_level="info")
+        logging.getLogger("aiokafka.consumer").info("joined again")
+    finally:
+        configure_logging("info", "text")
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(r["logger"], r["msg"]) for r in lines] == [
+        ("aiokafka.consumer", "heartbeat failed"),
+        ("nemesis.test", "ours"),
+        ("aiokafka.consumer", "joined again"),
+    ]
+
+
+def test_a_commands_words_are_a_json_record_when_the_log_is_json() -> None:
+    stream = io.StringIO()
+    configure_logging("warning", "json", stream)
+    try:
+        say("3 of 3 shown")
+    finally:
+        configure_logging("info", "text")
+    [record] = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert (record["logger"], record["level"], record["msg"]) == (
+        "nemesis.cli",
+        "info",
+        "3 of 3 shown",
+    )

@@ -46,7 +46,15 @@ DOCKERFILE = REPO / "deploy" / "Dockerfile"
 WORKFLOW = REPO / "deploy" / "ci" / "validate-integrations.yml"
 INSTALL_SCRIPT = "deploy/install.sh"
 # Present only where a development tool was installed: none may be in a user's install.
-DEV_ONLY = ("pytest", "httpx", "mypy", "ruff", "grpc_tools", "confluent_kafka")
+DEV_ONLY = (
+    "pytest",
+    "httpx",
+    "mypy",
+    "ruff",
+    "grpc_tools",
+    "confluent_kafka",
+    "opentelemetry.sdk",  # the tracing extra
+)
 
 
 @dataclass(frozen=True)
@@ -158,6 +166,31 @@ def test_every_command_s_help_starts_without_extras(bare: Venv, here: Path) -> N
         if shown.returncode != 0 or "usage: nemesis" not in shown.stdout:
             failed[" ".join(path) or "(none)"] = shown.stderr[-600:]
     assert not failed, failed
+
+
+def test_without_the_tracing_extra_nothing_of_it_is_imported_and_enabling_it_says_how(
+    bare: Venv, here: Path
+) -> None:
+    probe = (
+        "import sys\n"
+        "import nemesis.cli, nemesis.runtime.app, nemesis.runtime.runner\n"
+        "from nemesis.config.models import TracingConfig\n"
+        "from nemesis.errors import ConfigError\n"
+        "from nemesis.runtime.tracing import delivery_tracing\n"
+        "assert delivery_tracing(TracingConfig(), 'embedded') is None\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk',"
+        " 'opentelemetry.trace', 'opentelemetry.exporter'))))\n"
+        "try:\n"
+        "    delivery_tracing(TracingConfig(enabled=True), 'embedded')\n"
+        "except ConfigError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = bare.run("python", "-c", probe, cwd=here)
+    assert done.returncode == 0, done.stderr
+    imported, refused = done.stdout.strip().splitlines()
+    assert imported == "[]"
+    assert "tracing.enabled" in refused
+    assert "pip install 'nemesis[tracing]'" in refused
 
 
 def test_the_wheel_carries_the_compiled_grpc_contract_and_every_kafka_codec(

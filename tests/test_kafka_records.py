@@ -38,6 +38,7 @@ from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
 
 from nemesis.config.models import IntegrationConfig
+from nemesis.delivery.tracecontext import parse_traceparent
 from nemesis.dlq import DeadLetterFilter, DeadLetterRow, PageRequest, open_sqlite_dlq
 from nemesis.runtime.retries import flows_of
 from tests.conftest import Workspace, stop_gracefully
@@ -294,13 +295,22 @@ def check_arrival(
     else:
         assert arrival.one("ce-partitionkey") is None
         assert base64.b64decode(arrival.one("ce-partitionkeybase64") or "") == key
-    forwarded = [(n, v) for n, v in record.headers if n in FORWARDED and v is not None]
-    assert [(n, v) for n, v in arrival.headers if n in FORWARDED] == [
+    forwarded = [(n, v) for n, v in record.headers if n == "x-dup" and v is not None]
+    assert [(n, v) for n, v in arrival.headers if n == "x-dup"] == [
         (n, pct(v)) for n, v in forwarded
     ]
     for name, value in arrival.headers:
-        if name in FORWARDED:
+        if name == "x-dup":
             assert unquote_to_bytes(value) in [v for n, v in forwarded if n == name]
+    # The trace context: the producer's as written, else one Nemesis started.
+    own = dict((n, v) for n, v in record.headers if n in ("traceparent", "tracestate"))
+    if "traceparent" in own:
+        assert arrival.one("traceparent") == own["traceparent"].decode()  # type: ignore[union-attr]
+        assert arrival.one("tracestate") == (
+            None if own.get("tracestate") is None else own["tracestate"].decode()  # type: ignore[union-attr]
+        )
+    else:
+        assert parse_traceparent(arrival.one("traceparent")) is not None
     if record.kind in ("plain", "empty", "tombstone"):
         assert arrival.one("ce-id") == f"{topic}:0:{offset}"
         assert arrival.one("ce-source") == f"nemesis/{integration}"

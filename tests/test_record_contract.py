@@ -28,7 +28,7 @@ from nemesis.config.models import IntegrationConfig, TargetConfig
 from nemesis.delivery.cloudevents import batch_body
 from nemesis.delivery.grpc import GrpcTransport, grpc_transport
 from nemesis.delivery.http_clients import http_transport_for
-from nemesis.delivery.port import Outcome
+from nemesis.delivery.port import Event, Outcome
 from nemesis.runtime.events import EventFactory
 from tests.kafka_broker import free_port
 from tests.test_grpc_delivery import GrpcHandler, target
@@ -111,13 +111,12 @@ def test_forwarded_headers_come_from_kafka_headers_and_from_other_backends_metad
             ("x-dup", b"\xff"),
         ]
     )
-    assert events(kafka, 1).forwarded == (
-        ("traceparent", TRACEPARENT),
-        ("x-dup", b"a"),
-        ("x-dup", b"\xff"),
-    )
+    # The trace context is continued (Event.trace), never copied as a forwarded header.
+    assert events(kafka, 1).forwarded == (("x-dup", b"a"), ("x-dup", b"\xff"))
+    assert events(kafka, 1).trace.traceparent == TRACEPARENT.decode()  # type: ignore[union-attr]
     embedded = Message("orders", 0, 1, b"{}", metadata={"traceparent": TRACEPARENT.decode()})
-    assert events(embedded, 1).forwarded == (("traceparent", TRACEPARENT),)
+    assert events(embedded, 1).forwarded == ()
+    assert events(embedded, 1).trace.traceparent == TRACEPARENT.decode()  # type: ignore[union-attr]
     assert EventFactory(config(forward_headers=[]))(kafka, 1).forwarded == ()
 
 
@@ -131,9 +130,16 @@ def test_forward_headers_refuses_names_the_contract_owns(names: list[str]) -> No
 
 
 def test_a_forwarded_header_that_target_headers_sets_too_is_refused() -> None:
+    document = config(forward_headers=["x-tenant"]).model_dump()
+    document["target"]["headers"] = {"X-Tenant": "fixed"}
+    with pytest.raises(ValueError, match=r"x-tenant: set by target\.headers too"):
+        IntegrationConfig.model_validate(document)
+
+
+def test_target_headers_cannot_set_the_trace_context() -> None:
     document = config().model_dump()
     document["target"]["headers"] = {"TraceParent": "00-fixed"}
-    with pytest.raises(ValueError, match=r"traceparent: set by target\.headers too"):
+    with pytest.raises(ValueError, match=r"'TraceParent': set by Nemesis for every event"):
         IntegrationConfig.model_validate(document)
 
 
@@ -301,3 +307,82 @@ async def test_both_http_clients_send_a_records_headers_as_the_contract_says(
     assert headers["ce-region"] == "%C3%A9u"
     assert headers["content-type"] == "application/json"
     assert cloud_body == b'{"n": 1.50}'
+
+
+TRACED = Message("orders", 0, 3, b'{"n": 1}', created_at=1764670000.0)
+
+
+def traced_events() -> tuple[Event, Event]:
+    """A plain event (the transports' fast path) and one off it, each with its trace context."""
+    events = EventFactory(config())
+    plain = events(TRACED, 1)
+    producer = events(
+        Message(
+            "orders",
+            0,
+            4,
+            b'{"n": 2}',
+            metadata={"traceparent": TRACEPARENT.decode(), "tracestate": "shop=1"},
+            created_at=1764670000.0,
+        ),
+        1,
+    )
+    assert plain.plain
+    assert plain.trace is not None
+    assert plain.trace.started
+    return plain, producer
+
+
+@pytest.mark.parametrize("client", ["h1", "aiohttp"])
+async def test_every_http_request_carries_its_events_trace_context(
+    client: str, http_handler: tuple[str, list[tuple[list[tuple[str, str]], bytes]]]
+) -> None:
+    url, received = http_handler
+    plain, producer = traced_events()
+    single = http_transport_for(
+        TargetConfig(url=url, transport=client, timeout_s=5), integration="it", max_connections=2
+    )
+    try:
+        for event in (plain, producer):
+            assert (await single.deliver(event)).outcome is Outcome.DELIVERED
+        assert (await single.deliver_batch([plain, producer])).outcome is Outcome.DELIVERED
+    finally:
+        await single.close()
+    (first, _), (second, _), (_, batch) = received
+    assert plain.trace is not None
+    assert dict(first)["traceparent"] == plain.trace.traceparent
+    assert "tracestate" not in dict(first)
+    assert (dict(second)["traceparent"], dict(second)["tracestate"]) == (
+        TRACEPARENT.decode(),
+        "shop=1",
+    )
+    # A batch: each event's context as its CloudEvents distributed-tracing extension.
+    parsed = [JSONFormat().read(CloudEvent, json.dumps(e)) for e in json.loads(batch)]
+    assert parsed[0].get_extension("traceparent") == plain.trace.traceparent
+    assert parsed[1].get_extension("traceparent") == TRACEPARENT.decode()
+    assert parsed[1].get_extension("tracestate") == "shop=1"
+
+
+async def test_grpc_carries_the_trace_context_as_metadata_and_in_a_batch_as_extensions(
+    grpc_handler: GrpcHandler,
+) -> None:
+    plain, producer = traced_events()
+    transport: GrpcTransport = grpc_transport(target(grpc_handler.url), "it", 2)
+    try:
+        await transport.deliver(plain)
+        await transport.deliver(producer)
+        await transport.deliver_batch([plain, producer])
+    finally:
+        await transport.close()
+    first, second, batch = grpc_handler.calls
+    assert plain.trace is not None
+    assert first.metadata["traceparent"] == plain.trace.traceparent
+    assert (second.metadata["traceparent"], second.metadata["tracestate"]) == (
+        TRACEPARENT.decode(),
+        "shop=1",
+    )
+    assert [dict(e.extensions).get("traceparent") for e in batch.events] == [
+        plain.trace.traceparent,
+        TRACEPARENT.decode(),
+    ]
+    assert dict(batch.events[1].extensions)["tracestate"] == "shop=1"

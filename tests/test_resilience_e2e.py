@@ -24,6 +24,7 @@ import pytest
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
+from nemesis.delivery.tracecontext import parse_traceparent
 from nemesis.dlq import DeadLetterFilter, Reason, SqliteDeadLetterStore, Status, open_sqlite_dlq
 from nemesis.dlq.requeue import requeue
 from nemesis.metrics import Metrics
@@ -32,7 +33,7 @@ from nemesis.runtime.app import Proxy
 from nemesis.runtime.runner import RunnerOptions
 from nemesis.testing import HandlerServer, LedgerEntry
 from nemesis.testing.clock import FakeClock
-from nemesis.topology import replay_topic, tier_topic
+from nemesis.topology import META_TRACEPARENT, replay_topic, tier_topic
 
 # Fake time jumps once the loop has been idle this long (real seconds): room for the
 # requests on loopback to be answered first.
@@ -223,7 +224,10 @@ async def test_rejected_message_is_dead_lettered_at_once_and_nothing_stalls(
     assert row.http_status == 422
     assert "missing field city" in row.error
     assert (row.source_topic, row.source_partition, row.source_offset) == ("orders", 2, 777)
-    assert row.metadata == {"type": "order.created"}
+    # The producer's metadata, and the trace Nemesis started for the record (it had none).
+    assert row.metadata.keys() == {"type", META_TRACEPARENT}
+    assert row.metadata["type"] == "order.created"
+    assert parse_traceparent(row.metadata[META_TRACEPARENT]) is not None
     assert json.loads(row.payload) == {"n": n_of(handler.ledger.by_id(poison)[0])}
     assert all(p.committed["it"] == p.end_offset for p in described.partitions)
 

@@ -191,6 +191,30 @@ async def test_detail_shows_payload_metadata_source_and_history(
     assert "orders · partition 0 · offset 1" in page
 
 
+async def test_detail_shows_the_trace_a_requeue_continues(
+    env: ViewerEnv, client: httpx.AsyncClient
+) -> None:
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    await env.store.put(
+        [
+            letter(
+                "orders-a",
+                1,
+                metadata={"nemesis-traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+            ),
+            letter("orders-a", 2, metadata={"traceparent": "00-not-a-trace"}),
+        ]
+    )
+    await sign_in(client, ALICE)
+    pages = [
+        (await client.get(f"/messages/{i}")).text
+        for i in ids_on((await client.get("/messages")).text)
+    ]
+    shown = [re.findall(r'<code id="trace-id">([0-9a-f]{32})</code>', page) for page in pages]
+    assert sorted(shown) == [[], [trace_id]]
+    assert "started by Nemesis" in "".join(pages)
+
+
 async def test_detail_decodes_protobuf_with_the_integration_schema(tmp_path: Path) -> None:
     file_proto = descriptor_pb2.FileDescriptorProto(name="shop.proto", package="shop.v1")
     message = file_proto.message_type.add(name="Order")

@@ -145,12 +145,10 @@ class SourceConfig(Model):
     # counts back from when the integration starts reading.
     start_from: Annotated[str, BeforeValidator(parse_start_from)] = "earliest"
     # The producer's headers (Kafka headers, YDB and embedded metadata) a handler
-    # receives as request headers (gRPC: metadata; docs/handler-contract.md): the
-    # W3C trace context by default, so a trace goes on through the handler.
-    forward_headers: Annotated[tuple[str, ...], AfterValidator(_check_forwarded)] = (
-        "traceparent",
-        "tracestate",
-    )
+    # receives as request headers (gRPC: metadata; docs/handler-contract.md). The W3C
+    # trace context is always sent, continued or started (docs/tracing.md): naming
+    # traceparent or tracestate here changes nothing.
+    forward_headers: Annotated[tuple[str, ...], AfterValidator(_check_forwarded)] = ()
 
     def start_position(self, now: float) -> StartFrom:
         """``start_from`` as the broker port takes it."""
@@ -259,12 +257,23 @@ def _tls_needs_a_tls_url(target: Any) -> Iterator[tuple[tuple[Hashable, ...], st
         )
 
 
+def _not_the_trace_context(headers: dict[str, str]) -> dict[str, str]:
+    for name in headers:
+        if name.lower() in ("traceparent", "tracestate"):
+            raise ValueError(
+                f"{name!r}: set by Nemesis for every event (its trace context, docs/tracing.md)"
+            )
+    return headers
+
+
 class TargetConfig(Model):
     url: Annotated[str, AfterValidator(_check_target_url)]
     timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
     format: Literal["json", "protobuf", "bytes"] = "json"
     # Extra request headers; values may use ${VAR} interpolation for secrets.
-    headers: dict[str, str] = Field(default_factory=dict)
+    headers: Annotated[dict[str, str], AfterValidator(_not_the_trace_context)] = Field(
+        default_factory=dict
+    )
     # None: requests are not signed.
     signing: SigningConfig | None = None
     # The HTTP client of http(s):// targets: Nemesis' own HTTP/1.1 transport (h1), or
@@ -501,6 +510,24 @@ class ReloadConfig(Model):
     force_polling: bool = False
 
 
+class TracingConfig(Model):
+    """OpenTelemetry spans of delivery attempts (docs/tracing.md): the ``tracing`` extra.
+
+    Off, Nemesis still continues or starts each event's W3C trace context; on,
+    it records a span per delivery attempt, a child of the producer's span,
+    exported over OTLP/HTTP.
+    """
+
+    enabled: bool = False
+    # The share of traces Nemesis starts that are recorded; a producer's trace follows
+    # the producer's sampled flag.
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    # The OTLP/HTTP traces URL; unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
+    # OTEL_EXPORTER_OTLP_ENDPOINT as the SDK reads them, else http://localhost:4318/v1/traces.
+    otlp_endpoint: Annotated[str, Field(pattern=r"^https?://")] | None = None
+    service_name: Annotated[str, Field(min_length=1, max_length=128)] = "nemesis"
+
+
 class MetricsConfig(Model):
     """How often the broker is asked for end offsets (commit lag); never per scrape."""
 
@@ -681,6 +708,10 @@ class NemesisConfig(Model):
     viewer: ViewerConfig = ViewerConfig()
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     log_format: Literal["text", "json"] = "text"
+    # The level of other libraries' records (aiokafka, ydb, uvicorn, ...); Nemesis' own
+    # follow --log-level.
+    library_log_level: Literal["debug", "info", "warning", "error"] = "warning"
+    tracing: TracingConfig = TracingConfig()
     auth: AuthConfig = AuthConfig()
     reload: ReloadConfig = ReloadConfig()
     metrics: MetricsConfig = MetricsConfig()

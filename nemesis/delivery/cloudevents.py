@@ -139,7 +139,26 @@ def binary_headers_from(constant: dict[str, str], event: Event) -> dict[str, str
         headers["ce-time"] = rfc3339(unix_s)
     if message.key is not None:
         headers["ce-partitionkey"] = encode_header_value(message.key)
+    trace = event.trace
+    if trace is not None:
+        headers["traceparent"] = trace.traceparent
+        if trace.state:
+            headers["tracestate"] = trace.state
     return headers
+
+
+def trace_headers(event: Event) -> list[tuple[str, str]]:
+    """The ``traceparent`` and ``tracestate`` a handler receives with one event.
+
+    Both are plain ASCII by construction (``nemesis.delivery.tracecontext``
+    validates a record's own): they cannot break a header line.
+    """
+    trace = event.trace
+    if trace is None:
+        return []
+    if trace.state:
+        return [("traceparent", trace.traceparent), ("tracestate", trace.state)]
+    return [("traceparent", trace.traceparent)]
 
 
 def binary_header_lines(event: Event) -> tuple[str, str]:
@@ -165,6 +184,11 @@ def binary_header_lines(event: Event) -> tuple[str, str]:
         lines += "ce-time: " + rfc3339(unix_s) + "\r\n"
     if message.key is not None:
         lines += "ce-partitionkey: " + encode_header_value(message.key) + "\r\n"
+    trace = event.trace
+    if trace is not None:
+        lines += "traceparent: " + trace.traceparent + "\r\n"
+        if trace.state:
+            lines += "tracestate: " + trace.state + "\r\n"
     return event_id, lines
 
 
@@ -199,6 +223,7 @@ def structured_event(event: Event, source: str) -> dict[str, object]:
         structured["time"] = time
     if message.key is not None:
         structured["partitionkey"] = _utf8(message.key)
+    structured.update(trace_headers(event))
     if is_json(event.content_type) and is_json_text(body):
         # Embedded byte for byte: no re-serialisation, numbers keep their exact text.
         structured["data"] = orjson.Fragment(body)
@@ -269,8 +294,10 @@ def batch_body(events: Sequence[Event], source: str) -> bytes:
 
 
 # An event of a batch as one %-format: the shared head (see _event_head), then the
-# id, partition, offset, attempt, time (second, microseconds), key part, data key and data.
-_BATCH_EVENT = b'%b,"id":%b,"partition":"%d","offset":"%d","attempt":"%d","time":"%b%06dZ"%b%b%b}'
+# id, partition, offset, attempt, time (second, microseconds), key part, trace part (the
+# CloudEvents distributed-tracing extension: a batch has one request's headers), data key
+# and data.
+_BATCH_EVENT = b'%b,"id":%b,"partition":"%d","offset":"%d","attempt":"%d","time":"%b%06dZ"%b%b%b%b}'
 _DATA = b',"data":'
 _DATA_BASE64 = b',"data_base64":"'
 # (type, content type, topic, source) -> (the event's head, whether its data is JSON)
@@ -317,6 +344,7 @@ def _batch_in_one_format(events: Sequence[Event], source_json: bytes) -> bytes |
                 second_head,
                 micros - second * 1_000_000,
                 b"" if key is None else b',"partitionkey":' + dumps(_utf8(key)),
+                _trace_part(event),
                 data_key,
                 data,
             )
@@ -348,7 +376,7 @@ def _second_head(second: int) -> bytes:
 # One %-format per event: measured cheaper than joining a list of parts.
 _STRUCTURED = (
     b'{"specversion":"1.0","id":%b,"source":%b,"type":%b,"datacontenttype":%b,"topic":%b,'
-    b'"partition":"%d","offset":"%d","attempt":"%d"%b%b%b'
+    b'"partition":"%d","offset":"%d","attempt":"%d"%b%b%b%b'
 )
 
 
@@ -373,8 +401,20 @@ def _structured_bytes(event: Event, source_json: bytes, trust_json: bool) -> byt
         event.attempt,
         b',"time":"%b"' % _rfc3339_bytes(unix_s) if unix_s > 0 else b"",
         b"" if key is None else b',"partitionkey":%b' % orjson.dumps(_utf8(key)),
+        _trace_part(event),
         data,
     )
+
+
+def _trace_part(event: Event) -> bytes:
+    """The event's trace context as batch members (plain ASCII: no JSON escaping needed)."""
+    trace = event.trace
+    if trace is None:
+        return b""
+    part = b',"traceparent":"' + trace.traceparent.encode("ascii") + b'"'
+    if trace.state:
+        part += b',"tracestate":"' + trace.state.encode("ascii") + b'"'
+    return part
 
 
 def _rfc3339_bytes(unix_s: float) -> bytes:
@@ -575,6 +615,7 @@ def full_binary_headers(event: Event, source: str) -> list[tuple[str, str]]:
     if has_data(event) and event.content_type:
         headers.append(("content-type", safe_content_type(event.content_type)))
     headers += [(name, encode_forwarded(value)) for name, value in event.forwarded]
+    headers += trace_headers(event)
     return headers
 
 
@@ -582,11 +623,11 @@ def general_structured_event(event: Event, source: str) -> dict[str, object]:
     """One event off the fast path in the CloudEvents JSON format (a batch element)."""
     structured: dict[str, object] = {"specversion": SPECVERSION}
     structured.update((name, _utf8(text)) for name, text in attributes_of(event, source).items())
-    for name, value in event.forwarded:
-        if name in ("traceparent", "tracestate") and name not in structured:
-            # The CloudEvents distributed-tracing extension: a batch has one request's
-            # headers, so each event's trace context travels inside it.
-            structured[name] = encode_forwarded(value)
+    if "traceparent" not in structured:
+        # The CloudEvents distributed-tracing extension: a batch has one request's
+        # headers, so each event's trace context travels inside it. A record that is a
+        # CloudEvent with an extension of its own keeps it as it came.
+        structured.update(trace_headers(event))
     if not has_data(event):
         return structured
     body = event.body

@@ -36,7 +36,13 @@ from grpc import aio
 from nemesis import __version__
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import TargetConfig
-from nemesis.delivery.cloudevents import SPECVERSION, attributes_of, encode_forwarded, source_for
+from nemesis.delivery.cloudevents import (
+    SPECVERSION,
+    attributes_of,
+    encode_forwarded,
+    source_for,
+    trace_headers,
+)
 from nemesis.delivery.contract import (
     RETRY_AFTER_HEADER,
     SIGNING_HEADERS,
@@ -111,6 +117,13 @@ def event_message(event: Event, source: str) -> pb.Event:
         proto.time.FromMicroseconds(round(unix_s * 1_000_000))
     if message.key is not None:
         proto.partition_key = _utf8(message.key)
+    return proto
+
+
+def _with_trace(proto: pb.Event, event: Event) -> pb.Event:
+    """A batch's event with its trace context as extensions (one call has one metadata)."""
+    if "traceparent" not in proto.extensions:
+        proto.extensions.update(trace_headers(event))
     return proto
 
 
@@ -224,6 +237,8 @@ class GrpcTransport:
         metadata = self._metadata
         if event.forwarded:
             metadata = (*metadata, *forwarded_metadata(event))
+        if event.trace is not None:
+            metadata = (*metadata, *trace_headers(event))
         if self._contract.signs:
             metadata = (*metadata, *self._contract.sign_grpc([proto], batch=False))
         request = pb.DeliverRequest(event=proto)
@@ -236,7 +251,7 @@ class GrpcTransport:
             raise ValueError("deliver_batch needs at least one event")
         if self._closed:
             return self._closed_result()
-        protos = [event_message(event, self._source) for event in events]
+        protos = [_with_trace(event_message(event, self._source), event) for event in events]
         metadata = self._metadata
         if self._contract.signs:
             metadata = (*metadata, *self._contract.sign_grpc(protos, batch=True))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from nemesis.broker.port import Message, is_text_key
+from nemesis.delivery.tracecontext import TraceContext
 from nemesis.errors import ConfigProblem
 
 
@@ -42,7 +43,10 @@ class Event:
     (id, source, type, time, subject, datacontenttype, extensions...;
     ``nemesis.delivery.cloudevents.cloud_record``); None for any other.
     ``forwarded``: the producer's headers on the integration's
-    ``source.forward_headers``, in order, duplicates kept.
+    ``source.forward_headers``, in order, duplicates kept (never the trace
+    context: ``trace`` is sent instead). ``trace``: the W3C trace context the
+    handler receives (``nemesis.delivery.tracecontext``), the record's own or
+    one Nemesis started; None only for events made outside a runner.
     """
 
     message: Message
@@ -53,6 +57,7 @@ class Event:
     payload: bytes | None = None  # the pipeline's output; the message value when None
     attributes: dict[str, str] | None = None
     forwarded: tuple[tuple[str, bytes], ...] = ()
+    trace: TraceContext | None = None
 
     @property
     def body(self) -> bytes:

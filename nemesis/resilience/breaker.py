@@ -610,6 +610,8 @@ class CircuitBreaker:
 
 def _log_transition(change: BreakerTransition) -> None:
     name, to = change.name, change.to_state
+    # A breaker is an integration's (its name), not one event's: no event id to name.
+    where = {"integration": name, "outcome": to.value}
     if to is BreakerState.OPEN:
         log.warning(
             "circuit breaker %s: %s -> open: %d of %d answers were handler failures",
@@ -617,15 +619,17 @@ def _log_transition(change: BreakerTransition) -> None:
             change.from_state.value,
             change.failures,
             change.requests,
+            extra=where,
         )
     elif to is BreakerState.HALF_OPEN:
-        log.info("circuit breaker %s: cooldown over, half-open: probing", name)
+        log.info("circuit breaker %s: cooldown over, half-open: probing", name, extra=where)
     else:
         log.info(
             "circuit breaker %s: closed: %d of %d probes failed",
             name,
             change.failures,
             change.requests,
+            extra=where,
         )
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from nemesis.broker.port import Message
 from nemesis.config.models import IntegrationConfig
+from nemesis.delivery import tracecontext
 from nemesis.delivery.cloudevents import cloud_record, is_structured
 from nemesis.delivery.port import Event
+from nemesis.delivery.tracecontext import TraceContext
 from nemesis.topology import META_EVENT_ID
 
 DEFAULT_EVENT_TYPE = "nemesis.message"
@@ -37,8 +39,10 @@ class EventFactory:
     def __init__(self, config: IntegrationConfig) -> None:
         self._type_key = config.source.type_key
         self._content_type = _CONTENT_TYPES[config.target.format]
-        self._forward = frozenset(config.source.forward_headers)
-        self._forward_order = config.source.forward_headers
+        # The trace context is the event's ``trace``, continued or started, never copied as is.
+        own = (tracecontext.TRACEPARENT, tracecontext.TRACESTATE)
+        self._forward_order = tuple(n for n in config.source.forward_headers if n not in own)
+        self._forward = frozenset(self._forward_order)
 
     def message_type(self, message: Message) -> str:
         return message.metadata.get(self._type_key) or DEFAULT_EVENT_TYPE
@@ -49,7 +53,9 @@ class EventFactory:
         attempt: int,
         payload: bytes | None = None,
         content_type: str | None = None,
+        trace: TraceContext | None = None,
     ) -> Event:
+        """The event of ``message``'s attempt; ``trace``: the one its earlier attempts had."""
         metadata = message.metadata
         if not metadata and not message.headers and not message.tombstone:
             # Most messages carry no metadata: no lookups (this runs for every delivery).
@@ -60,6 +66,9 @@ class EventFactory:
                 attempt,
                 content_type or self._content_type,
                 payload,
+                None,
+                (),
+                trace or tracecontext.start(),
             )
         forwarded = self._forwarded(message) if self._forward else ()
         media = metadata.get("content-type")
@@ -89,6 +98,9 @@ class EventFactory:
                 payload=payload,
                 attributes=attributes,
                 forwarded=forwarded,
+                trace=trace
+                or tracecontext.record_context(metadata, message.headers, attributes)
+                or tracecontext.start(),
             )
         if message.tombstone and payload is None:
             payload, content_type = b"", ""  # no data: no body, no content type
@@ -100,6 +112,9 @@ class EventFactory:
             content_type=content_type if content_type is not None else media or self._content_type,
             payload=payload,
             forwarded=forwarded,
+            trace=trace
+            or tracecontext.record_context(metadata, message.headers)
+            or tracecontext.start(),
         )
 
     def _forwarded(self, message: Message) -> tuple[tuple[str, bytes], ...]:

@@ -81,6 +81,7 @@ from nemesis.runtime.retries import (
 )
 from nemesis.runtime.scheduler import Scheduler, Work
 from nemesis.runtime.settle import Settlement
+from nemesis.runtime.tracing import DeliveryTracing
 from nemesis.runtime.workers import WorkerPool, WorkerSlot
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class RunnerOptions:
     commit_interval_s: float = 0.1
     commit_timeout_s: float = 10.0
     shutdown_grace_s: float = 10.0
+    # Spans of delivery attempts (the tracing extra); None: none recorded.
+    tracing: DeliveryTracing | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +183,9 @@ class IntegrationRunner:
         self._clock = clock
         self._options = options
         self._events = EventFactory(config)
+        self._tracer = (
+            None if options.tracing is None else options.tracing.for_flow(config, self.flow)
+        )
         self._type_key = config.source.type_key
         self._take_live_settings(config)
         self._log = logs.bind(log, integration=config.name, flow=self.flow.name)
@@ -546,16 +552,23 @@ class IntegrationRunner:
         if self._plain:
             make_event = self._events
             if len(live) == 1:
-                events = [make_event(live[0].message, live[0].attempt)]
+                work = live[0]
+                event = make_event(work.message, work.attempt, None, None, work.trace)
+                work.trace = event.trace
+                events = [event]
             else:
-                events = [make_event(work.message, work.attempt) for work in live]
+                events = [make_event(w.message, w.attempt, None, None, w.trace) for w in live]
+                for work, event in zip(live, events, strict=True):
+                    work.trace = event.trace
         elif self._disabled or not self._pipeline.is_empty:
             live, events = await self._prepare(live)
             if not live:
                 return
         else:
             make_event, view = self._events, self._view
-            events = [make_event(view(work.message), work.attempt) for work in live]
+            events = [make_event(view(w.message), w.attempt, None, None, w.trace) for w in live]
+            for work, event in zip(live, events, strict=True):
+                work.trace = event.trace
         # Delivery is awaited here, not in a helper coroutine: every frame between the
         # worker's task and aiohttp is resumed again at each of a request's suspensions.
         breaker, limiter, count = self._breaker, self._limiter, len(live)
@@ -569,15 +582,20 @@ class IntegrationRunner:
             if limiter is not None and not limiter.try_acquire(count):
                 await limiter.acquire(count)
             self._in_flight += count
+            tracer = self._tracer
+            spans = None if tracer is None else tracer.begin(events)
+            answer: DeliveryResult | None = None
             try:
                 # A batch integration sends the batch form even for one message: its
                 # handler may implement only batches.
                 if count == 1 and self._batch_size == 1:
-                    result = await self._transport.deliver(events[0])
+                    result = answer = await self._transport.deliver(events[0])
                 else:
-                    result = await self._transport.deliver_batch(events)
+                    result = answer = await self._transport.deliver_batch(events)
             finally:
                 self._in_flight -= count
+                if tracer is not None and spans is not None:
+                    tracer.end(spans, answer)
             if permit is not None:
                 permit.record(is_healthy(result.outcome))
         finally:
@@ -687,16 +705,24 @@ class IntegrationRunner:
         if self._disabled:
             batch = self._skip_disabled(batch)
         pipeline, make_event, view = self._pipeline, self._events, self._view
+        events: list[Event]
         if pipeline.is_empty:
-            return batch, [make_event(view(work.message), work.attempt) for work in batch]
+            events = [make_event(view(w.message), w.attempt, None, None, w.trace) for w in batch]
+            for work, event in zip(batch, events, strict=True):
+                work.trace = event.trace
+            return batch, events
         passed: list[Work] = []
-        events: list[Event] = []
+        events = []
         for work in batch:
             message = work.message
             result = pipeline.process(message)
             if result.verdict is Verdict.PASS:
                 payload = None if result.payload is message.value else result.payload
-                events.append(make_event(view(message), work.attempt, payload, result.content_type))
+                event = make_event(
+                    view(message), work.attempt, payload, result.content_type, work.trace
+                )
+                work.trace = event.trace
+                events.append(event)
                 passed.append(work)
             elif result.verdict is Verdict.FILTERED:
                 # Acknowledged and committed like a delivered one, with this turn's answers.

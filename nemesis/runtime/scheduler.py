@@ -24,6 +24,7 @@ from typing import Literal
 from nemesis.aio import first_of
 from nemesis.broker.port import Message
 from nemesis.clock import Clock
+from nemesis.delivery.tracecontext import TraceContext
 from nemesis.runtime.acks import PartitionAcks
 
 Ordering = Literal["none", "key", "partition"]
@@ -38,7 +39,15 @@ class Work:
 
     # failed_at (monotonic, the last failure here) is set on the failure path only and
     # read with getattr: a message that never fails does not pay for it.
-    __slots__ = ("acks", "attempt", "failed_at", "first_failure_at", "last_error", "message")
+    __slots__ = (
+        "acks",
+        "attempt",
+        "failed_at",
+        "first_failure_at",
+        "last_error",
+        "message",
+        "trace",
+    )
     failed_at: float
 
     def __init__(self, message: Message, acks: PartitionAcks | None = None) -> None:
@@ -47,6 +56,8 @@ class Work:
         self.attempt = 1
         self.first_failure_at: float | None = None
         self.last_error: str | None = None
+        # The trace context of its first attempt, kept for the next ones (tracecontext).
+        self.trace: TraceContext | None = None
 
 
 def ordering_key(ordering: Ordering, message: Message) -> Hashable | None:

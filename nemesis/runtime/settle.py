@@ -8,12 +8,15 @@ after the tier write or the DLQ write returned, so a crash in between
 delivers the message again (at-least-once; the DLQ row is idempotent, a
 duplicate in a tier is delivered twice under the same ``ce-id``).
 
-Logs: each dead letter is a warning (integration, source coordinates,
-reason, attempts; never the payload). Retries are summed up in one warning
+Logs: each dead letter is a warning, and so is a halt; each carries as fields
+(``nemesis.logs``) the integration, flow, event id, source topic, partition
+and offset, attempt, trace id and, for a dead letter, the reason; never the
+payload. Retries are summed up in one warning
 per ``RETRY_LOG_INTERVAL_S`` per flow, not a line each: an outage fails every
 message, and a line per retry would flood the log at the delivery rate. The
 first retry is reported at once; the ones after it with the first retry once
-the interval has passed. Each decision is logged at debug.
+the interval has passed; a summary carries the fields of the retry that
+reports it. Each decision is logged at debug.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Final
 from nemesis.broker.port import Message, OutgoingMessage, TopicWriter
 from nemesis.clock import Clock
 from nemesis.config.models import IntegrationConfig
+from nemesis.delivery import tracecontext
 from nemesis.dlq import DeadLetter, DeadLetterStore, Reason
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import CircuitBreaker
@@ -128,7 +132,7 @@ class Settlement:
                 work.attempt,
                 failure.summary,
                 action.value,
-                extra={**_where(message), "attempt": work.attempt, "stage": failure.stage},
+                extra={**self._fields(work), "stage": failure.stage},
             )
         if action is Action.DEAD_LETTER:
             assert decision.reason is not None
@@ -136,7 +140,7 @@ class Settlement:
             self._finish(work)
         elif action is Action.TO_TIER:
             await self._publish(work, failure, decision.tier, decision.delay_s)
-            self._retries.note(failure, decision)
+            self._retries.note(failure, decision, self._fields(work))
             self._finish(work)
         else:
             if action is Action.HALT or (
@@ -150,6 +154,18 @@ class Settlement:
             self._retry_in_place(work, failure, decision)
         return decision
 
+    def _fields(self, work: Work) -> dict[str, object]:
+        """A log record's coordinates of ``work`` (``nemesis.logs.COORDINATES``)."""
+        message = work.message
+        fields = _where(origin(message))
+        fields["integration"] = self._name
+        fields["flow"] = self._flow.name
+        fields["event_id"] = event_id(message)
+        fields["attempt"] = work.attempt
+        if work.trace is not None:
+            fields["trace_id"] = work.trace.trace_id
+        return fields
+
     def _retry_in_place(self, work: Work, failure: Failure, decision: Decision) -> None:
         if work.first_failure_at is None:
             work.first_failure_at = self._clock.time()
@@ -157,7 +173,7 @@ class Settlement:
         work.last_error = failure.error
         work.failed_at = self._clock.monotonic()
         self._m_retries.inc()
-        self._retries.note(failure, decision)
+        self._retries.note(failure, decision, self._fields(work))
         self._scheduler.put_later(work, decision.delay_s)
 
     def _halt(self, work: Work) -> None:
@@ -174,7 +190,7 @@ class Settlement:
             message.partition,
             message.offset,
             self._unit,
-            extra=_where(message),
+            extra=self._fields(work),
         )
 
     def _keep_dead(self, work: Work, failure: Failure) -> None:
@@ -187,7 +203,7 @@ class Settlement:
             message.partition,
             message.offset,
             failure.error or failure.summary,
-            extra=_where(message),
+            extra=self._fields(work),
         )
 
     async def _publish(self, work: Work, failure: Failure, tier: int, delay_s: float) -> None:
@@ -202,6 +218,9 @@ class Settlement:
         meta[META_TIER] = str(tier)
         if failure.http_status is not None:
             meta[META_LAST_STATUS] = str(failure.http_status)
+        if work.trace is not None:
+            # A context Nemesis started goes on in the tier (a record's own travels in it).
+            meta.update(tracecontext.carried(work.trace))
         await self._writers[tier - 1].write(
             [
                 OutgoingMessage(
@@ -235,7 +254,7 @@ class Settlement:
                     attempts=work.attempt,
                     http_status=failure.http_status,
                     key=message.key,
-                    metadata=source_metadata(message),
+                    metadata=source_metadata(message) | _trace_kept(work),
                     headers=message.headers,
                     tombstone=message.tombstone,
                     stage=failure.stage,
@@ -254,7 +273,7 @@ class Settlement:
             reason.value,
             work.attempt,
             failure.summary,
-            extra={**_where(source), "reason": reason.value, "attempt": work.attempt},
+            extra={**self._fields(work), "reason": reason.value},
         )
 
 
@@ -272,7 +291,8 @@ class _RetryLog:
         self._waiting = 0
         self._last = ""
 
-    def note(self, failure: Failure, decision: Decision) -> None:
+    def note(self, failure: Failure, decision: Decision, where: dict[str, object]) -> None:
+        """Counts one retry; ``where``: its message's coordinates, the last one's reported."""
         self._retried += 1
         self._waiting += decision.waiting_out
         self._last = failure.summary
@@ -287,10 +307,22 @@ class _RetryLog:
             self._retried,
             self._waiting,
             self._last,
-            extra={"integration": self._integration, "flow": self._flow},
+            extra=where,
         )
         self._retried = self._waiting = 0
         self._next_at = now + RETRY_LOG_INTERVAL_S
+
+
+def _trace_kept(work: Work) -> dict[str, str]:
+    """A started trace context, kept with the dead letter so that a requeue continues it."""
+    trace = work.trace
+    if trace is None:
+        # Dead before any attempt (a pipeline stage refused it): its context, or a new one.
+        message = work.message
+        trace = tracecontext.record_context(message.metadata, message.headers)
+        if trace is None:
+            trace = work.trace = tracecontext.start()
+    return tracecontext.carried(trace)
 
 
 def _where(message: Message) -> dict[str, object]:

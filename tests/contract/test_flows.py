@@ -16,13 +16,14 @@ import pytest
 
 from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage
 from nemesis.config.models import IntegrationConfig
+from nemesis.delivery.tracecontext import parse_traceparent
 from nemesis.dlq import DeadLetterFilter, Reason, Status
 from nemesis.dlq.requeue import requeue
 from nemesis.runtime.app import Proxy
 from nemesis.runtime.init import Outcome, init_backend
 from nemesis.runtime.runner import RunnerOptions
 from nemesis.testing import HandlerServer, LedgerEntry
-from nemesis.topology import internal_consumer, replay_topic, tier_topic
+from nemesis.topology import META_TRACEPARENT, internal_consumer, replay_topic, tier_topic
 from tests.contract.conftest import Backend
 from tests.kafka_broker import Namespace
 
@@ -204,8 +205,8 @@ async def test_init_creates_what_a_configuration_needs_and_is_idempotent(
 async def test_a_producers_trace_context_reaches_the_handler_through_a_tier_the_dlq_and_a_requeue(
     backend: Backend,
 ) -> None:
-    """``source.forward_headers`` (the W3C trace context by default) on every backend:
-    Kafka headers, YDB and embedded metadata (docs/handler-contract.md)."""
+    """A producer's W3C trace context on every backend (Kafka headers, YDB and embedded
+    metadata) continued unchanged when no span is recorded (docs/tracing.md)."""
     ns = backend.names
     count = 5
     broker = await backend.broker()
@@ -252,3 +253,88 @@ async def test_a_producers_trace_context_reaches_the_handler_through_a_tier_the_
             state,
         )
         assert "x-other" not in entry.headers  # not on the integration's list
+
+
+async def test_a_trace_nemesis_starts_goes_on_through_a_tier_the_dlq_and_a_requeue(
+    backend: Backend,
+) -> None:
+    """A record without a trace context gets one at its first attempt, and every later
+    attempt continues it: the retry tier's copy, the dead letter and the requeue keep it
+    (docs/tracing.md)."""
+    ns = backend.names
+    count = 4
+    broker = await backend.broker()
+    dlq = await backend.dlq(broker)
+    await publish(broker, ns, count)
+    async with HandlerServer() as handler:
+        handler.when(lambda e: e.receipt == 1, status=503)  # to the retry tier
+        handler.when(lambda e: e.receipt == 2, status=422)  # from the tier to the DLQ
+        config = integration(ns, "it", handler.url, retry={"tiers": ["100ms"]})
+        proxy = Proxy(broker, {ns("it"): config}, dlq=dlq, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        try:
+            for _ in range(1200):
+                if await dlq.count(DeadLetterFilter()) >= count:
+                    break
+                await asyncio.sleep(0.05)
+            rows = (await dlq.query(DeadLetterFilter())).rows
+            assert len(rows) == count
+            await requeue(dlq, broker, [row.id for row in rows], by="alice")
+            await handler.ledger.wait_for(count, timeout_s=60)
+        finally:
+            proxy.stop()
+            await task
+    arrivals = list(handler.ledger)
+    assert len(arrivals) == 3 * count
+    by_n: dict[int, set[str]] = {}
+    for entry in arrivals:
+        parsed = parse_traceparent(entry.headers.get("traceparent"))
+        assert parsed is not None, entry.headers
+        by_n.setdefault(n_of(entry), set()).add(parsed[0])
+    # One trace per message over its three attempts, a different one for each message.
+    assert all(len(trace_ids) == 1 for trace_ids in by_n.values()), by_n
+    assert len(set().union(*by_n.values())) == count
+    # The dead letter shows the trace it carries on.
+    kept = {parse_traceparent(row.metadata[META_TRACEPARENT]) for row in rows}
+    assert {p[0] for p in kept if p is not None} == set().union(*by_n.values())
+
+
+async def test_a_cloudevent_records_tracing_extension_is_continued(backend: Backend) -> None:
+    """A record in the CloudEvents binding without a ``traceparent`` header: its
+    distributed-tracing extension (``ce_traceparent``) is the context the handler continues."""
+    ns = backend.names
+    broker = await backend.broker()
+    await broker.admin.create_topic(
+        ns("orders"), partitions=1, consumers=[ConsumerSpec(ns("it"))], exist_ok=True
+    )
+    parent = f"00-{'ab' * 16}-{'cd' * 8}-01"
+    writer = await broker.writer(ns("orders"))
+    await writer.write(
+        [
+            OutgoingMessage(
+                value=b'{"n": 0}',
+                metadata={
+                    "ce_specversion": "1.0",
+                    "ce_id": "evt-1",
+                    "ce_source": "/shop",
+                    "ce_type": "order.created",
+                    "ce_traceparent": parent,
+                    "ce_tracestate": "shop=1",
+                    "content-type": "application/json",
+                },
+            )
+        ]
+    )
+    await writer.close()
+    async with HandlerServer() as handler:
+        proxy = Proxy(broker, {ns("it"): integration(ns, "it", handler.url)}, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        try:
+            await handler.ledger.wait_for(1, timeout_s=60)
+        finally:
+            proxy.stop()
+            await task
+    [entry] = list(handler.ledger)
+    assert (entry.headers.get("traceparent"), entry.headers.get("tracestate")) == (parent, "shop=1")
+    # The extension itself reaches the handler as it came (the event's own attribute).
+    assert entry.headers.get("ce-traceparent") == parent
