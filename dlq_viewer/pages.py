@@ -36,7 +36,6 @@ from dlq_viewer.context import (
     seal_flash,
 )
 from dlq_viewer.filters import RANGES, STATUS_ANY, ListFilter
-from nemesis.delivery.tracecontext import record_context
 from nemesis.dlq import (
     MAX_PAGE_ROWS,
     Action,
@@ -50,6 +49,7 @@ from nemesis.dlq import (
 )
 from nemesis.errors import InvalidQuery
 from nemesis.identity import Identity
+from nemesis.tracecontext import record_context
 
 router = APIRouter(include_in_schema=False)
 

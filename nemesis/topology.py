@@ -32,7 +32,7 @@ META_LAST_STATUS = "nemesis-last-status"
 META_STAGE = "nemesis-stage"
 META_TIER = "nemesis-tier"
 META_REPLAY = "nemesis-replay"  # set on messages requeued from the DLQ
-# A trace context Nemesis started (the record carried none): nemesis.delivery.tracecontext.
+# A trace context Nemesis started (the record carried none): nemesis.tracecontext.
 META_TRACEPARENT = "nemesis-traceparent"
 META_TRACESTATE = "nemesis-tracestate"
 # Bookkeeping a requeue keeps: the started trace goes on through the replay.

@@ -38,7 +38,7 @@ LAYERS: list[list[str]] = [
     ],
     # The ports, and the internal topics' names (over the broker port).
     ["nemesis.broker.port", "nemesis.dlq.port", "nemesis.dlq.signature", "nemesis.fleet.port"],
-    ["nemesis.topology"],
+    ["nemesis.topology", "nemesis.tracecontext"],  # over the broker port
     ["nemesis.backends"],  # each kind's config model and factory
     ["nemesis.config"],
     ["nemesis.identity"],  # who asks, from the configured tokens and teams

@@ -38,9 +38,9 @@ from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
 
 from nemesis.config.models import IntegrationConfig
-from nemesis.delivery.tracecontext import parse_traceparent
 from nemesis.dlq import DeadLetterFilter, DeadLetterRow, PageRequest, open_sqlite_dlq
 from nemesis.runtime.retries import flows_of
+from nemesis.tracecontext import parse_traceparent
 from tests.conftest import Workspace, stop_gracefully
 from tests.kafka_broker import KafkaBroker, cache_dir, free_port, kafka_classpath
 from tests.operability import wait_until_true

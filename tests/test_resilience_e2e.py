@@ -24,7 +24,6 @@ import pytest
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
-from nemesis.delivery.tracecontext import parse_traceparent
 from nemesis.dlq import DeadLetterFilter, Reason, SqliteDeadLetterStore, Status, open_sqlite_dlq
 from nemesis.dlq.requeue import requeue
 from nemesis.metrics import Metrics
@@ -34,6 +33,7 @@ from nemesis.runtime.runner import RunnerOptions
 from nemesis.testing import HandlerServer, LedgerEntry
 from nemesis.testing.clock import FakeClock
 from nemesis.topology import META_TRACEPARENT, replay_topic, tier_topic
+from nemesis.tracecontext import parse_traceparent
 
 # Fake time jumps once the loop has been idle this long (real seconds): room for the
 # requests on loopback to be answered first.

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 
+from nemesis import tracecontext
 from nemesis.broker.port import Message
-from nemesis.delivery import tracecontext
-from nemesis.delivery.tracecontext import (
+from nemesis.topology import META_TRACEPARENT
+from nemesis.tracecontext import (
     context_of,
     parse_traceparent,
     parse_tracestate,
     record_context,
 )
-from nemesis.topology import META_TRACEPARENT
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN = "00f067aa0ba902b7"

@@ -150,7 +150,7 @@ def binary_headers_from(constant: dict[str, str], event: Event) -> dict[str, str
 def trace_headers(event: Event) -> list[tuple[str, str]]:
     """The ``traceparent`` and ``tracestate`` a handler receives with one event.
 
-    Both are plain ASCII by construction (``nemesis.delivery.tracecontext``
+    Both are plain ASCII by construction (``nemesis.tracecontext``
     validates a record's own): they cannot break a header line.
     """
     trace = event.trace

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from nemesis.broker.port import Message, is_text_key
-from nemesis.delivery.tracecontext import TraceContext
 from nemesis.errors import ConfigProblem
+from nemesis.tracecontext import TraceContext
 
 
 class Outcome(enum.Enum):
@@ -45,7 +45,7 @@ class Event:
     ``forwarded``: the producer's headers on the integration's
     ``source.forward_headers``, in order, duplicates kept (never the trace
     context: ``trace`` is sent instead). ``trace``: the W3C trace context the
-    handler receives (``nemesis.delivery.tracecontext``), the record's own or
+    handler receives (``nemesis.tracecontext``), the record's own or
     one Nemesis started; None only for events made outside a runner.
     """
 

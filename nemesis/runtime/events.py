@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from nemesis import tracecontext
 from nemesis.broker.port import Message
 from nemesis.config.models import IntegrationConfig
-from nemesis.delivery import tracecontext
 from nemesis.delivery.cloudevents import cloud_record, is_structured
 from nemesis.delivery.port import Event
-from nemesis.delivery.tracecontext import TraceContext
 from nemesis.topology import META_EVENT_ID
+from nemesis.tracecontext import TraceContext
 
 DEFAULT_EVENT_TYPE = "nemesis.message"
 

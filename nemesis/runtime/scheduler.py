@@ -24,8 +24,8 @@ from typing import Literal
 from nemesis.aio import first_of
 from nemesis.broker.port import Message
 from nemesis.clock import Clock
-from nemesis.delivery.tracecontext import TraceContext
 from nemesis.runtime.acks import PartitionAcks
+from nemesis.tracecontext import TraceContext
 
 Ordering = Literal["none", "key", "partition"]
 

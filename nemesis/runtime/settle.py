@@ -25,10 +25,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Final
 
+from nemesis import tracecontext
 from nemesis.broker.port import Message, OutgoingMessage, TopicWriter
 from nemesis.clock import Clock
 from nemesis.config.models import IntegrationConfig
-from nemesis.delivery import tracecontext
 from nemesis.dlq import DeadLetter, DeadLetterStore, Reason
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import CircuitBreaker

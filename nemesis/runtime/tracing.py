@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Final
 
 from nemesis.config.models import IntegrationConfig, TracingConfig
 from nemesis.delivery.port import DeliveryResult, Event
-from nemesis.delivery.tracecontext import SAMPLED, TraceContext, new_span_id
 from nemesis.errors import ConfigError, ConfigProblem
+from nemesis.tracecontext import SAMPLED, TraceContext, new_span_id
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

@@ -16,7 +16,6 @@ import pytest
 
 from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage
 from nemesis.config.models import IntegrationConfig
-from nemesis.delivery.tracecontext import parse_traceparent
 from nemesis.dlq import DeadLetterFilter, Reason, Status
 from nemesis.dlq.requeue import requeue
 from nemesis.runtime.app import Proxy
@@ -24,6 +23,7 @@ from nemesis.runtime.init import Outcome, init_backend
 from nemesis.runtime.runner import RunnerOptions
 from nemesis.testing import HandlerServer, LedgerEntry
 from nemesis.topology import META_TRACEPARENT, internal_consumer, replay_topic, tier_topic
+from nemesis.tracecontext import parse_traceparent
 from tests.contract.conftest import Backend
 from tests.kafka_broker import Namespace
 
