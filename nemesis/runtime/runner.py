@@ -81,6 +81,7 @@ from nemesis.runtime.retries import (
 )
 from nemesis.runtime.scheduler import Scheduler, Work
 from nemesis.runtime.settle import Settlement
+from nemesis.runtime.waiting import NOT_WAITING, WaitingStatistics
 from nemesis.runtime.workers import WorkerPool, WorkerSlot
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,8 @@ class RunnerStats:
     halted: int = 0  # keys (or partitions) halted behind a message past its retries
     # Partitions the reader holds and cannot deliver from, by (topic, partition): the reason.
     stalled: Mapping[tuple[str, int], str] = field(default_factory=dict)
+    # Dead messages waiting for the dead-letter store, which cannot write now.
+    dlq_waiting: WaitingStatistics = NOT_WAITING
 
 
 class IntegrationRunner:
@@ -328,7 +331,14 @@ class IntegrationRunner:
             skipped=self._skipped,
             halted=len(self._halted),
             stalled={} if reader is None else dict(reader.stalled()),
+            dlq_waiting=self.dlq_waiting,
         )
+
+    @property
+    def dlq_waiting(self) -> WaitingStatistics:
+        """Dead messages waiting for the dead-letter store (none while it writes)."""
+        waiting = self._settlement.waiting
+        return NOT_WAITING if waiting is None else waiting.statistics()
 
     # --- the run ------------------------------------------------------------
 
@@ -358,6 +368,12 @@ class IntegrationRunner:
                     tasks.create_task(self._commit_loop(reader), name=f"{label}:commit"),
                     tasks.create_task(self._scheduler.run_timers(), name=f"{label}:timers"),
                 ]
+                if self._settlement.waiting is not None:
+                    helpers.append(
+                        tasks.create_task(
+                            self._settlement.waiting.run(), name=f"{label}:dead-letters"
+                        )
+                    )
                 pool = self._pool = WorkerPool(tasks, self._worker, name=label)
                 pool.resize(self.config.delivery.workers)
                 await self._stopping.wait()
