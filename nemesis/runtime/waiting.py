@@ -117,13 +117,15 @@ class WaitingDeadLetters:
         for work in [w for w in self._waiting if not w.message.alive]:
             del self._waiting[work]
             self._let_go(work)
+        written = 0
         while self._waiting:
             chunk = list(self._waiting.items())[:ROUND]
             async with asyncio.TaskGroup() as tasks:
                 puts = [tasks.create_task(self._put(work, *waiting)) for work, waiting in chunk]
             if not all(put.result() for put in puts):
                 return False
-        if self._since is not None:
+            written += len(puts)
+        if self._since is not None and written:
             log.warning(
                 "integration %s, flow %s: the dead-letter store writes again after %.0fs;"
                 " the dead messages that waited for it are written",
