@@ -69,7 +69,7 @@ from nemesis.metrics import LoopCounter, LoopHistogram, Metrics, status_class
 from nemesis.pipeline import Pipeline, Verdict
 from nemesis.resilience.breaker import BreakerState, CircuitBreaker, is_healthy
 from nemesis.resilience.limits import Flow, FlowLimits
-from nemesis.runtime.acks import AckTracker, PartitionStats
+from nemesis.runtime.acks import AckTracker, PartitionStats, SessionKey, session_key
 from nemesis.runtime.events import EventFactory
 from nemesis.runtime.policy import failure_of, pipeline_failure
 from nemesis.runtime.retries import (
@@ -219,6 +219,13 @@ class IntegrationRunner:
         self._admitted = asyncio.Event()  # set by every read that admitted messages
         self._commit_lock = asyncio.Lock()
         self._paused_sessions: dict[tuple[str, int, int], PartitionSession] = {}
+        self._held_back: set[tuple[str, int, int]] = set()  # paused by ``_hold_back``
+        # Messages taken from the tracker for a commit the broker has not confirmed yet, by
+        # partition session, in offset order: uncommitted until it does (``_uncommitted``),
+        # and committed again at the next round when it failed.
+        self._unconfirmed: dict[SessionKey, list[Message]] = {}
+        self._failed_commits: dict[SessionKey, int] = {}  # the last offset logged as failed
+        self._commit_soon = asyncio.Event()  # the intake waits for a commit: commit now
         self._pool: WorkerPool | None = None
         self._reader: TopicReader | None = None
         self._in_flight = 0
@@ -430,14 +437,14 @@ class IntegrationRunner:
             self._state = RunnerState.RUNNING
             # Read every round: the buffer may be changed while running.
             buffer = self.config.delivery.buffer
-            free = buffer - self._tracker.unfinished
+            free = self._free(buffer)
             refill = _refill_at(buffer, self._options.max_receive)
             if free < refill:
                 # Under load the buffer is refilled in reads of some size, not a read per
                 # finished message (each read is a trip to the broker). stop() sets
                 # _progress too, so a plain wait on it is enough.
                 self._progress.clear()
-                if buffer - self._tracker.unfinished < refill:
+                if self._free(buffer) < refill and not self._hold_back(reader, buffer, refill):
                     await self._progress.wait()
                 continue
             self._flow_control(reader)
@@ -463,6 +470,57 @@ class IntegrationRunner:
                 # the second, before the intake's round.
                 await asyncio.sleep(0)
                 await asyncio.sleep(0)
+
+    def _free(self, buffer: int) -> int:
+        """Room for more messages: the buffer less what is unfinished, or less what is uncommitted.
+
+        The bound of a crash's redelivery: no more than ``delivery.buffer``
+        messages are read and not committed at the broker (done ones included),
+        outside the partitions paused behind a message that does not finish
+        (each of those holds up to ``delivery.buffer`` of its own). When done
+        messages wait for their commit, the commit loop is woken to send it.
+        """
+        uncommitted = self._uncommitted()
+        if uncommitted >= buffer // 2:
+            self._commit_soon.set()
+        return buffer - max(self._tracker.unfinished, uncommitted)
+
+    def _hold_back(self, reader: TopicReader, buffer: int, refill: int) -> bool:
+        """Pauses the partitions whose uncommitted messages wait behind an unfinished one.
+
+        Called when the flow cannot read for its uncommitted messages: those of
+        a partition whose first message has not finished cannot be committed,
+        and would keep the others from reading until it does. Held back, they
+        count apart (up to ``delivery.buffer`` each, as any paused partition);
+        the partition reads again once that message finishes. Whether any was.
+        """
+        held = False
+        if buffer - self._tracker.unfinished < refill:
+            return held  # the unfinished ones fill the buffer: holding back frees nothing
+        for acks in self._tracker.partitions():
+            session = acks.session
+            if session is None or not acks.blocked or acks.outstanding < refill:
+                continue
+            key = (session.topic, session.partition, session.id)
+            if key not in self._paused_sessions:
+                reader.pause(session)
+                self._paused_sessions[key] = session
+                self._held_back.add(key)
+                held = True
+        return held
+
+    def _uncommitted(self) -> int:
+        """Read and not committed at the broker, in the partitions that are not paused."""
+        paused = self._paused_sessions
+        held = 0
+        for acks in self._tracker.partitions():
+            session = acks.session
+            if session is None or (session.topic, session.partition, session.id) not in paused:
+                held += acks.outstanding
+        for key, messages in self._unconfirmed.items():
+            if key not in paused:
+                held += len(messages)
+        return held
 
     def _admit(self, messages: Sequence[Message]) -> None:
         admitted = 0
@@ -499,15 +557,23 @@ class IntegrationRunner:
             if session is None:
                 continue
             key = (session.topic, session.partition, session.id)
-            if key not in self._paused_sessions and acks.outstanding >= cap:
+            # Taken for a commit the broker has not confirmed: still uncommitted.
+            outstanding = acks.outstanding + len(self._unconfirmed.get(key, ()))
+            if key not in self._paused_sessions and outstanding >= cap:
                 reader.pause(session)
                 self._paused_sessions[key] = session
-            elif key in self._paused_sessions and acks.outstanding <= cap // 2:
+            elif key in self._held_back:
+                if not acks.blocked and outstanding < cap:  # what held it finished
+                    reader.resume(session)
+                    del self._paused_sessions[key]
+                    self._held_back.discard(key)
+            elif key in self._paused_sessions and outstanding <= cap // 2:
                 reader.resume(session)
                 del self._paused_sessions[key]
         for key, session in list(self._paused_sessions.items()):
             if not session.alive:
                 del self._paused_sessions[key]
+                self._held_back.discard(key)
 
     # --- workers ------------------------------------------------------------
 
@@ -817,12 +883,16 @@ class IntegrationRunner:
     async def _commit_loop(self, reader: TopicReader) -> None:
         tracker = self._tracker
         while True:
-            await self._clock.sleep(self._options.commit_interval_s)
+            # Every interval, or at once when the intake waits for the commit.
+            await first_of(
+                self._clock.sleep(self._options.commit_interval_s), self._commit_soon.wait()
+            )
+            self._commit_soon.clear()
             # Shielded: the runs are taken from the tracker before they are sent, so a
             # cancelled commit would lose them; the final commit waits for this one.
             await asyncio.shield(self._commit(reader))
             self._flow_control(reader)
-            if tracker.outstanding == 0 and not self._paused_sessions:
+            if tracker.outstanding == 0 and not self._paused_sessions and not self._unconfirmed:
                 # Nothing read and not yet committed, nothing paused: nothing to do until
                 # the next read. (An idle flow, such as a retry tier, ticked ten times a
                 # second: 43% of an idle proxy's CPU with one integration.)
@@ -839,15 +909,26 @@ class IntegrationRunner:
         dropped = unfinished_before - self._tracker.unfinished
         if dropped:
             self._progress.set()
+        unconfirmed = self._unconfirmed
+        for key, messages in list(unconfirmed.items()):
+            if not messages[0].alive:
+                del unconfirmed[key]  # its next owner reads them again, whatever we did
+                self._failed_commits.pop(key, None)
         for run in runs:
+            key = session_key(run[0])
+            unconfirmed[key] = [*unconfirmed.get(key, ()), *run]
+        for key, run in list(unconfirmed.items()):
             try:
                 async with asyncio.timeout(self._options.commit_timeout_s):
                     await reader.commit(run)
             except (BrokerError, TimeoutError) as exc:
-                # Not fatal: the next commit of this partition covers these offsets too,
-                # and if none comes they are delivered again (at-least-once).
+                # Not fatal: the next round commits them again with what finished since;
+                # after a crash meanwhile they are delivered again (at-least-once).
                 self._m_commit_failures.inc()
                 last = run[-1]
+                if self._failed_commits.get(key) == last.offset:
+                    continue  # the same commit again: said once
+                self._failed_commits[key] = last.offset
                 self._log.warning(
                     "integration %s: commit of %s/%s up to %d failed: %s",
                     self.name,
@@ -858,6 +939,9 @@ class IntegrationRunner:
                     extra={"topic": last.topic, "partition": last.partition, "offset": last.offset},
                 )
                 continue
+            del unconfirmed[key]
+            self._failed_commits.pop(key, None)
+            self._progress.set()
             self._m_commits.inc()
             self._m_committed.inc(len(run))
             self._last_commit_at = self._clock.monotonic()
