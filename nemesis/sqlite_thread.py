@@ -12,6 +12,14 @@ is written before the commit returns; only an OS crash or power loss can
 drop the last transactions). Several processes may open the same file;
 writers serialize on ``BEGIN IMMEDIATE`` and wait up to the busy timeout
 (see ``write_transaction``).
+
+Faults of the files: no connection maps the database into memory
+(``mmap_size=0``), so a file that shrinks or vanishes under the process is an
+error on the job that meets it, never a signal. WAL's index (the ``-shm``
+file) is memory-mapped whatever the settings: a ``-shm`` truncated under the
+process ends it with SIGBUS. A store that must outlive its folder (the DLQ)
+opens with a rollback journal (``journal_mode="TRUNCATE"``) and has no
+``-shm``.
 """
 
 from __future__ import annotations
@@ -175,10 +183,15 @@ def write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
     when_unlocked(conn, "BEGIN IMMEDIATE")
     try:
         yield
+        conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        # SQLite rolls back by itself on some errors (a full disk, an I/O error): a
+        # ROLLBACK then would fail and hide the cause. A COMMIT that failed (busy readers
+        # of a rollback journal) may leave it open, and the next BEGIN would fail.
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
         raise
-    conn.execute("COMMIT")
 
 
 @contextmanager
@@ -234,8 +247,10 @@ class SqliteThread:
         pragmas: Sequence[str] = (),
         background: bool = False,
         poll_locks: bool = False,
+        journal_mode: str = "WAL",
     ) -> None:
         self._path = path
+        self._journal_mode = journal_mode
         self._name = name
         self._busy_timeout_s = busy_timeout_s
         self._pragmas = tuple(pragmas)
@@ -259,6 +274,18 @@ class SqliteThread:
         """
         return await self._submit(lambda: job(self._connection()), timeout_s)
 
+    def start(
+        self, job: Callable[[sqlite3.Connection], T], *, timeout_s: float
+    ) -> asyncio.Future[T]:
+        """Queues ``job(conn)`` and returns the future of its answer, for several to await.
+
+        Cancelling one awaiting caller does not abandon the job (await the
+        future under ``asyncio.shield``); one that has not started within
+        ``timeout_s`` never starts, and the future fails with BrokerTimeout.
+        """
+        work = self._queue(lambda: job(self._connection()), timeout_s)
+        return work.future
+
     async def close(self, timeout_s: float = 5.0) -> None:
         """Closes the connection on its thread, then stops the thread."""
         if self._closed:
@@ -276,6 +303,14 @@ class SqliteThread:
                     thread.join()
 
     async def _submit(self, job: Callable[[], T], timeout_s: float) -> T:
+        work = self._queue(job, timeout_s)
+        try:
+            return await work.future
+        finally:
+            # Timed out, cancelled or done: a job that has not started yet never will.
+            work.abandoned = True
+
+    def _queue(self, job: Callable[[], T], timeout_s: float) -> _Job[T]:
         if self._closed:
             raise BrokerError(f"{self._name}: the connection is closed")
         if self._thread is None:
@@ -287,12 +322,13 @@ class SqliteThread:
         work: _Job[T] = _Job(job, loop.create_future())
         self._jobs.put(work)
         expiry = loop.call_later(timeout_s, work.expire, self._name, timeout_s)
-        try:
-            return await work.future
-        finally:
-            # Timed out, cancelled or done: a job that has not started yet never will.
-            work.abandoned = True
+
+        def answered(_: object) -> None:
+            work.abandoned = True  # answered, timed out or cancelled: it need not start now
             expiry.cancel()
+
+        work.future.add_done_callback(answered)
+        return work
 
     def _serve(self) -> None:
         jobs = self._jobs
@@ -333,10 +369,14 @@ class SqliteThread:
         self._conn = conn
 
     def _configure(self, conn: sqlite3.Connection) -> None:
-        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
-            raise BrokerError(f"{self._path}: cannot use WAL mode (got {mode!r})")
-        conn.execute("PRAGMA synchronous=NORMAL")
+        wanted = self._journal_mode
+        mode = conn.execute(f"PRAGMA journal_mode={wanted}").fetchone()[0]
+        if str(mode).lower() != wanted.lower():
+            raise BrokerError(f"{self._path}: cannot use journal mode {wanted} (got {mode!r})")
+        # WAL: the WAL is written before a commit returns, which survives a process kill.
+        # A rollback journal: FULL syncs the journal before the database is changed.
+        conn.execute("PRAGMA synchronous=NORMAL" if wanted == "WAL" else "PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA mmap_size=0")  # see the module docstring: errors, not signals
         conn.execute("PRAGMA temp_store=MEMORY")
         conn.execute("PRAGMA cache_size=-16000")
         for pragma in self._pragmas:

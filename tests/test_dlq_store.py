@@ -1188,7 +1188,10 @@ async def test_sqlite_file_persists_and_refuses_a_newer_schema(
     async with await open_sqlite_dlq(path, clock=clock) as store:
         assert await store.count(DeadLetterFilter()) == 1
     with sqlite3.connect(path) as conn:
-        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        # A rollback journal: no WAL, no memory-mapped -shm beside the file.
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal"
+        beside = {p.name for p in path.parent.iterdir()} - {"dlq.db", "dlq.db-journal"}
+        assert not beside
         conn.execute("UPDATE dlq_meta SET value = '99' WHERE key = 'schema_version'")
     conn.close()
     with pytest.raises(DlqError, match="newer"):

@@ -167,6 +167,47 @@ async def test_kill_9_loses_nothing(workspace: Workspace, kafka: KafkaBroker) ->
     assert duplicates <= kills * partitions * buffer, duplicates
 
 
+async def test_a_crash_redelivers_at_most_delivery_buffer(
+    workspace: Workspace, kafka: KafkaBroker
+) -> None:
+    """What a kill -9 leaves delivered and not committed at the broker: delivery.buffer at most."""
+    ns = Namespace()
+    topic, name = ns("orders"), ns("loyalty")
+    count, kills, buffer = 30_000, 3, 200
+    kafka_config(workspace, kafka.bootstrap)
+    publish(workspace, topic, count, partitions=1)
+    rng = random.Random(3)
+    above: list[int] = []
+    async with HandlerServer() as handler:  # fast: commits, not deliveries, fall behind
+        workspace.write_integration(
+            name, integration_yaml(name, handler.url, topic=topic, workers=32, buffer=buffer)
+        )
+        init(workspace)
+        for _ in range(kills):
+            proxy = await workspace.start("run")
+            before = len(handler.ledger)
+
+            def delivering(ledger: Ledger, before: int = before) -> bool:
+                return len(ledger) > before + 3000
+
+            await handler.ledger.wait_until(delivering, timeout_s=90)
+            await asyncio.sleep(rng.uniform(0.1, 0.5))
+            kill_hard(proxy)
+            await proxy.wait()
+            [(committed_offset, _)] = await asyncio.to_thread(committed, workspace, topic, name)
+            # Delivered by this run and not committed: what the next run delivers again.
+            run = list(handler.ledger)[before:]
+            above.append(
+                len({e.offset for e in run if e.done and (e.offset or 0) >= committed_offset})
+            )
+        proxy = await workspace.start("run")
+        await handler.ledger.wait_for(count, timeout_s=240)
+        await wait_committed(workspace, topic, name, timeout_s=60)
+        assert await stop_gracefully(proxy) == 0, workspace.logs()
+    print(f"delivered above the committed offset at each kill: {above} (buffer {buffer})")
+    assert max(above) <= buffer, above
+
+
 async def test_a_survivor_takes_over_a_killed_members_partitions(
     tmp_path: Path, kafka: KafkaBroker
 ) -> None:

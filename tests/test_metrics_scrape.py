@@ -72,6 +72,7 @@ FAMILIES = {
     "retries and dlq": [
         "nemesis_retry_publishes",
         "nemesis_dlq_writes",
+        "nemesis_dlq_waiting_messages",
         "nemesis_retry_tier_delay_seconds",
     ],
     "breaker": [

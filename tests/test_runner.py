@@ -11,14 +11,14 @@ import json
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
 
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.broker.embedded.reader import EmbeddedReader
-from nemesis.broker.port import ConsumerSpec, OutgoingMessage
+from nemesis.broker.port import ConsumerSpec, Message, OutgoingMessage, TopicReader
 from nemesis.clock import SystemClock
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
 from nemesis.delivery.http import http_transport
@@ -514,3 +514,46 @@ async def test_a_failure_settling_a_turn_of_answers_fails_the_run_instead_of_sta
         await asyncio.wait_for(runner.run(), timeout=10)
     assert raised.group_contains(RuntimeError, match="a listener failed")
     assert runner.state is RunnerState.STOPPED
+
+
+class _HeldCommits:
+    """A real reader whose commits wait until ``release``: a broker slow to confirm them."""
+
+    def __init__(self, reader: TopicReader) -> None:
+        self._reader = reader
+        self.released = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+    async def commit(self, messages: Sequence[Message]) -> None:
+        await self.released.wait()
+        await self._reader.commit(messages)
+
+
+async def test_what_is_delivered_and_not_committed_stays_within_the_buffer(
+    broker: EmbeddedBroker, handler: HandlerServer
+) -> None:
+    buffer = 50
+    await publish(broker, 2000, partitions=1)
+    held: list[_HeldCommits] = []
+
+    async def open_reader() -> TopicReader:
+        held.append(_HeldCommits(await broker.reader("orders", "it")))
+        return cast(TopicReader, held[0])
+
+    cfg = config(handler.url, delivery={"buffer": buffer, "workers": 8})
+    transport = http_transport(cfg.target, integration=cfg.name, max_connections=8)
+    runner = IntegrationRunner(cfg, broker, transport, options=FAST, open_reader=open_reader)
+    task = asyncio.create_task(runner.run())
+    await handler.ledger.wait_for(buffer, timeout_s=30)
+    # The handler is fast and the commits do not come back: a crash now would deliver
+    # again everything delivered so far, so the flow takes no more than the buffer.
+    await asyncio.sleep(0.5)
+    assert len([e for e in handler.ledger if e.done]) == buffer
+    held[0].released.set()
+    await handler.ledger.wait_for(2000, timeout_s=60)
+    await wait_until_true(lambda: runner.statistics().outstanding == 0)
+    runner.stop()
+    await task
+    assert await committed(broker) == {0: 2000}

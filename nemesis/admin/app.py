@@ -46,7 +46,7 @@ from nemesis.admin.access import AdminAccess
 from nemesis.admin.audit import AdminAudit, AuditStore, describe
 from nemesis.admin.docs import add_docs, secure_headers
 from nemesis.admin.server import ServiceFailures
-from nemesis.admin.status import integration_status, reload_result
+from nemesis.admin.status import dlq_unavailable, integration_status, reload_result
 from nemesis.config.models import NAME_PATTERN, AuthConfig
 from nemesis.config.overrides import LiveField
 from nemesis.dlq.port import Action, PageRequest
@@ -201,7 +201,7 @@ def create_admin_app(
         responses={503: {"model": schemas.Readiness, "description": "Not ready."}},
     )
     async def readiness(response: Response) -> schemas.Readiness:
-        """Readiness: the proxy runs its integrations and reaches its broker."""
+        """Readiness: the proxy runs its integrations, reaches its broker and its DLQ store."""
         reasons: list[str] = []
         if proxy.stopping:
             reasons.append("stopping: draining in-flight deliveries")
@@ -215,6 +215,9 @@ def create_admin_app(
                 reasons.append(f"broker unreachable for {down_s:.0f}s: {lag.last_error}")
         if services is not None:
             reasons.extend(services.reasons())
+        waiting = dlq_unavailable(r for g in proxy.groups.values() for r in g.runners.values())
+        if waiting is not None:
+            reasons.append(waiting)
         if reasons:
             response.status_code = 503
         return schemas.Readiness(

@@ -122,6 +122,7 @@ class FlowStatus(BaseModel):
     in_flight: int
     delayed: int
     halted: int  # keys held behind a message past its retries (on_exhausted: halt)
+    dlq_waiting: int = 0  # dead messages waiting for the dead-letter store, which cannot write
     unfinished: int
     uncommitted: int
     paused_partitions: int

@@ -11,9 +11,10 @@ from nemesis.errors import ConfigProblem
 from nemesis.resilience.breaker import BreakerState
 from nemesis.resilience.limits import Flow
 from nemesis.runtime.reload import ReloadReport
-from nemesis.runtime.runner import RunnerStats
+from nemesis.runtime.runner import IntegrationRunner, RunnerStats
 from nemesis.runtime.sizing import DEFAULT_HEADROOM
 from nemesis.runtime.telemetry import IntegrationSnapshot, seconds_since_last_read
+from nemesis.runtime.waiting import WaitingStatistics
 
 _BREAKER_STATES: Final[dict[BreakerState, Literal["closed", "open", "half_open"]]] = {
     BreakerState.CLOSED: "closed",
@@ -44,6 +45,7 @@ def integration_status(
             in_flight=stats.in_flight,
             delayed=stats.delayed,
             halted=stats.halted,
+            dlq_waiting=stats.dlq_waiting.messages,
             unfinished=stats.unfinished,
             uncommitted=stats.outstanding,
             paused_partitions=stats.paused_partitions,
@@ -163,11 +165,46 @@ def reload_result(report: ReloadReport) -> schemas.ReloadResult:
 
 
 def _with_stalled(issues: Mapping[str, str], flows: Sequence[RunnerStats]) -> dict[str, str]:
-    """The integration's issues, and for a flow without one, its stalled partitions."""
+    """The integration's issues, and for a flow without one, its stalled partitions.
+
+    Dead messages waiting for the dead-letter store come first: nothing is
+    dead-lettered while they wait.
+    """
     issues = dict(issues)
     for stats in flows:
-        if stats.stalled and stats.flow not in issues:
+        if stats.flow in issues:
+            continue
+        if stats.dlq_waiting.messages:
+            issues[stats.flow] = _waiting_issue(stats.dlq_waiting)
+        elif stats.stalled:
             reasons = sorted(stats.stalled.values())
             more = f" (and {len(reasons) - 1} more partitions)" if len(reasons) > 1 else ""
             issues[stats.flow] = reasons[0] + more
     return issues
+
+
+def _waiting_issue(waiting: WaitingStatistics) -> str:
+    return (
+        f"{DLQ_UNAVAILABLE}: {waiting.messages} dead messages wait for the dead-letter store:"
+        f" {waiting.last_error or 'it has not written yet'}"
+    )
+
+
+# The readiness reason (and flow issue) while dead messages wait for the store.
+DLQ_UNAVAILABLE: Final = "dlq_unavailable"
+
+
+def dlq_unavailable(runners: Iterable[IntegrationRunner]) -> str | None:
+    """Why the proxy is not ready while dead messages wait for the store; None if none do."""
+    waiting = [(runner.name, runner.dlq_waiting) for runner in runners]
+    waiting = [(name, stats) for name, stats in waiting if stats.messages]
+    if not waiting:
+        return None
+    names = sorted({name for name, _ in waiting})
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    messages = sum(stats.messages for _, stats in waiting)
+    last = next((s.last_error for _, s in waiting if s.last_error), "it has not written yet")
+    return (
+        f"{DLQ_UNAVAILABLE}: the dead-letter store cannot write; {messages} dead messages"
+        f" of {shown} wait for it (deliveries go on): {last}"
+    )

@@ -1,4 +1,4 @@
-"""The ``sqlite`` DLQ store: one SQLite file (WAL), every statement on a worker thread.
+"""The ``sqlite`` DLQ store: one SQLite file, every statement on a worker thread.
 
 What a DLQ store does is ``nemesis.dlq.core``; this module holds only the
 SQLite side of it: the schema, the index plans, the queries and how SQLite
@@ -7,8 +7,18 @@ spells a filter's conditions (``SqliteDialect``, for ``nemesis.dlq.sql``).
 Two connections, each owned by its own thread (``nemesis.sqlite_thread``,
 shared with the embedded broker): writes (``put``, status changes,
 retention) queue on one, reads (the UI's lists, counts, charts) on the
-other, so a slow chart never delays the runner's ``put`` and WAL lets both
-run at once.
+other, so a slow chart never queues ahead of the runner's ``put``.
+
+The file has a rollback journal (``TRUNCATE``, ``synchronous=FULL``), not a
+WAL, and nothing of it is memory-mapped: a folder that fills up, turns
+read-only or loses the file fails the calls that meet it (``DlqError``, which
+the runner rides out: dead messages wait for the store) and never ends the
+process with a signal, as WAL's mapped ``-shm`` index does when it is cut
+under the process. The price is a sync of the journal and of the file on
+every commit, and a commit that waits while a read is in progress (up to the
+busy timeout). Group commit pays the first back: the puts that arrive while
+a transaction is being written share the next one (``_PutGroup``), so
+concurrent flows dead-lettering at once pay one commit between them.
 
 Speed at millions of rows comes from the indexes, not from the planner's
 guesses: every list is ``(equality columns..., dead_lettered_us)`` on one
@@ -27,10 +37,12 @@ text, which ends at a NUL).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import os
 import sqlite3
+import threading
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -74,9 +86,12 @@ from nemesis.dlq.sql import (
     Kind,
 )
 from nemesis.errors import BrokerError, BrokerTimeout, DlqError, DlqTimeout
-from nemesis.sqlite_thread import SqliteThread, read_transaction, write_transaction
+from nemesis.sqlite_thread import SqliteThread, read_transaction, translate, write_transaction
 
 T = TypeVar("T")
+
+# A rollback journal, truncated after each commit (no -shm to map; see the module docstring).
+JOURNAL_MODE = "TRUNCATE"
 
 # Branches of one list query; a filter that would need more falls back to an
 # index that needs fewer (in the end the time index, filtering as it goes).
@@ -410,23 +425,85 @@ _INSERT_SIGNATURE = (
 )
 
 
-def _put_job(conn: sqlite3.Connection, letters: Sequence[DeadLetter], now_us: int) -> PutResult:
+def _put_letters(conn: sqlite3.Connection, letters: Sequence[DeadLetter], now_us: int) -> PutResult:
+    """One put's statements, inside the caller's write transaction."""
     ids = sorted({letter.id for letter in letters})
     existing: dict[str, Row] = {}
-    with write_transaction(conn):
-        for chunk in chunks(ids, ID_CHUNK):
-            cursor = conn.execute(
-                f"SELECT {', '.join(FAILURE_COLUMNS)} FROM dlq_letters"
-                f" WHERE id IN ({_marks(len(chunk))})",
-                chunk,
-            )
-            existing.update((r["id"], r) for r in _dicts(cursor))
-        # INSERT ... DO NOTHING: the signatures table needs no read first.
-        folded = fold_failures(letters, existing, (), now_us)
-        conn.executemany(_INSERT_SIGNATURE, folded.signatures)
-        conn.executemany(_INSERT_LETTER, folded.inserts)
-        conn.executemany(_UPDATE_LETTER, folded.updates)
+    for chunk in chunks(ids, ID_CHUNK):
+        cursor = conn.execute(
+            f"SELECT {', '.join(FAILURE_COLUMNS)} FROM dlq_letters"
+            f" WHERE id IN ({_marks(len(chunk))})",
+            chunk,
+        )
+        existing.update((r["id"], r) for r in _dicts(cursor))
+    # INSERT ... DO NOTHING: the signatures table needs no read first.
+    folded = fold_failures(letters, existing, (), now_us)
+    conn.executemany(_INSERT_SIGNATURE, folded.signatures)
+    conn.executemany(_INSERT_LETTER, folded.inserts)
+    conn.executemany(_UPDATE_LETTER, folded.updates)
     return folded.result
+
+
+_Put = tuple[Sequence[DeadLetter], int]  # a put's letters and its time
+
+
+class _PutGroup:
+    """Puts that share one write transaction: every one that joins before its job starts.
+
+    The loop adds puts (``join``) while the job waits in the writer's queue;
+    the writer's thread seals it as the job starts (``seal``), and a put that
+    comes later starts the next group. One lock, held for an append.
+    """
+
+    __slots__ = ("_lock", "_puts", "_sealed", "answers")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._puts: list[_Put] = []
+        self._sealed = False
+        # The job's answer: one per put, in the order they joined.
+        self.answers: asyncio.Future[list[PutResult | BrokerError]] | None = None
+
+    def join(self, put: _Put) -> int | None:
+        """Adds a put and returns its place; None once the job has started."""
+        with self._lock:
+            if self._sealed:
+                return None
+            self._puts.append(put)
+            return len(self._puts) - 1
+
+    def seal(self) -> list[_Put]:
+        """Called by the job as it starts: the group is what it holds now."""
+        with self._lock:
+            self._sealed = True
+            return self._puts
+
+
+def _put_group_job(
+    conn: sqlite3.Connection, group: _PutGroup, path: Path
+) -> list[PutResult | BrokerError]:
+    """The group's puts in one transaction; if it fails, each put alone.
+
+    Alone, a put that cannot be written (its own letters, or the disk) fails
+    only its own caller; a failure of the file fails each of them the same.
+    """
+    puts = group.seal()
+    if len(puts) > 1:
+        try:
+            with write_transaction(conn):
+                return [_put_letters(conn, letters, now_us) for letters, now_us in puts]
+        except sqlite3.Error:
+            pass
+    answers: list[PutResult | BrokerError] = []
+    for letters, now_us in puts:
+        answer: PutResult | BrokerError
+        try:
+            with write_transaction(conn):
+                answer = _put_letters(conn, letters, now_us)
+        except sqlite3.Error as exc:  # in the body or in the COMMIT
+            answer = translate(exc, path)
+        answers.append(answer)
+    return answers
 
 
 def _rows_job(conn: sqlite3.Connection, letter_ids: Sequence[str]) -> list[dict[str, Any]]:
@@ -687,20 +764,25 @@ class SqliteDeadLetterStore(StoreCore):
         super().__init__(clock=clock, retention_s=retention_s)
         self.path = path
         self._timeout_s = timeout_s
-        self._writer = SqliteThread(path, "dlq-write", busy_timeout_s=busy_timeout_s)
+        self._writer = SqliteThread(
+            path, "dlq-write", busy_timeout_s=busy_timeout_s, journal_mode=JOURNAL_MODE
+        )
         self._reader = SqliteThread(
             path,
             "dlq-read",
             busy_timeout_s=busy_timeout_s,
             # A larger page cache keeps the list indexes of a million rows in memory.
             pragmas=("query_only=ON", "cache_size=-65536"),
+            journal_mode=JOURNAL_MODE,
         )
+        self._puts: _PutGroup | None = None  # the group new puts join, while it waits
 
     async def open(self) -> None:
         """Opens both connections and creates (or checks) the schema."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            # The write connection switches the file to WAL before the reader opens.
+            # The write connection sets the journal mode before the reader opens (a file
+            # of an earlier version is in WAL: switching needs the only connection).
             await self._translated(self._writer.open(self._timeout_s))
             await self._call(self._writer, _create_schema)
             await self._translated(self._reader.open(self._timeout_s))
@@ -724,7 +806,34 @@ class SqliteDeadLetterStore(StoreCore):
     # --- the primitives of ``StoreCore`` --------------------------------------------
 
     async def _put(self, letters: Sequence[DeadLetter], now_us: int) -> PutResult:
-        return await self._call(self._writer, partial(_put_job, letters=letters, now_us=now_us))
+        put = (letters, now_us)
+        group = self._puts
+        place = None if group is None else group.join(put)
+        if group is None or place is None:
+            group = _PutGroup()
+            place = group.join(put)
+            assert place is not None  # nobody has started its job yet
+            try:
+                answers = self._writer.start(
+                    partial(_put_group_job, group=group, path=self.path), timeout_s=self._timeout_s
+                )
+            except BrokerError as exc:  # closed
+                raise self._translate(exc) from exc
+            self._puts = group
+            answers.add_done_callback(partial(self._answered, group))
+            group.answers = answers
+        assert group.answers is not None
+        # Shielded: a caller that is cancelled leaves the job to the group's other puts.
+        answer = (await self._translated(asyncio.shield(group.answers)))[place]
+        if isinstance(answer, BrokerError):
+            raise self._translate(answer) from answer
+        return answer
+
+    def _answered(self, group: _PutGroup, answers: asyncio.Future[Any]) -> None:
+        if self._puts is group:
+            self._puts = None  # its letters need not stay in memory
+        if not answers.cancelled():
+            answers.exception()  # every caller may have gone: the failure was theirs
 
     async def _rows(self, letter_ids: Sequence[str]) -> Sequence[Row]:
         return await self._call(self._reader, partial(_rows_job, letter_ids=letter_ids))
@@ -785,10 +894,13 @@ class SqliteDeadLetterStore(StoreCore):
         # The worker threads speak the broker's error tree; the DLQ has its own.
         try:
             return await call
-        except BrokerTimeout as exc:
-            raise DlqTimeout(f"{self.path}: {exc}") from exc
         except BrokerError as exc:
-            raise DlqError(f"{self.path}: {exc}") from exc
+            raise self._translate(exc) from exc
+
+    def _translate(self, exc: BrokerError) -> DlqError:
+        if isinstance(exc, BrokerTimeout):
+            return DlqTimeout(f"{self.path}: {exc}")
+        return DlqError(f"{self.path}: {exc}")
 
 
 async def open_sqlite_dlq(

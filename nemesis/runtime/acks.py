@@ -123,6 +123,12 @@ class PartitionAcks:
             taken.append(message)
         return taken
 
+    @property
+    def blocked(self) -> bool:
+        """Whether its first uncommitted message is unfinished: nothing of it can be committed."""
+        pending = self._pending
+        return bool(pending) and pending[0].offset not in self._done
+
     def oldest_unfinished(self) -> Message | None:
         done = self._done
         for message in self._pending:

@@ -69,7 +69,7 @@ from nemesis.metrics import LoopCounter, LoopHistogram, Metrics, status_class
 from nemesis.pipeline import Pipeline, Verdict
 from nemesis.resilience.breaker import BreakerState, CircuitBreaker, is_healthy
 from nemesis.resilience.limits import Flow, FlowLimits
-from nemesis.runtime.acks import AckTracker, PartitionStats
+from nemesis.runtime.acks import AckTracker, PartitionStats, SessionKey, session_key
 from nemesis.runtime.events import EventFactory
 from nemesis.runtime.policy import failure_of, pipeline_failure
 from nemesis.runtime.retries import (
@@ -82,6 +82,7 @@ from nemesis.runtime.retries import (
 from nemesis.runtime.scheduler import Scheduler, Work
 from nemesis.runtime.settle import Settlement
 from nemesis.runtime.tracing import DeliveryTracing
+from nemesis.runtime.waiting import NOT_WAITING, WaitingStatistics
 from nemesis.runtime.workers import WorkerPool, WorkerSlot
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,8 @@ class RunnerStats:
     halted: int = 0  # keys (or partitions) halted behind a message past its retries
     # Partitions the reader holds and cannot deliver from, by (topic, partition): the reason.
     stalled: Mapping[tuple[str, int], str] = field(default_factory=dict)
+    # Dead messages waiting for the dead-letter store, which cannot write now.
+    dlq_waiting: WaitingStatistics = NOT_WAITING
 
 
 class IntegrationRunner:
@@ -222,6 +225,13 @@ class IntegrationRunner:
         self._admitted = asyncio.Event()  # set by every read that admitted messages
         self._commit_lock = asyncio.Lock()
         self._paused_sessions: dict[tuple[str, int, int], PartitionSession] = {}
+        self._held_back: set[tuple[str, int, int]] = set()  # paused by ``_hold_back``
+        # Messages taken from the tracker for a commit the broker has not confirmed yet, by
+        # partition session, in offset order: uncommitted until it does (``_uncommitted``),
+        # and committed again at the next round when it failed.
+        self._unconfirmed: dict[SessionKey, list[Message]] = {}
+        self._failed_commits: dict[SessionKey, int] = {}  # the last offset logged as failed
+        self._commit_soon = asyncio.Event()  # the intake waits for a commit: commit now
         self._pool: WorkerPool | None = None
         self._reader: TopicReader | None = None
         self._in_flight = 0
@@ -334,7 +344,14 @@ class IntegrationRunner:
             skipped=self._skipped,
             halted=len(self._halted),
             stalled={} if reader is None else dict(reader.stalled()),
+            dlq_waiting=self.dlq_waiting,
         )
+
+    @property
+    def dlq_waiting(self) -> WaitingStatistics:
+        """Dead messages waiting for the dead-letter store (none while it writes)."""
+        waiting = self._settlement.waiting
+        return NOT_WAITING if waiting is None else waiting.statistics()
 
     # --- the run ------------------------------------------------------------
 
@@ -364,6 +381,12 @@ class IntegrationRunner:
                     tasks.create_task(self._commit_loop(reader), name=f"{label}:commit"),
                     tasks.create_task(self._scheduler.run_timers(), name=f"{label}:timers"),
                 ]
+                if self._settlement.waiting is not None:
+                    helpers.append(
+                        tasks.create_task(
+                            self._settlement.waiting.run(), name=f"{label}:dead-letters"
+                        )
+                    )
                 pool = self._pool = WorkerPool(tasks, self._worker, name=label)
                 pool.resize(self.config.delivery.workers)
                 await self._stopping.wait()
@@ -420,14 +443,14 @@ class IntegrationRunner:
             self._state = RunnerState.RUNNING
             # Read every round: the buffer may be changed while running.
             buffer = self.config.delivery.buffer
-            free = buffer - self._tracker.unfinished
+            free = self._free(buffer)
             refill = _refill_at(buffer, self._options.max_receive)
             if free < refill:
                 # Under load the buffer is refilled in reads of some size, not a read per
                 # finished message (each read is a trip to the broker). stop() sets
                 # _progress too, so a plain wait on it is enough.
                 self._progress.clear()
-                if buffer - self._tracker.unfinished < refill:
+                if self._free(buffer) < refill and not self._hold_back(reader, buffer, refill):
                     await self._progress.wait()
                 continue
             self._flow_control(reader)
@@ -453,6 +476,57 @@ class IntegrationRunner:
                 # the second, before the intake's round.
                 await asyncio.sleep(0)
                 await asyncio.sleep(0)
+
+    def _free(self, buffer: int) -> int:
+        """Room for more messages: the buffer less what is unfinished, or less what is uncommitted.
+
+        The bound of a crash's redelivery: no more than ``delivery.buffer``
+        messages are read and not committed at the broker (done ones included),
+        outside the partitions paused behind a message that does not finish
+        (each of those holds up to ``delivery.buffer`` of its own). When done
+        messages wait for their commit, the commit loop is woken to send it.
+        """
+        uncommitted = self._uncommitted()
+        if uncommitted >= buffer // 2:
+            self._commit_soon.set()
+        return buffer - max(self._tracker.unfinished, uncommitted)
+
+    def _hold_back(self, reader: TopicReader, buffer: int, refill: int) -> bool:
+        """Pauses the partitions whose uncommitted messages wait behind an unfinished one.
+
+        Called when the flow cannot read for its uncommitted messages: those of
+        a partition whose first message has not finished cannot be committed,
+        and would keep the others from reading until it does. Held back, they
+        count apart (up to ``delivery.buffer`` each, as any paused partition);
+        the partition reads again once that message finishes. Whether any was.
+        """
+        held = False
+        if buffer - self._tracker.unfinished < refill:
+            return held  # the unfinished ones fill the buffer: holding back frees nothing
+        for acks in self._tracker.partitions():
+            session = acks.session
+            if session is None or not acks.blocked or acks.outstanding < refill:
+                continue
+            key = (session.topic, session.partition, session.id)
+            if key not in self._paused_sessions:
+                reader.pause(session)
+                self._paused_sessions[key] = session
+                self._held_back.add(key)
+                held = True
+        return held
+
+    def _uncommitted(self) -> int:
+        """Read and not committed at the broker, in the partitions that are not paused."""
+        paused = self._paused_sessions
+        held = 0
+        for acks in self._tracker.partitions():
+            session = acks.session
+            if session is None or (session.topic, session.partition, session.id) not in paused:
+                held += acks.outstanding
+        for key, messages in self._unconfirmed.items():
+            if key not in paused:
+                held += len(messages)
+        return held
 
     def _admit(self, messages: Sequence[Message]) -> None:
         admitted = 0
@@ -489,15 +563,23 @@ class IntegrationRunner:
             if session is None:
                 continue
             key = (session.topic, session.partition, session.id)
-            if key not in self._paused_sessions and acks.outstanding >= cap:
+            # Taken for a commit the broker has not confirmed: still uncommitted.
+            outstanding = acks.outstanding + len(self._unconfirmed.get(key, ()))
+            if key not in self._paused_sessions and outstanding >= cap:
                 reader.pause(session)
                 self._paused_sessions[key] = session
-            elif key in self._paused_sessions and acks.outstanding <= cap // 2:
+            elif key in self._held_back:
+                if not acks.blocked and outstanding < cap:  # what held it finished
+                    reader.resume(session)
+                    del self._paused_sessions[key]
+                    self._held_back.discard(key)
+            elif key in self._paused_sessions and outstanding <= cap // 2:
                 reader.resume(session)
                 del self._paused_sessions[key]
         for key, session in list(self._paused_sessions.items()):
             if not session.alive:
                 del self._paused_sessions[key]
+                self._held_back.discard(key)
 
     # --- workers ------------------------------------------------------------
 
@@ -827,12 +909,16 @@ class IntegrationRunner:
     async def _commit_loop(self, reader: TopicReader) -> None:
         tracker = self._tracker
         while True:
-            await self._clock.sleep(self._options.commit_interval_s)
+            # Every interval, or at once when the intake waits for the commit.
+            await first_of(
+                self._clock.sleep(self._options.commit_interval_s), self._commit_soon.wait()
+            )
+            self._commit_soon.clear()
             # Shielded: the runs are taken from the tracker before they are sent, so a
             # cancelled commit would lose them; the final commit waits for this one.
             await asyncio.shield(self._commit(reader))
             self._flow_control(reader)
-            if tracker.outstanding == 0 and not self._paused_sessions:
+            if tracker.outstanding == 0 and not self._paused_sessions and not self._unconfirmed:
                 # Nothing read and not yet committed, nothing paused: nothing to do until
                 # the next read, so an idle flow (a retry tier, say) does not wake on a timer.
                 self._admitted.clear()
@@ -848,15 +934,26 @@ class IntegrationRunner:
         dropped = unfinished_before - self._tracker.unfinished
         if dropped:
             self._progress.set()
+        unconfirmed = self._unconfirmed
+        for key, messages in list(unconfirmed.items()):
+            if not messages[0].alive:
+                del unconfirmed[key]  # its next owner reads them again, whatever we did
+                self._failed_commits.pop(key, None)
         for run in runs:
+            key = session_key(run[0])
+            unconfirmed[key] = [*unconfirmed.get(key, ()), *run]
+        for key, run in list(unconfirmed.items()):
             try:
                 async with asyncio.timeout(self._options.commit_timeout_s):
                     await reader.commit(run)
             except (BrokerError, TimeoutError) as exc:
-                # Not fatal: the next commit of this partition covers these offsets too,
-                # and if none comes they are delivered again (at-least-once).
+                # Not fatal: the next round commits them again with what finished since;
+                # after a crash meanwhile they are delivered again (at-least-once).
                 self._m_commit_failures.inc()
                 last = run[-1]
+                if self._failed_commits.get(key) == last.offset:
+                    continue  # the same commit again: said once
+                self._failed_commits[key] = last.offset
                 self._log.warning(
                     "integration %s: commit of %s/%s up to %d failed: %s",
                     self.name,
@@ -867,6 +964,9 @@ class IntegrationRunner:
                     extra={"topic": last.topic, "partition": last.partition, "offset": last.offset},
                 )
                 continue
+            del unconfirmed[key]
+            self._failed_commits.pop(key, None)
+            self._progress.set()
             self._m_commits.inc()
             self._m_committed.inc(len(run))
             self._last_commit_at = self._clock.monotonic()

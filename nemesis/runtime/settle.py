@@ -8,6 +8,9 @@ after the tier write or the DLQ write returned, so a crash in between
 delivers the message again (at-least-once; the DLQ row is idempotent, a
 duplicate in a tier is delivered twice under the same ``ce-id``).
 
+A dead message the store cannot take waits, unacknowledged, and is written
+later (``nemesis.runtime.waiting``): the rest of the flow goes on.
+
 Logs: each dead letter is a warning, and so is a halt; each carries as fields
 (``nemesis.logs``) the integration, flow, event id, source topic, partition
 and offset, attempt, trace id and, for a dead letter, the reason; never the
@@ -30,6 +33,7 @@ from nemesis.broker.port import Message, OutgoingMessage, TopicWriter
 from nemesis.clock import Clock
 from nemesis.config.models import IntegrationConfig
 from nemesis.dlq import DeadLetter, DeadLetterStore, Reason
+from nemesis.errors import DlqError
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import CircuitBreaker
 from nemesis.runtime.events import event_id
@@ -50,6 +54,7 @@ from nemesis.runtime.retries import (
     source_metadata,
 )
 from nemesis.runtime.scheduler import Scheduler, Work
+from nemesis.runtime.waiting import WaitingDeadLetters
 from nemesis.topology import (
     META_ATTEMPTS,
     META_DUE_AT,
@@ -106,6 +111,19 @@ class Settlement:
             for n in range(1, len(config.retry.tiers) + 1)
         }
         self._retries = _RetryLog(config.name, flow.name, clock)
+        # Dead messages the store could not take yet; the runner runs its retries.
+        self.waiting = (
+            None
+            if dlq is None
+            else WaitingDeadLetters(
+                config.name,
+                flow.name,
+                dlq,
+                clock=clock,
+                written=self._written,
+                let_go=scheduler.done,
+            )
+        )
 
     def health(self, work: Work) -> Health:
         """The handler's health as the breaker sees it now, and since ``work`` last failed."""
@@ -137,7 +155,6 @@ class Settlement:
         if action is Action.DEAD_LETTER:
             assert decision.reason is not None
             await self._dead_letter(work, failure, decision.reason)
-            self._finish(work)
         elif action is Action.TO_TIER:
             await self._publish(work, failure, decision.tier, decision.delay_s)
             self._retries.note(failure, decision, self._fields(work))
@@ -236,45 +253,58 @@ class Settlement:
         self._m_published[tier].inc()
 
     async def _dead_letter(self, work: Work, failure: Failure, reason: Reason) -> None:
-        assert self._dlq is not None  # the policy dead-letters only with a store
+        """Writes the message to the DLQ and finishes it; if the store cannot, it waits."""
+        # The policy dead-letters only with a store.
+        assert self._dlq is not None
+        assert self.waiting is not None
         message = work.message
         source = origin(message)
         now = self._clock.time()
-        await self._dlq.put(
-            [
-                DeadLetter(
-                    integration=self._name,
-                    event_id=event_id(message),
-                    payload=message.value,
-                    reason=reason,
-                    error=failure.error or failure.summary,
-                    source_topic=source.topic,
-                    source_partition=source.partition,
-                    source_offset=source.offset,
-                    attempts=work.attempt,
-                    http_status=failure.http_status,
-                    key=message.key,
-                    metadata=source_metadata(message) | _trace_kept(work),
-                    headers=message.headers,
-                    tombstone=message.tombstone,
-                    stage=failure.stage,
-                    first_failure_at=work.first_failure_at or first_failure_at(message) or now,
-                    dead_lettered_at=now,
-                )
-            ]
+        letter = DeadLetter(
+            integration=self._name,
+            event_id=event_id(message),
+            payload=message.value,
+            reason=reason,
+            error=failure.error or failure.summary,
+            source_topic=source.topic,
+            source_partition=source.partition,
+            source_offset=source.offset,
+            attempts=work.attempt,
+            http_status=failure.http_status,
+            key=message.key,
+            metadata=source_metadata(message) | _trace_kept(work),
+            headers=message.headers,
+            tombstone=message.tombstone,
+            stage=failure.stage,
+            first_failure_at=work.first_failure_at or first_failure_at(message) or now,
+            dead_lettered_at=now,
         )
-        self._metrics.dlq_writes.labels(self._name, reason.value).inc()
+        if self.waiting.outage:
+            # The store is down: no worker waits on it.
+            self.waiting.add(work, letter, failure.summary)
+            return
+        try:
+            await self._dlq.put([letter])
+        except DlqError as exc:
+            self.waiting.add(work, letter, failure.summary, exc)
+            return
+        self._written(work, letter, failure.summary)
+
+    def _written(self, work: Work, letter: DeadLetter, summary: str) -> None:
+        """A dead letter the store took: counted, logged, and its message finished."""
+        self._metrics.dlq_writes.labels(self._name, letter.reason.value).inc()
         log.warning(
             "integration %s: %s/%s@%s dead-lettered (%s) after %d attempts: %s",
             self._name,
-            source.topic,
-            source.partition,
-            source.offset,
-            reason.value,
-            work.attempt,
-            failure.summary,
-            extra={**self._fields(work), "reason": reason.value},
+            letter.source_topic,
+            letter.source_partition,
+            letter.source_offset,
+            letter.reason.value,
+            letter.attempts,
+            summary,
+            extra={**self._fields(work), "reason": letter.reason.value},
         )
+        self._finish(work)
 
 
 class _RetryLog:

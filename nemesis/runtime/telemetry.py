@@ -104,6 +104,12 @@ def _runner_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
             " ran out (retry.on_exhausted: halt), until the handler accepts it.",
             labels,
         ),
+        "dlq_waiting": _gauge(
+            "nemesis_dlq_waiting_messages",
+            "Dead messages waiting, unacknowledged, for the dead-letter store, which cannot"
+            " write now; written as soon as it can.",
+            labels,
+        ),
         "unfinished": _gauge(
             "nemesis_unfinished_messages",
             "Messages read and not done: the fill of delivery.buffer.",
@@ -156,6 +162,7 @@ def _runner_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
                 "in_flight": stats.in_flight,
                 "delayed": stats.delayed,
                 "halted": stats.halted,
+                "dlq_waiting": stats.dlq_waiting.messages,
                 "unfinished": stats.unfinished,
                 "uncommitted": stats.outstanding,
                 "paused_partitions": stats.paused_partitions,
