@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -221,6 +221,7 @@ async def test_pause_stops_reading_and_resume_reads_again(broker: EmbeddedBroker
 async def test_shrinking_cancels_only_idle_workers_and_lets_busy_ones_finish() -> None:
     finished: list[int] = []
     queue: asyncio.Queue[int] = asyncio.Queue()
+    delivered = asyncio.Event()  # a "delivery" lasts until the test lets it end
 
     async def work(slot: WorkerSlot) -> None:
         while not slot.retiring:
@@ -229,29 +230,31 @@ async def test_shrinking_cancels_only_idle_workers_and_lets_busy_ones_finish() -
                 item = await queue.get()
             finally:
                 slot.idle = False
-            await asyncio.sleep(0.05)  # "delivering": must never be cancelled
+            await delivered.wait()  # "delivering": must never be cancelled
             finished.append(item)
+
+    async def until(condition: Callable[[], bool]) -> None:
+        await wait_until_true(condition, timeout_s=30, step_s=0.001)
 
     async with asyncio.TaskGroup() as tasks:
         pool = WorkerPool(tasks, work, name="test")
         pool.resize(8)
-        await asyncio.sleep(0)
         for item in range(3):
             queue.put_nowait(item)
-        await asyncio.sleep(0.01)  # three workers hold an item, five are idle
-        assert (pool.size, pool.busy) == (8, 3)
+        await until(lambda: pool.busy == 3)  # three workers hold an item, five are idle
+        assert pool.size == 8
         pool.resize(1)
         assert pool.size == 1
-        await asyncio.sleep(0.01)
         # The idle ones left at once; two busy ones retire after their item.
-        assert (pool.busy, pool.retiring) == (3, 2)
-        await asyncio.sleep(0.1)
+        await until(lambda: (pool.busy, pool.retiring) == (3, 2))
+        assert finished == []
+        delivered.set()
+        await until(lambda: (pool.size, pool.busy, pool.retiring) == (1, 0, 0))
         assert sorted(finished) == [0, 1, 2]
-        assert (pool.size, pool.busy, pool.retiring) == (1, 0, 0)
         for item in range(3, 6):
             queue.put_nowait(item)
         pool.resize(3)  # growing again
-        await asyncio.sleep(0.2)
+        await until(lambda: len(finished) == 6)
         assert sorted(finished) == list(range(6))
         assert queue.empty()
         pool.close()
