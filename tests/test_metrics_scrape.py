@@ -385,7 +385,12 @@ def test_the_dashboard_has_a_row_per_concern_and_valid_panels() -> None:
     rows = [panel["title"] for panel in document["panels"] if panel["type"] == "row"]
     assert all(concern in rows for concern in CONCERNS), rows
     variables = {v["name"] for v in document["templating"]["list"]}
-    assert variables == {"datasource", "integration"}
+    assert variables == {"datasource", "team", "integration"}
+    # A team picks its integrations: the team's owners, from nemesis_integration_info.
+    [integration] = [v for v in document["templating"]["list"] if v["name"] == "integration"]
+    assert integration["query"]["query"] == (
+        'label_values(nemesis_integration_info{team=~"$team"}, integration)'
+    )
     ids = [panel["id"] for panel in dashboard_panels()]
     assert len(ids) == len(set(ids))
     for panel in dashboard_panels():
