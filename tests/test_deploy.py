@@ -673,3 +673,46 @@ def test_the_deploy_readme_lists_every_shipped_alert() -> None:
     alerts = {rule["alert"] for group in rules["groups"] for rule in group["rules"]}
     readme = (DEPLOY / "README.md").read_text()
     assert {alert for alert in alerts if f"`{alert}`" not in readme} == set()
+
+
+# Alertmanager's configuration keys (prometheus/alertmanager config/config.go), enough
+# for what the example uses: an unknown key there is refused by Alertmanager itself.
+_ROUTE_KEYS = {"receiver", "group_by", "group_wait", "group_interval", "repeat_interval"}
+_ROUTE_KEYS |= {"matchers", "routes", "continue"}
+_MATCHER = re.compile(r'(\w+)(=|!=|=~|!~)"([^"]*)"')
+
+
+def test_the_alertmanager_example_routes_each_owner_team_to_its_receiver() -> None:
+    path = DEPLOY / "prometheus/alertmanager.yaml"
+    amtool = shutil.which("amtool")
+    if amtool is not None:  # Debian's prometheus-alertmanager ships it
+        checked = subprocess.run(
+            [amtool, "check-config", str(path)], capture_output=True, text=True, check=False
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    settings = load(path)
+    assert set(settings) <= {"global", "route", "receivers", "inhibit_rules", "templates"}
+    receivers = {receiver["name"] for receiver in settings["receivers"]}
+    assert len(receivers) == len(settings["receivers"])
+    route = settings["route"]
+    assert set(route) <= _ROUTE_KEYS
+    assert route["receiver"] in receivers  # alerts with no team, or team="unknown"
+    routed: dict[str, str] = {}
+    for child in route["routes"]:
+        assert set(child) <= _ROUTE_KEYS, child
+        matchers = [_MATCHER.fullmatch(matcher) for matcher in child["matchers"]]
+        assert all(matchers), child["matchers"]
+        [(label, op, team)] = [m.groups() for m in matchers if m is not None]
+        assert (label, op) == ("team", "=")
+        assert child["receiver"] in receivers
+        routed[team] = child["receiver"]
+    # Every owner of the shipped integrations has its route.
+    owners = {
+        owner
+        for folder in (REPO / "integrations", DEPLOY / "config" / "integrations")
+        for file in folder.glob("*.yaml")
+        for owner in load(file)["owners"]
+    }
+    assert owners <= set(routed), owners - set(routed)
+    for rule in settings["inhibit_rules"]:
+        assert all(_MATCHER.fullmatch(m) for m in rule["source_matchers"] + rule["target_matchers"])

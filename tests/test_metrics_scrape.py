@@ -103,6 +103,7 @@ FAMILIES = {
         "nemesis_config_last_reload_success_timestamp_seconds",
         "nemesis_config_override",
         "nemesis_integration_paused",
+        "nemesis_integration_info",
         "nemesis_disabled_type_skips",
         "nemesis_workers_recommended",
         "nemesis_lag_refresh_age_seconds",
@@ -289,6 +290,9 @@ def test_the_values_are_sane(scrapes: Scrapes) -> None:
     assert value_of(after, "nemesis_retry_tier_delay_seconds", integration="it", tier="1") == 0.2
     assert value_of(after, "process_resident_memory_bytes") > 10_000_000
     assert value_of(after, "nemesis_build_info")
+    # The owning team, from the YAML's owners, on one info series per integration.
+    for scrape in (flowing, after):
+        assert scrape["nemesis_integration_info"] == [({"integration": "it", "team": "team-it"}, 1)]
 
 
 def test_promtool_accepts_the_scrape(scrapes: Scrapes) -> None:
@@ -324,6 +328,7 @@ def test_no_label_value_is_unbounded(scrapes: Scrapes) -> None:
         "minor",
         "patchlevel",
         "operation",  # the fleet's state store calls: a fixed set
+        "team",  # the first of an integration's owners: one per integration
     }
     for text in scrapes.texts():
         for family in text_string_to_metric_families(text):
@@ -381,7 +386,12 @@ def test_the_dashboard_has_a_row_per_concern_and_valid_panels() -> None:
     rows = [panel["title"] for panel in document["panels"] if panel["type"] == "row"]
     assert all(concern in rows for concern in CONCERNS), rows
     variables = {v["name"] for v in document["templating"]["list"]}
-    assert variables == {"datasource", "integration"}
+    assert variables == {"datasource", "team", "integration"}
+    # A team picks its integrations: the team's owners, from nemesis_integration_info.
+    [integration] = [v for v in document["templating"]["list"] if v["name"] == "integration"]
+    assert integration["query"]["query"] == (
+        'label_values(nemesis_integration_info{team=~"$team"}, integration)'
+    )
     ids = [panel["id"] for panel in dashboard_panels()]
     assert len(ids) == len(set(ids))
     for panel in dashboard_panels():
@@ -457,3 +467,25 @@ def test_every_alert_names_exported_metrics(exported: set[str]) -> None:
         for rule in group["rules"]:
             names = set(_METRIC.findall(rule["expr"]))
             assert names <= exported, (rule["alert"], names - exported)
+
+
+def test_every_per_integration_alert_carries_the_team() -> None:
+    """Each rule with an integration label joins the team, and falls back to the same condition."""
+    form = re.compile(
+        r"\(\s*(?P<condition>.+?)\s*\)\s*"
+        r"\* on \(integration\) group_left \(team\)"
+        r" max by \(integration, team\) \(nemesis_integration_info\)\s*"
+        r"or on \(integration\)\s*"
+        r"label_replace\(\s*(?P<fallback>.+?)\s*, \"team\", \"unknown\", \"\", \"\"\s*\)\s*",
+        re.DOTALL,
+    )
+    joined = set()
+    for group in yaml.safe_load(ALERTS.read_text())["groups"]:
+        for rule in group["rules"]:
+            if "$labels.integration" not in rule["annotations"]["summary"]:
+                continue
+            matched = form.fullmatch(rule["expr"])
+            assert matched, rule["alert"]
+            assert matched["condition"] == matched["fallback"], rule["alert"]
+            joined.add(rule["alert"])
+    assert len(joined) == 11

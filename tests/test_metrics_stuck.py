@@ -47,6 +47,7 @@ STUCK_FAMILIES = (
     "nemesis_commit_lag_messages",
     "nemesis_integration_paused",
     "nemesis_breaker_state",
+    "nemesis_integration_info",
 )
 
 
@@ -131,7 +132,8 @@ async def test_a_handler_that_never_answers_fires_the_stuck_alert_while_lag_is_f
     at = MINUTES
     labels = {"integration": "orders", "flow": "main"}
     expected: dict[str, Any] = {
-        "exp_labels": {**labels, **stuck["labels"]},
+        # The team comes from the scraped nemesis_integration_info: the YAML's owner.
+        "exp_labels": {**labels, "team": "team-orders", **stuck["labels"]},
         "exp_annotations": {
             key: render(text, labels, since[at]) for key, text in stuck["annotations"].items()
         },

@@ -92,6 +92,8 @@ async def test_files_added_broken_changed_and_removed_while_running(
             runner = beta.runners["main"]
             assert reloader.last is not None
             assert reloader.last.added == ["beta"]
+            scrape = (await admin.get("/metrics")).text
+            assert 'nemesis_integration_info{integration="beta",team="team-beta"} 1.0' in scrape
 
             # A broken file is reported with its line and field, and ignored.
             beta_file.write_text(
@@ -157,6 +159,8 @@ async def test_files_added_broken_changed_and_removed_while_running(
             scrape = (await admin.get("/metrics")).text
             assert 'integration="beta"' not in scrape
             assert 'integration="alpha"' in scrape
+            # The owning team goes with the integration; alpha's stays.
+            assert 'nemesis_integration_info{integration="alpha",team="team-alpha"} 1.0' in scrape
             assert (await admin.get("/integrations/beta")).status_code == 404
     assert beta_handler.ledger.duplicates() == {}
     assert alpha_handler.ledger.duplicates() == {}

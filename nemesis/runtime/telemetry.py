@@ -236,6 +236,13 @@ def _lag_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
 
 def _integration_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
     integration_label = ["integration"]
+    # Info-style: 1 per integration, its team the first of `owners` (the team paged for
+    # it). Alert rules join it on `integration` to route by team (deploy/prometheus).
+    info = _gauge(
+        "nemesis_integration_info",
+        "1 for each integration this process runs; team is the first of its owners.",
+        ["integration", "team"],
+    )
     paused = _gauge(
         "nemesis_integration_paused", "1 while an integration is paused.", integration_label
     )
@@ -281,6 +288,7 @@ def _integration_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
     )
     for integration in snapshot.integrations:
         name, config = integration.name, integration.config
+        info.add_metric([name, config.owners[0]], 1.0)
         paused.add_metric([name], 1.0 if config.paused else 0.0)
         configured.add_metric([name], float(config.delivery.workers))
         buffer.add_metric([name], float(config.delivery.buffer))
@@ -296,6 +304,7 @@ def _integration_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
         for tier, delay_s in enumerate(config.retry.tiers, start=1):
             tier_delay.add_metric([name, str(tier)], delay_s)
     yield from (
+        info,
         paused,
         configured,
         recommended,
