@@ -8,9 +8,9 @@ fast things happen is measured by ``tests/bench/fleet.py``, not asserted.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import json
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -193,11 +193,6 @@ async def test_three_replicas_share_sixty_integrations_and_a_killed_one_hands_ov
     assert delivered() == expected  # nothing lost, nothing from elsewhere
 
 
-def busiest(times: list[float], window_s: float) -> int:
-    ordered = sorted(times)
-    return max(bisect.bisect_left(ordered, start + window_s) - i for i, start in enumerate(ordered))
-
-
 async def test_two_replicas_of_one_integration_hold_its_rate_limit_together(
     fleet: Fleet, workspace: Workspace
 ) -> None:
@@ -234,6 +229,7 @@ async def test_two_replicas_of_one_integration_hold_its_rate_limit_together(
             )
 
         await eventually(halved, timeout_s=30, what="each runner's share", logs=workspace.logs)
+        published_at = time.monotonic()
         publish(workspace, "orders", range(2400))
 
         async def all_arrived() -> bool:
@@ -242,8 +238,12 @@ async def test_two_replicas_of_one_integration_hold_its_rate_limit_together(
         await eventually(all_arrived, timeout_s=120, what="2400 delivered", logs=workspace.logs)
         for process in fleet.processes:
             assert await stop_gracefully(process) == 0
-        arrivals = [e.received_monotonic for e in handler.ledger]
-    assert busiest(arrivals, 5.0) <= 210 * 5
+        last_arrival = max(e.received_monotonic for e in handler.ledger)
+    # Each runner's bucket holds 50 ms of its share (nemesis.resilience.limits), so the
+    # two sending their shares of 200/s need at least (2400 - 2 * 5) / 200 s; a replica
+    # that took the whole limit for itself would finish in half that. A loaded host only
+    # makes the run longer: this bounds the rate from above without timing the handler.
+    assert last_arrival - published_at >= (2400 - 2 * 5) / 200 * 0.95
 
 
 async def test_a_patch_on_one_replica_holds_on_the_other_and_after_a_restart(
