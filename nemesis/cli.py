@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--key-field", help="with --lines: take each message's key from this top-level JSON field"
     )
     publish.add_argument("--batch", type=int, default=500, help="messages per write (default 500)")
+    publish.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="how long each batch may wait for the broker's acknowledgement, leader elections"
+        " included (default 120, as Kafka's delivery.timeout.ms)",
+    )
     publish.set_defaults(handler=cmd_publish)
 
     topics = commands.add_parser("topics", help="topic admin on the configured backend")
@@ -700,6 +708,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
         if not sep or not name:
             raise NemesisError(f"--header {pair!r}: expected NAME=VALUE")
         metadata[name] = value
+    if not args.timeout > 0:
+        raise NemesisError(f"--timeout {args.timeout}: expected a number of seconds above 0")
     payloads = _payloads(args, sys.stdin.buffer)
     return run_async(_publish(config, args, metadata, payloads))
 
@@ -748,10 +758,10 @@ async def _publish(
                     )
                 )
                 if len(batch) >= args.batch:
-                    w, d = await _write(writer, batch)
+                    w, d = await _write(writer, batch, args.timeout)
                     written, duplicates, batch = written + w, duplicates + d, []
             if batch:
-                w, d = await _write(writer, batch)
+                w, d = await _write(writer, batch, args.timeout)
                 written, duplicates = written + w, duplicates + d
         except (NemesisError, OSError):
             done = written + duplicates
@@ -773,10 +783,10 @@ async def _publish(
     return EXIT_OK
 
 
-async def _write(writer: Any, batch: list[OutgoingMessage]) -> tuple[int, int]:
+async def _write(writer: Any, batch: list[OutgoingMessage], timeout_s: float) -> tuple[int, int]:
     from nemesis.broker.port import WriteStatus
 
-    results = await writer.write(batch)
+    results = await writer.write(batch, timeout_s)
     dup = sum(1 for r in results if r.status is WriteStatus.DUPLICATE)
     return len(results) - dup, dup
 

@@ -86,3 +86,11 @@ def test_every_command_has_help() -> None:
         if not any(choice.dest == name and choice.help for choice in action._choices_actions)
     ]
     assert not missing, "commands without help text:\n" + "\n".join(missing)
+
+
+def test_publish_refuses_a_timeout_that_is_not_above_zero(tmp_path: Path) -> None:
+    (tmp_path / "nemesis.yaml").write_text("backend: {kind: embedded, path: n.db}\ndata_dir: .\n")
+    result = nemesis("publish", "orders", "{}", "--timeout", "0", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "--timeout 0.0: expected a number of seconds above 0" in result.stderr
+    assert not (tmp_path / "n.db").exists()  # refused before the broker was opened
