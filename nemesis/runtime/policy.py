@@ -58,6 +58,7 @@ from nemesis.config.models import IntegrationConfig
 from nemesis.delivery.port import DeliveryResult, FailureKind
 from nemesis.dlq import Reason
 from nemesis.resilience.breaker import BreakerState
+from nemesis.runtime.retries import moves_to_tiers
 
 Ordering = Literal["none", "key", "partition"]
 
@@ -144,7 +145,7 @@ class RetryPolicy:
             ordering=ordering,
             on_exhausted=config.retry.on_exhausted,
             dead_letters=dead_letters,
-            tier_topics=dead_letters and ordering == "none",
+            tier_topics=moves_to_tiers(config, dead_letters=dead_letters),
             open_above=config.breaker.open_above,
             cooldown_s=config.breaker.cooldown_s,
         )
