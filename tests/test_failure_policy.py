@@ -21,6 +21,7 @@ from typing import Literal
 
 import pytest
 
+from nemesis.config.models import IntegrationConfig
 from nemesis.delivery.contract import Contract, WireError, WireFailure
 from nemesis.delivery.port import DeliveryResult, FailureKind
 from nemesis.dlq import Reason
@@ -37,6 +38,8 @@ from nemesis.runtime.policy import (
     failure_of,
     pipeline_failure,
 )
+from nemesis.runtime.retries import flows_of, tier_topics_of
+from nemesis.topology import tier_topic
 
 K = FailureKind
 TIERS = (1.0, 5.0, 15.0)
@@ -442,3 +445,32 @@ def test_backoff_is_the_tier_of_the_attempt_raised_by_retry_after(
     attempt: int, retry_after_s: float | None, expected: float
 ) -> None:
     assert backoff_s(attempt, TIERS, retry_after_s) == expected
+
+
+@pytest.mark.parametrize("ordering", ORDERINGS)
+@pytest.mark.parametrize("dlq", [True, False], ids=["dlq", "no-dlq"])
+def test_the_flows_the_topics_and_the_policy_agree_on_tier_topics(
+    ordering: Ordering, dlq: bool
+) -> None:
+    config = IntegrationConfig.model_validate(
+        {
+            "name": "it",
+            "owners": ["team-it"],
+            "source": {"topic": "orders", "consumer": "it"},
+            "target": {"url": "http://127.0.0.1:9/"},
+            "delivery": {"ordering": ordering},
+            "retry": {"tiers": ["1s", "5s"]},
+        }
+    )
+    flows = [flow.name for flow in flows_of(config, dead_letters=dlq)]
+    topics = tier_topics_of(config, dead_letters=dlq)
+    retry = RetryPolicy.of(config, dead_letters=dlq)
+    if dlq and ordering == "none":
+        assert flows == ["main", "retry-1", "retry-2", "replay"]
+        assert topics == [tier_topic("it", 1), tier_topic("it", 2)]
+        assert not retry.in_place
+    else:
+        # Ordered, or nowhere for a last tier to end: retries happen in place.
+        assert flows == (["main", "replay"] if dlq else ["main"])
+        assert topics == []
+        assert retry.in_place
