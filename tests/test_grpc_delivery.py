@@ -327,7 +327,7 @@ async def test_one_channel_carries_every_call(
 
 # --- the status table ------------------------------------------------------------------
 
-# The handler contract's table (nemesis.delivery.contract.outcome_for_grpc_status).
+# The handler contract's table (nemesis.delivery.contract.answer_for_grpc_status).
 EXPECTED = {
     grpc.StatusCode.INVALID_ARGUMENT: Outcome.DEAD,
     grpc.StatusCode.FAILED_PRECONDITION: Outcome.DEAD,

@@ -22,7 +22,7 @@ from nemesis.broker.port import ConsumerSpec, Message, OutgoingMessage, TopicRea
 from nemesis.clock import SystemClock
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
 from nemesis.delivery.http import http_transport
-from nemesis.delivery.port import DeliveryResult, Event, Outcome
+from nemesis.delivery.port import DeliveryResult, Event, FailureKind, Outcome
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import CircuitBreaker
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
@@ -441,7 +441,7 @@ class _AnsweredTogether:
         self.waiting += 1
         await self.gate.wait()
         if event.message.offset == self._failing:
-            return DeliveryResult(Outcome.RETRY, status=503)
+            return DeliveryResult(Outcome.RETRY, status=503, failure=FailureKind.SERVER_ERROR)
         return DeliveryResult(Outcome.DELIVERED, status=204)
 
     async def deliver_batch(self, events: Sequence[Event]) -> DeliveryResult:

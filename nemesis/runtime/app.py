@@ -56,11 +56,11 @@ from nemesis.resilience.breaker import BreakerListener, CircuitBreaker, bind_bre
 from nemesis.resilience.limits import FlowLimits, wait_recorder
 from nemesis.runtime.internal import SharedReader
 from nemesis.runtime.lag import LagMonitor, LagTarget, PartitionLag, oldest_unfinished_from
-from nemesis.runtime.retries import FlowSpec, flows_of
+from nemesis.runtime.retries import FlowSpec, flows_of, tier_topics_of
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
 from nemesis.runtime.sizing import LiveSizing
 from nemesis.runtime.telemetry import IntegrationSnapshot, ProxySnapshot, metric_families
-from nemesis.topology import register_internal, tier_topic
+from nemesis.topology import register_internal
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +232,7 @@ class Proxy:
 
     def flows(self, config: IntegrationConfig) -> list[FlowSpec]:
         """The flows an integration runs here (retry tiers and replay need a DLQ store)."""
-        every = flows_of(config)
-        return every if self.dlq is not None else every[:1]
+        return flows_of(config, dead_letters=self.dlq is not None)
 
     def lag_targets(self) -> list[LagTarget]:
         """Every flow whose commit lag is watched."""
@@ -689,13 +688,13 @@ class Proxy:
             await admin.add_consumer(flow.topic, ConsumerSpec(flow.consumer))
         else:
             await self._prepare_internal(flow.topic, group.name)
-        if self.dlq is None or group.config.delivery.ordering != "none":
+        topics = tier_topics_of(group.config, dead_letters=self.dlq is not None)
+        if not topics:
             return
         async with group.setup:  # the flows start together; one opens the tier writers
             if group.tier_writers:
                 return
-            for tier in range(1, len(group.config.retry.tiers) + 1):
-                topic = tier_topic(group.name, tier)
+            for topic in topics:
                 await self._prepare_internal(topic, group.name)
                 group.tier_writers.append(await self.broker.writer(topic))
 
