@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -162,7 +162,8 @@ class Transports:
         """Why ``url`` is no target URL of a registered scheme naming a host; None if it is."""
         if re.match(rf"^{self.scheme_pattern()}://[^/\s]+", url):
             return None
-        return f"must start with {_either(f'{s}://' for s in self.schemes())} and name a host"
+        schemes = _listed((f"{s}://" for s in self.schemes()), "or")
+        return f"must start with {schemes} and name a host"
 
     def tls_problem(self, scheme: str) -> str | None:
         """Why ``target.tls`` cannot apply to a ``scheme://`` URL; None if it can."""
@@ -170,7 +171,7 @@ class Transports:
         if kind is None or scheme != kind.scheme:
             return None
         instead = f"use {kind.tls_scheme}://, or remove tls" if kind.tls_scheme else "remove tls"
-        tls = " and ".join(f"{s}://" for s in self.tls_schemes())
+        tls = _listed((f"{s}://" for s in self.tls_schemes()), "and")
         return f"{scheme}:// is plain text: TLS settings apply to {tls} targets ({instead})"
 
     # --- making transports ---------------------------------------------------------------
@@ -236,12 +237,12 @@ class Transports:
         return kind
 
 
-def _either(names: Any) -> str:
-    """``a``, ``a or b``, ``a, b or c``."""
+def _listed(names: Iterable[str], last: str) -> str:
+    """``a``, ``a or b``, ``a, b or c`` (``last`` the word before the last)."""
     listed = list(names)
     if len(listed) <= 1:
         return "".join(listed)
-    return f"{', '.join(listed[:-1])} or {listed[-1]}"
+    return f"{', '.join(listed[:-1])} {last} {listed[-1]}"
 
 
 # --- http:// and https:// -------------------------------------------------------------
