@@ -7,7 +7,7 @@ import asyncio
 from nemesis.broker.port import Message
 from nemesis.delivery.contract import WireError, WireFailure
 from nemesis.delivery.port import Event, Outcome
-from nemesis.testing import Answer, FakeRequest, FakeTransport
+from nemesis.testing import FakeRequest, FakeTransport, Reply
 
 PAYLOAD = b'{"n": 1, "card": "4111111111111111"}'
 
@@ -19,10 +19,10 @@ def event(offset: int = 0, attempt: int = 1) -> Event:
 
 async def test_an_answer_means_what_it_means_on_the_wire() -> None:
     answers = {
-        0: Answer(204),
-        1: Answer(200, {"Nemesis-Verdict": "drop"}),
-        2: Answer(503, {"retry-after": "7"}, body=b"busy: " + PAYLOAD),
-        3: Answer(422),
+        0: Reply(204),
+        1: Reply(200, {"Nemesis-Verdict": "drop"}),
+        2: Reply(503, {"retry-after": "7"}, body=b"busy: " + PAYLOAD),
+        3: Reply(422),
     }
     transport = FakeTransport(lambda request: answers[request.events[0].message.offset])
 
@@ -57,9 +57,9 @@ async def test_no_answer_is_a_retry_without_a_status() -> None:
 async def test_an_answer_may_be_held_back_and_requests_are_recorded() -> None:
     gate = asyncio.Event()
 
-    async def answer(request: FakeRequest) -> Answer:
+    async def answer(request: FakeRequest) -> Reply:
         await gate.wait()
-        return Answer(200)
+        return Reply(200)
 
     transport = FakeTransport(answer)
     first = asyncio.create_task(transport.deliver(event(0)))

@@ -29,7 +29,7 @@ from nemesis.delivery.port import Event
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import CircuitBreaker
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
-from nemesis.testing import Answer, FakeRequest, FakeTransport, HandlerServer, LedgerEntry
+from nemesis.testing import FakeRequest, FakeTransport, HandlerServer, LedgerEntry, Reply
 from nemesis.testing.clock import FakeClock
 from tests.operability import wait_until_true
 
@@ -170,7 +170,7 @@ async def test_a_batch_integration_sends_a_lone_message_as_a_batch_of_one(
     # A handler that implements only batches must get a quiet hour's messages too,
     # and their retries: every request of a batch integration is a batch.
     await publish(broker, 1)
-    transport = FakeTransport(lambda request: Answer(503 if request.number == 1 else 200))
+    transport = FakeTransport(lambda request: Reply(503 if request.number == 1 else 200))
     cfg = config(NOWHERE, delivery={"workers": 4, "batch": {"size": 50, "max_wait_ms": 0}})
     runner = IntegrationRunner(cfg, broker, transport, options=FAST)
     task = asyncio.create_task(runner.run())
@@ -317,15 +317,15 @@ async def test_delivery_age_counts_each_accepted_message_once_from_its_write(
 ) -> None:
     await publish(broker, 200)
 
-    def answer(request: FakeRequest) -> Answer:
+    def answer(request: FakeRequest) -> Reply:
         (event,) = request.events
         # A tenth fail at first: retried in place, their age counts once, when accepted.
         if n_in(event) % 10 == 0 and event.attempt == 1:
-            return Answer(503)
+            return Reply(503)
         # Eight are dropped by the handler: finished, but not accepted.
         if n_in(event) % 25 == 7:
-            return Answer(200, {"nemesis-verdict": "drop"})
-        return Answer(200)
+            return Reply(200, {"nemesis-verdict": "drop"})
+        return Reply(200)
 
     transport = FakeTransport(answer)
     # The runner's clock 0.3 s ahead of the broker's: every message is at least that old.
@@ -395,10 +395,10 @@ def _writes_in_a_task(log: list[str]) -> FakeTransport:
     async def send(event: Event) -> None:
         log.append(f"sent {event.message.offset}")
 
-    async def answer(request: FakeRequest) -> Answer:
+    async def answer(request: FakeRequest) -> Reply:
         assert not request.batch
         await asyncio.create_task(send(request.events[0]))
-        return Answer(200)
+        return Reply(200)
 
     return FakeTransport(answer)
 
@@ -447,9 +447,9 @@ async def test_the_breaker_hears_the_answers_of_a_turn_in_their_order(
     # Every request is held until the gate opens, then all are answered in one turn.
     gate = asyncio.Event()
 
-    async def answer(request: FakeRequest) -> Answer:
+    async def answer(request: FakeRequest) -> Reply:
         await gate.wait()
-        return Answer(503 if request.events[0].message.offset == 10 else 204)
+        return Reply(503 if request.events[0].message.offset == 10 else 204)
 
     transport = FakeTransport(answer)
     breaker = CircuitBreaker(cfg.breaker)
@@ -490,7 +490,7 @@ async def test_a_failure_settling_a_turn_of_answers_fails_the_run_instead_of_sta
         raise RuntimeError("a listener failed")
 
     breaker.record_healthy = broken  # type: ignore[method-assign]
-    transport = FakeTransport(lambda request: Answer(204))
+    transport = FakeTransport(lambda request: Reply(204))
     runner = IntegrationRunner(cfg, broker, transport, breaker=breaker, options=FAST)
     with pytest.raises(ExceptionGroup) as raised:
         await asyncio.wait_for(runner.run(), timeout=10)

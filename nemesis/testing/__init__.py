@@ -17,15 +17,15 @@ from nemesis.testing.ledger import Ledger, LedgerEntry
 
 if TYPE_CHECKING:
     from nemesis.testing.handler import HandlerServer, Response, Rule, response
-    from nemesis.testing.transport import Answer, FakeRequest, FakeTransport
+    from nemesis.testing.transport import FakeRequest, FakeTransport, Reply
 
 __all__ = [
-    "Answer",
     "FakeRequest",
     "FakeTransport",
     "HandlerServer",
     "Ledger",
     "LedgerEntry",
+    "Reply",
     "Response",
     "Rule",
     "response",
@@ -33,7 +33,7 @@ __all__ = [
 
 _LAZY = {
     **dict.fromkeys(("HandlerServer", "Response", "Rule", "response"), "nemesis.testing.handler"),
-    **dict.fromkeys(("Answer", "FakeRequest", "FakeTransport"), "nemesis.testing.transport"),
+    **dict.fromkeys(("Reply", "FakeRequest", "FakeTransport"), "nemesis.testing.transport"),
 }
 
 

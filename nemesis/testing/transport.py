@@ -3,10 +3,10 @@
 Give it a function from a request to an answer, the way httpx's
 ``MockTransport`` takes a handler::
 
-    def answer(request: FakeRequest) -> Answer:
+    def answer(request: FakeRequest) -> Reply:
         if request.events[0].attempt == 1:
-            return Answer(503)                   # the first try of each fails
-        return Answer(200)
+            return Reply(503)                   # the first try of each fails
+        return Reply(200)
 
     transport = FakeTransport(answer)
     runner = IntegrationRunner(config, broker, transport)
@@ -34,7 +34,7 @@ from nemesis.delivery.port import DeliveryResult, Event
 
 
 @dataclass(frozen=True, slots=True)
-class Answer:
+class Reply:
     """What the fake handler answers: an HTTP status, headers (lowercase names) and a body."""
 
     status: int = 200
@@ -52,14 +52,14 @@ class FakeRequest:
     result: DeliveryResult | None = None  # None while it waits for its answer
 
 
-Respond = Callable[[FakeRequest], "Answer | WireError | Awaitable[Answer | WireError]"]
+Respond = Callable[[FakeRequest], "Reply | WireError | Awaitable[Reply | WireError]"]
 
 
 class FakeTransport:
     """A ``Transport`` (``nemesis.delivery.port``) whose handler is a function, in-process."""
 
     def __init__(self, respond: Respond | None = None, *, clock: Clock = SYSTEM_CLOCK) -> None:
-        self._respond: Respond = respond or (lambda request: Answer(200))
+        self._respond: Respond = respond or (lambda request: Reply(200))
         self._contract = Contract(clock=clock)
         self._clock = clock
         self.requests: list[FakeRequest] = []
