@@ -18,7 +18,7 @@ import pytest
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.broker.port import ConsumerSpec, OutgoingMessage
 from nemesis.clock import Clock
-from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
+from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig, SigningConfig
 from nemesis.delivery.port import Transport
 from nemesis.delivery.transports import (
     GRPC,
@@ -28,6 +28,7 @@ from nemesis.delivery.transports import (
     Transports,
     default_transports,
 )
+from nemesis.errors import ConfigError
 from nemesis.runtime.app import Proxy
 from nemesis.runtime.runner import RunnerOptions
 from nemesis.testing import FakeTransport
@@ -132,3 +133,25 @@ async def test_a_target_whose_scheme_no_kind_serves_waits_with_the_reason(
     finally:
         proxy.stop()
         await task
+
+
+async def test_a_signing_secret_unset_refuses_the_file_when_the_proxy_takes_it(
+    broker: EmbeddedBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kind's preflight reads what its factory will: the refusal names the file at
+    # once, not a transport that fails to start later.
+    monkeypatch.delenv("NEMESIS_TEST_UNSET_SECRET", raising=False)
+    plain = integration()
+    signing = SigningConfig(secrets_env=["NEMESIS_TEST_UNSET_SECRET"])
+    target = plain.target.model_copy(update={"signing": signing})
+    signed = plain.model_copy(update={"target": target})
+    file = tmp_path / "it.yaml"
+    proxy = Proxy(broker, {}, pipelines_dir=tmp_path / "pipelines")
+
+    with pytest.raises(ConfigError) as refused:
+        proxy.add_integration(signed, file)
+
+    [problem] = refused.value.problems
+    assert (problem.file, problem.field) == (str(file), "target.signing.secrets_env.0")
+    assert "NEMESIS_TEST_UNSET_SECRET is unset or empty" in problem.message
+    assert "it" not in proxy.groups

@@ -89,6 +89,32 @@ class TransportFactory(Protocol):
 TargetCheck = Callable[[Target, str], None]
 
 
+def signing_and_tls(target: Target, where: str) -> None:
+    """Reads what a transport reads of the host: the signing secrets, the TLS files.
+
+    A ``ConfigError`` (file ``where``) names the unset variable or the file
+    that does not load. Both built-in kinds read these.
+    """
+    from nemesis.config.models import TargetConfig
+    from nemesis.delivery.signing import secrets_from_environment
+    from nemesis.delivery.tls import ssl_context
+
+    assert isinstance(target, TargetConfig)  # the configuration's
+    if target.signing is not None:
+        secrets_from_environment(target.signing, os.environ, where=where)
+    if target.tls is not None:
+        ssl_context(target.tls, where=where)
+
+
+def tls_files_of(target: Target) -> list[Path]:
+    """The files ``target.tls`` names, as given."""
+    from nemesis.config.models import TargetConfig
+    from nemesis.delivery.tls import tls_files
+
+    assert isinstance(target, TargetConfig)
+    return tls_files(target.tls)
+
+
 @dataclass(frozen=True)
 class TransportKind:
     """A transport: its name, URL schemes, factory and what ``validate`` checks.
@@ -100,7 +126,9 @@ class TransportKind:
     ignores the field). ``check`` defaults to making the transport, which
     opens no connection. ``schema``: JSON Schema that applies to a target of
     its schemes (``properties`` of ``target``), for editors. ``url_form``:
-    its URLs in words, for the schema's description.
+    its URLs in words, for the schema's description. ``preflight``: what its
+    factory reads of the host (secrets, files), checked when the proxy takes
+    the integration; ``files``: the files it reads, which a reload watches.
     """
 
     name: str
@@ -111,6 +139,8 @@ class TransportKind:
     clients: tuple[str, ...] = ()
     schema: Callable[[], dict[str, Any]] | None = None
     url_form: str = ""
+    preflight: Callable[[Target, str], None] = signing_and_tls
+    files: Callable[[Target], list[Path]] = tls_files_of
 
     @property
     def schemes(self) -> tuple[str, ...]:
@@ -203,29 +233,21 @@ class Transports:
         kind.open(target, integration=integration, max_connections=1, clock=SYSTEM_CLOCK)
 
     def preflight(self, target: Target, *, where: str) -> None:
-        """What the factory reads of the host, checked now: the signing secrets, the TLS files.
+        """What the factory of ``target``'s kind reads of the host, checked now (``preflight``).
 
         The proxy runs it when it takes an integration, so that a secret unset
         or a TLS file that does not load refuses the file (named ``where``) at
-        once; the factory reads them again when it makes the transport.
+        once; the factory reads them again when it makes the transport. A
+        target no kind serves is not checked: it waits, with that reason.
         """
-        from nemesis.config.models import TargetConfig
-        from nemesis.delivery.signing import secrets_from_environment
-        from nemesis.delivery.tls import ssl_context
-
-        assert isinstance(target, TargetConfig)  # the configuration's
-        if target.signing is not None:
-            secrets_from_environment(target.signing, os.environ, where=where)
-        if target.tls is not None:
-            ssl_context(target.tls, where=where)
+        kind = self.kind_for(target.scheme)
+        if kind is not None:
+            kind.preflight(target, where)
 
     def files(self, target: Target) -> list[Path]:
-        """The files the transport of ``target`` reads (its TLS files), as given."""
-        from nemesis.config.models import TargetConfig
-        from nemesis.delivery.tls import tls_files
-
-        assert isinstance(target, TargetConfig)
-        return tls_files(target.tls)
+        """The files the transport of ``target`` reads, as given (a change restarts it)."""
+        kind = self.kind_for(target.scheme)
+        return [] if kind is None else kind.files(target)
 
     def _kind_of(self, target: Target, integration: str) -> TransportKind:
         kind = self.kind_for(target.scheme)
