@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from nemesis.config.loader import validate_paths
+from nemesis.delivery.transports import HTTP, TransportKind, Transports
 from nemesis.errors import ConfigProblem
 from nemesis.onboarding import IntegrationRulesChecker
 from nemesis.onboarding.inline_secrets import find_inline_secrets, is_secret_key
@@ -224,9 +225,9 @@ def test_the_topic_convention_and_transports_can_be_configured(tmp_path: Path) -
     (tmp_path / "integrations" / "a.yaml").write_text(
         integration("a", topic="Orders", url="'grpc://x:1'")
     )
-    checker = IntegrationRulesChecker(
-        topic_convention=r"^[A-Za-z]+$", transports={"http": lambda t, i, n: NotImplemented}
-    )
+    only_http = Transports()
+    only_http.register(TransportKind("http", "http", None, HTTP.open, check=HTTP.check))
+    checker = IntegrationRulesChecker(topic_convention=r"^[A-Za-z]+$", transports=only_http)
     problems = validate_paths([tmp_path / "integrations"], checkers=[checker])
     assert [(p.field, p.message) for p in problems] == [
         ("target.url", "no transport for grpc:// targets (this Nemesis has http://)")

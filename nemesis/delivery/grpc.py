@@ -380,11 +380,6 @@ class _Channel:
         )
 
 
-def grpc_transport(target: TargetConfig, integration: str, max_connections: int) -> GrpcTransport:
-    """The gRPC transport for one integration (a TransportFactory for grpc:// and grpcs://)."""
-    return GrpcTransport(target, integration=integration, max_connections=max_connections)
-
-
 def _metadata_dict(metadata: Iterable[object] | None) -> dict[str, str]:
     """Metadata pairs as a dict; binary (``-bin``) values are not part of the contract."""
     # Typed loosely on purpose: grpc-stubs types AioRpcError.trailing_metadata() as
