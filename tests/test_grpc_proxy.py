@@ -1,7 +1,7 @@
 """A whole Proxy delivering over grpc:// to a real grpcio handler on loopback.
 
 Real parts: the embedded log and the sqlite DLQ under tmp_path, the gRPC
-transport the default registry (``nemesis.delivery.transports``) makes for
+transport the default registry (``nemesis.transports``) makes for
 grpc://, and ``GrpcHandler`` serving ``nemesis.v1.HandlerService``.
 """
 

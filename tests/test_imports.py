@@ -41,7 +41,7 @@ LAYERS: list[list[str]] = [
     # Over the broker port: the internal topics, the trace context, the delivery port.
     ["nemesis.topology", "nemesis.tracecontext", "nemesis.delivery.port"],
     # Each kind's config model and factory: backends, and transports by URL scheme.
-    ["nemesis.backends", "nemesis.delivery.transports"],
+    ["nemesis.backends", "nemesis.transports"],
     ["nemesis.config"],
     ["nemesis.identity"],  # who asks, from the configured tokens and teams
     # The parts: brokers, transports, stages, limits; the PostgreSQL connection.

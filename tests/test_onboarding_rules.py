@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from nemesis.config.loader import validate_paths
-from nemesis.delivery.transports import HTTP, TransportKind, Transports
 from nemesis.errors import ConfigProblem
 from nemesis.onboarding import IntegrationRulesChecker
 from nemesis.onboarding.inline_secrets import find_inline_secrets, is_secret_key
 from nemesis.pipeline import PipelineChecker
+from nemesis.transports import HTTP, TransportKind, Transports
 from tests.conftest import REPO
 
 ANNOTATION = re.compile(r"^::error file=(?P<file>[^,]+),line=(?P<line>\d+)::(?P<text>.*)$")

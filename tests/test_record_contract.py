@@ -28,8 +28,8 @@ from nemesis.config.models import IntegrationConfig, TargetConfig
 from nemesis.delivery.cloudevents import batch_body
 from nemesis.delivery.grpc import GrpcTransport
 from nemesis.delivery.port import Event, Outcome
-from nemesis.delivery.transports import default_transports
 from nemesis.runtime.events import EventFactory
+from nemesis.transports import default_transports
 from tests.kafka_broker import free_port
 from tests.test_grpc_delivery import GrpcHandler, grpc_transport, target
 

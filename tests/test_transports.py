@@ -20,7 +20,11 @@ from nemesis.broker.port import ConsumerSpec, OutgoingMessage
 from nemesis.clock import Clock
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig, SigningConfig
 from nemesis.delivery.port import Transport
-from nemesis.delivery.transports import (
+from nemesis.errors import ConfigError
+from nemesis.runtime.app import Proxy
+from nemesis.runtime.runner import RunnerOptions
+from nemesis.testing import FakeTransport
+from nemesis.transports import (
     GRPC,
     HTTP,
     Target,
@@ -28,10 +32,6 @@ from nemesis.delivery.transports import (
     Transports,
     default_transports,
 )
-from nemesis.errors import ConfigError
-from nemesis.runtime.app import Proxy
-from nemesis.runtime.runner import RunnerOptions
-from nemesis.testing import FakeTransport
 from tests.operability import wait_until_true
 
 FAST = RunnerOptions(receive_timeout_s=0.05, commit_interval_s=0.02, shutdown_grace_s=2)

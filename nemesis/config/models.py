@@ -40,7 +40,7 @@ from nemesis.config_base import DurationS as DurationS
 from nemesis.config_base import Model as Model
 from nemesis.config_base import get_path
 from nemesis.config_base import parse_duration as parse_duration
-from nemesis.delivery.transports import default_transports
+from nemesis.transports import default_transports
 
 NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
 TOPIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
@@ -49,7 +49,7 @@ TOPIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 SOURCE_TOPIC_PATTERN = r"^/?[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 
 
-# The transports targets may use (``nemesis.delivery.transports``): the URL schemes, the
+# The transports targets may use (``nemesis.transports``): the URL schemes, the
 # ``target.transport`` choices and which schemes take TLS settings come from it.
 TRANSPORTS: Final = default_transports()
 

@@ -42,8 +42,8 @@ from nemesis.delivery.cloudevents import is_json
 from nemesis.delivery.contract import grpc_code_name
 from nemesis.delivery.port import DeliveryResult, Event, Outcome, Transport
 from nemesis.delivery.signing import DEFAULT_TOLERANCE_S
-from nemesis.delivery.transports import default_transports
 from nemesis.onboarding.choices import DEFAULT_DATA
+from nemesis.transports import default_transports
 
 PROBE_INTEGRATION: Final = "check-handler"
 PROBE_TOPIC: Final = "nemesis.check-handler"

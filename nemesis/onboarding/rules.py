@@ -41,11 +41,11 @@ from pydantic import Field, TypeAdapter, ValidationError
 from nemesis.config.document import DataPath, YamlDocument, format_path, parse_yaml
 from nemesis.config.loader import YAML_SUFFIXES, ValidationContext, max_file_size
 from nemesis.config.models import SourceConfig, TargetConfig
-from nemesis.delivery.transports import Transports, default_transports
 from nemesis.errors import ConfigError, ConfigProblem
 from nemesis.onboarding.inline_secrets import find_inline_secrets
 from nemesis.pipeline.checker import PIPELINES_DIR_NAME
 from nemesis.pipeline.compiler import is_test_file
+from nemesis.transports import Transports, default_transports
 
 OWNER_PATTERN: Final = r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)?$|^[^@\s]+@[^@\s]+\.[a-z]+$"
 # Lowercase words joined by single separators: "orders", "billing.invoices", "crm/leads-v2".

@@ -63,7 +63,7 @@ DIALECT: Final = "https://json-schema.org/draft/2020-12/schema"
 DURATION_PATTERN: Final = r"^\s*\d+(\.\d+)?\s*(ms|s|m|h|d)?\s*$"
 # A value that is (or holds) a ${VAR} reference: expanded before validation.
 VARIABLE_PATTERN: Final = r"\$\{"
-# The shape TargetConfig's validator checks: a registered scheme (nemesis.delivery.transports).
+# The shape TargetConfig's validator checks: a registered scheme (nemesis.transports).
 _SCHEMES: Final = TRANSPORTS.scheme_pattern()
 TARGET_URL_PATTERN: Final = rf"^{_SCHEMES}://[^/\s]+"
 # TARGET_URL_PATTERN, and a port (when written) from 1 to 65535, as urlsplit reads it.

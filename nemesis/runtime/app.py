@@ -44,7 +44,6 @@ from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config import overrides as live
 from nemesis.config.models import IntegrationConfig
 from nemesis.delivery.port import Transport
-from nemesis.delivery.transports import Transports, default_transports
 from nemesis.dlq import DeadLetterStore
 from nemesis.errors import ConfigError, ConfigProblem, NemesisError, TopicNotFound
 from nemesis.metrics import Metrics
@@ -58,6 +57,7 @@ from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
 from nemesis.runtime.sizing import LiveSizing
 from nemesis.runtime.telemetry import IntegrationSnapshot, ProxySnapshot, metric_families
 from nemesis.topology import register_internal
+from nemesis.transports import Transports, default_transports
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class Proxy:
         self.metrics = metrics or Metrics()
         self._pipelines_dir = pipelines_dir
         self._integrations: dict[str, IntegrationConfig] = {}
-        # The kinds of transport, by URL scheme (nemesis.delivery.transports); tests pass fakes.
+        # The kinds of transport, by URL scheme (nemesis.transports); tests pass fakes.
         self._transports = transports or default_transports()
         self._clock = clock
         self._runner_options = runner_options

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from nemesis.config.models import TargetConfig
 from nemesis.delivery.h1 import H1Transport
 from nemesis.delivery.http import HttpTransport
-from nemesis.delivery.transports import default_transports
 from nemesis.errors import ConfigError
+from nemesis.transports import default_transports
 
 DELIVERY_DIR = Path(__file__).parents[2] / "nemesis" / "delivery"
 
