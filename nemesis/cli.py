@@ -13,12 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from nemesis import __version__
-from nemesis.cli_ctl import add_ctl_commands
-from nemesis.cli_dlq import DlqContext, add_dlq_commands
-from nemesis.cli_offsets import add_offsets_commands
 from nemesis.errors import ConfigError, NemesisError
 from nemesis.logs import configure_logging, say
-from nemesis.onboarding.commands import add_onboarding_commands
 from nemesis.terminal import inert
 
 # Each command imports what it uses when it runs: `nemesis validate` in a pull request
@@ -26,6 +22,7 @@ from nemesis.terminal import inert
 if TYPE_CHECKING:
     from nemesis.admin.server import Service, ServiceFailures
     from nemesis.broker.port import Broker, OutgoingMessage
+    from nemesis.cli_dlq import DlqContext
     from nemesis.config.models import NemesisConfig
     from nemesis.dlq import DeadLetterStore
     from nemesis.fleet.member import FleetMember
@@ -44,7 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # distribution's metadata (about a third of `nemesis validate`'s start-up). An
     # operator who wants plugins sets the variable to something else.
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not hasattr(args, "handler"):
         parser.print_help()
@@ -71,7 +69,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The command line; given ``argv``, only the command it names is built in full.
+
+    Every command is listed with its help (``nemesis --help``, a misspelt command's
+    error), but only the one being run gets its options and actions: building them
+    all costs more start-up than ``nemesis validate`` in a pull request should pay.
+    Without ``argv`` (the tests of every option's help) every command is built.
+    """
     parser = argparse.ArgumentParser(
         prog="nemesis",
         description="Reads topics and pushes every message to the handler of the team that "
@@ -80,26 +85,44 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"nemesis {__version__}")
     _log_level_option(parser, default="info")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    named = None if argv is None else _command_named(argv)
+    for name, help_text, build in _COMMANDS:
+        command = commands.add_parser(name, help=help_text)
+        if argv is None or name == named:
+            build(command)
+    _log_level_everywhere(parser)
+    return parser
 
-    run = commands.add_parser(
-        "run",
-        help="run the proxy for every integration",
-        description="Runs the proxy for every integration, with the admin API and the DLQ"
+
+def _command_named(argv: Sequence[str]) -> str | None:
+    """The command word in ``argv``: the first that is neither an option nor its value."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def _build_run(run: argparse.ArgumentParser) -> None:
+    run.description = (
+        "Runs the proxy for every integration, with the admin API and the DLQ"
         " viewer beside it. If the admin API cannot listen on its address, nothing could"
         " report health or readiness: run exits 1 naming the address and the cause. If the"
         " viewer cannot, deliveries go on, the error is logged and /readyz answers 503 with"
-        " the reason.",
+        " the reason."
     )
     _config_option(run)
     run.set_defaults(handler=cmd_run)
 
-    validate = commands.add_parser(
-        "validate",
-        help="validate integration and process YAML (exit 1 on any error)",
-        description="Validates integration, pipeline and process YAML as `nemesis run` loads"
+
+def _build_validate(validate: argparse.ArgumentParser) -> None:
+    validate.description = (
+        "Validates integration, pipeline and process YAML as `nemesis run` loads"
         " it, reporting every problem of every file (file:line: field: message). Exit 1 on"
         " any problem, and when no integration or pipeline file is found (a wrong folder"
-        " is not 'all valid').",
+        " is not 'all valid')."
     )
     validate.add_argument(
         "paths",
@@ -122,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.set_defaults(handler=cmd_validate)
 
-    publish = commands.add_parser("publish", help="write messages to a topic")
+
+def _build_publish(publish: argparse.ArgumentParser) -> None:
     _config_option(publish)
     publish.add_argument("topic", help="the topic to write to")
     publish.add_argument("data", nargs="?", help="the payload (default: --file, else stdin)")
@@ -149,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     publish.set_defaults(handler=cmd_publish)
 
-    topics = commands.add_parser("topics", help="topic admin on the configured backend")
+
+def _build_topics(topics: argparse.ArgumentParser) -> None:
     topic_commands = topics.add_subparsers(title="topic commands", metavar="ACTION", required=True)
     create = topic_commands.add_parser("create", help="create a topic")
     _config_option(create)
@@ -174,29 +199,66 @@ def build_parser() -> argparse.ArgumentParser:
     describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
     describe.set_defaults(handler=cmd_topics_describe)
 
-    tests = commands.add_parser(
-        "test-pipelines", help="run pipeline YAML tests; with --sample, per-stage shares"
-    )
+
+def _build_test_pipelines(tests: argparse.ArgumentParser) -> None:
     _config_option(tests)
     tests.add_argument("paths", nargs="*", type=Path, help="pipeline or test files, or folders")
     tests.add_argument("--sample", type=Path, help="JSON lines of real messages for a dry run")
     tests.add_argument("--pipeline", type=Path, help="with --sample: the pipeline file to run")
     tests.set_defaults(handler=cmd_test_pipelines)
 
-    stores = DlqContext(
+
+def _stores() -> DlqContext:
+    from nemesis.cli_dlq import DlqContext
+
+    return DlqContext(
         load_config=_process_config,
         run_async=run_async,
         open_dlq=open_dlq,
         open_broker=open_broker,
     )
-    add_dlq_commands(commands, _config_option, stores)
-    add_offsets_commands(commands, _config_option, stores)
-    add_ctl_commands(commands, _config_option)
 
-    # --- onboarding: new, check-handler, schema (nemesis.onboarding.commands) ----------
-    add_onboarding_commands(commands, run_async)
 
-    fleet = commands.add_parser("fleet", help="the replicas sharing this configuration")
+def _build_dlq(dlq: argparse.ArgumentParser) -> None:
+    from nemesis.cli_dlq import add_dlq_commands
+
+    add_dlq_commands(dlq, _config_option, _stores())
+
+
+def _build_offsets(offsets: argparse.ArgumentParser) -> None:
+    from nemesis.cli_offsets import add_offsets_commands
+
+    add_offsets_commands(offsets, _config_option, _stores())
+
+
+def _build_ctl(ctl: argparse.ArgumentParser) -> None:
+    from nemesis.cli_ctl import add_ctl_commands
+
+    add_ctl_commands(ctl, _config_option)
+
+
+# --- onboarding: new, check-handler, schema (nemesis.onboarding.commands) ----------
+
+
+def _build_new(new: argparse.ArgumentParser) -> None:
+    from nemesis.onboarding.commands import add_new_command
+
+    add_new_command(new)
+
+
+def _build_check_handler(check: argparse.ArgumentParser) -> None:
+    from nemesis.onboarding.commands import add_check_handler_command
+
+    add_check_handler_command(check, run_async)
+
+
+def _build_schema(schema: argparse.ArgumentParser) -> None:
+    from nemesis.onboarding.commands import add_schema_command
+
+    add_schema_command(schema)
+
+
+def _build_fleet(fleet: argparse.ArgumentParser) -> None:
     fleet_commands = fleet.add_subparsers(title="fleet commands", metavar="ACTION", required=True)
     fleet_status = fleet_commands.add_parser(
         "status", help="members, who runs which integration, and the live overrides"
@@ -205,9 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     fleet_status.add_argument("--json", action="store_true", help="print JSON")
     fleet_status.set_defaults(handler=cmd_fleet_status)
 
-    size = commands.add_parser(
-        "size", help="workers N = R x T with headroom, and the buffer it implies"
-    )
+
+def _build_size(size: argparse.ArgumentParser) -> None:
     size.add_argument(
         "--rps",
         type=float,
@@ -235,9 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     size.set_defaults(handler=cmd_size)
 
-    init = commands.add_parser(
-        "init", help="create the topics, consumers and DLQ storage a configuration needs"
-    )
+
+def _build_init(init: argparse.ArgumentParser) -> None:
     _config_option(init)
     init.add_argument(
         "--create-sources", action="store_true", help="also create missing source topics"
@@ -245,9 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--partitions", type=int, default=4, help="for topics it creates")
     init.set_defaults(handler=cmd_init)
 
-    demo = commands.add_parser(
-        "demo", help="the whole thing on the embedded backend, in one minute"
-    )
+
+def _build_demo(demo: argparse.ArgumentParser) -> None:
     demo.add_argument(
         "--dir", type=Path, default=Path("demo-data"), help="where the demo keeps its data"
     )
@@ -261,8 +320,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-idempotence", action="store_true", help="for a Kafka broker without InitProducerId"
     )
     demo.set_defaults(handler=cmd_demo)
-    _log_level_everywhere(parser)
-    return parser
+
+
+# Every command in the order `nemesis --help` lists them: (name, help, builder).
+_COMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = [
+    ("run", "run the proxy for every integration", _build_run),
+    ("validate", "validate integration and process YAML (exit 1 on any error)", _build_validate),
+    ("publish", "write messages to a topic", _build_publish),
+    ("topics", "topic admin on the configured backend", _build_topics),
+    (
+        "test-pipelines",
+        "run pipeline YAML tests; with --sample, per-stage shares",
+        _build_test_pipelines,
+    ),
+    ("dlq", "the dead-letter store: list, show, requeue, discard", _build_dlq),
+    ("offsets", "an integration's committed offsets: show, seek, skip", _build_offsets),
+    (
+        "ctl",
+        "pause, resume, re-tune and flag your integrations through the admin API",
+        _build_ctl,
+    ),
+    ("new", "start a handler project or an integration file", _build_new),
+    (
+        "check-handler",
+        "probe a handler: does it follow the contract? (exit 1 if not)",
+        _build_check_handler,
+    ),
+    ("schema", "JSON Schema of a YAML file kind, for editors", _build_schema),
+    ("fleet", "the replicas sharing this configuration", _build_fleet),
+    ("size", "workers N = R x T with headroom, and the buffer it implies", _build_size),
+    (
+        "init",
+        "create the topics, consumers and DLQ storage a configuration needs",
+        _build_init,
+    ),
+    ("demo", "the whole thing on the embedded backend, in one minute", _build_demo),
+]
 
 
 _LOG_LEVELS = ["debug", "info", "warning", "error"]

@@ -43,7 +43,9 @@ TOKEN_ENV: Final = "NEMESIS_TOKEN"
 URL_ENV: Final = "NEMESIS_ADMIN_URL"
 DEFAULT_URL: Final = "http://127.0.0.1:8081"
 TIMEOUT_S: Final = 30.0
-# The live fields ``set`` takes, as PATCH spells them (``nemesis.admin.schemas``).
+# The live fields ``set`` takes, as PATCH spells them (``nemesis.admin.schemas``): the
+# same as ``nemesis.config.overrides.LIVE_FIELDS`` (tests/test_cli_ctl.py checks), listed
+# again so that the command line does not load the configuration models to build ``ctl``.
 SETTABLE: Final = (
     "delivery.workers",
     "delivery.buffer",
@@ -58,12 +60,9 @@ SETTABLE: Final = (
 
 
 def add_ctl_commands(
-    commands: Any, config_option: Callable[[argparse.ArgumentParser], None]
+    ctl: argparse.ArgumentParser, config_option: Callable[[argparse.ArgumentParser], None]
 ) -> None:
-    """Registers ``ctl`` and its actions on the top-level subparsers."""
-    ctl = commands.add_parser(
-        "ctl", help="pause, resume, re-tune and flag your integrations through the admin API"
-    )
+    """Builds ``ctl`` and its actions on the command's parser."""
     actions = ctl.add_subparsers(title="ctl commands", metavar="ACTION", required=True)
 
     def action(name: str, help_text: str, handler: Callable[[argparse.Namespace], int]) -> Any:

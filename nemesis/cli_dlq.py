@@ -36,10 +36,11 @@ Runner = Callable[[Coroutine[Any, Any, int]], int]
 
 
 def add_dlq_commands(
-    commands: Any, config_option: Callable[[argparse.ArgumentParser], None], context: DlqContext
+    dlq: argparse.ArgumentParser,
+    config_option: Callable[[argparse.ArgumentParser], None],
+    context: DlqContext,
 ) -> None:
-    """Registers ``dlq`` and its actions on the top-level subparsers."""
-    dlq = commands.add_parser("dlq", help="the dead-letter store: list, show, requeue, discard")
+    """Builds ``dlq`` and its actions on the command's parser."""
     dlq.set_defaults(dlq_context=context)
     actions = dlq.add_subparsers(title="dlq commands", metavar="ACTION", required=True)
 

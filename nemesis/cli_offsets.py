@@ -56,12 +56,11 @@ TO_HELP = (
 
 
 def add_offsets_commands(
-    commands: Any, config_option: Callable[[argparse.ArgumentParser], None], context: DlqContext
+    offsets: argparse.ArgumentParser,
+    config_option: Callable[[argparse.ArgumentParser], None],
+    context: DlqContext,
 ) -> None:
-    """Registers ``offsets`` and its actions on the top-level subparsers."""
-    offsets = commands.add_parser(
-        "offsets", help="an integration's committed offsets: show, seek, skip"
-    )
+    """Builds ``offsets`` and its actions on the command's parser."""
     offsets.set_defaults(offsets_context=context)
     actions = offsets.add_subparsers(title="offsets commands", metavar="ACTION", required=True)
 

@@ -94,3 +94,13 @@ def test_publish_refuses_a_timeout_that_is_not_above_zero(tmp_path: Path) -> Non
     assert result.returncode != 0
     assert "--timeout 0.0: expected a number of seconds above 0" in result.stderr
     assert not (tmp_path / "n.db").exists()  # refused before the broker was opened
+
+
+def test_a_command_built_alone_is_the_command_built_with_all_the_others() -> None:
+    # `nemesis <cmd> ...` builds only <cmd>'s parser: its help must not differ from
+    # what the whole command line (the one the help tests above walk) gives.
+    everything = dict(_parsers(build_parser()))
+    for path, parser in everything.items():
+        words = path.split()[1:]
+        alone = dict(_parsers(build_parser([*words, "--log-level", "info"])))
+        assert alone[path].format_help() == parser.format_help(), path

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
-from nemesis.cli_ctl import parse_assignment, patch_body
+from nemesis.cli_ctl import SETTABLE, parse_assignment, patch_body
 from nemesis.config.models import EmbeddedBackendConfig
+from nemesis.config.overrides import LIVE_FIELDS
 from nemesis.dlq import open_sqlite_dlq
 from nemesis.dlq.sqlite import SqliteDeadLetterStore
 from nemesis.errors import NemesisError
@@ -162,3 +163,7 @@ def test_assignments_become_the_patch_body() -> None:
     for bad in ("workers=3", "delivery.workers", "delivery.workers=many"):
         with pytest.raises(NemesisError, match=bad.split("=")[0]):
             parse_assignment(bad)
+
+
+def test_ctl_set_takes_exactly_the_live_fields() -> None:
+    assert SETTABLE == LIVE_FIELDS

@@ -26,6 +26,7 @@ from nemesis.broker.port import ConsumerSpec, OutgoingMessage
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
 from nemesis.dlq import DeadLetterFilter, Reason, SqliteDeadLetterStore, Status, open_sqlite_dlq
 from nemesis.dlq.requeue import requeue
+from nemesis.logs import JsonFormatter
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import BreakerState, BreakerTransition, CircuitBreaker
 from nemesis.runtime.app import Proxy
@@ -586,3 +587,50 @@ async def test_a_key_held_by_a_message_waiting_for_the_handler_counts_as_halted(
     assert len([e for e in handler.ledger if n_of(e) == 5]) > 4  # waiting, tried each cooldown
     assert await dlq.count(DeadLetterFilter()) == 0
     assert halted_now == 1
+
+
+async def test_the_halt_line_carries_the_coordinates_as_fields(
+    broker: EmbeddedBroker,
+    dlq: SqliteDeadLetterStore,
+    clock: FakeClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # What an operator searches a JSON log by: the same fields as the dead-letter and the
+    # retry lines (tests/test_json_logs.py), here read from the line's JSON form.
+    await broker.admin.create_topic("orders", partitions=1, consumers=[ConsumerSpec("it")])
+    writer = await broker.writer("orders")
+    await writer.write([OutgoingMessage(value=orjson.dumps({"n": n}), key="a") for n in range(3)])
+    await writer.close()
+    caplog.set_level(logging.WARNING, logger="nemesis")
+    async with HandlerServer(clock=clock) as handler, clock.autojump(AUTOJUMP_S):
+        handler.when(lambda e: n_of(e) == 1, status=503)
+        handler.when(lambda e: n_of(e) == 0, status=200)
+        config = integration(
+            "it",
+            handler.url,
+            delivery={"workers": 4, "buffer": 100, "ordering": "key"},
+            retry={"tiers": ["50ms", "100ms"], "on_exhausted": "halt"},
+            breaker={"min_requests": 100_000, "cooldown_s": 0.2},
+        )
+        proxy = Proxy(
+            broker, {"it": config}, dlq=dlq, metrics=Metrics(), clock=clock, runner_options=FAST
+        )
+        task = asyncio.create_task(proxy.run())
+        deadline = asyncio.get_running_loop().time() + 60
+        while not any("is halted" in r.getMessage() for r in caplog.records):
+            assert asyncio.get_running_loop().time() < deadline, caplog.text
+            await asyncio.sleep(0.05)
+        proxy.stop()
+        await task
+    [halt] = [r for r in caplog.records if "is halted" in r.getMessage()]
+    line = json.loads(JsonFormatter().format(halt))
+    assert line["level"] == "error"
+    assert {k: line.get(k) for k in ("integration", "topic", "partition", "offset")} == {
+        "integration": "it",
+        "topic": "orders",
+        "partition": 0,
+        "offset": 1,
+    }
+    assert line["event_id"] == "orders:0:1"
+    assert line["attempt"] == 3  # the first try and one per tier
+    assert len(line["trace_id"]) == 32

@@ -1,6 +1,6 @@
 """``nemesis new``, ``nemesis check-handler`` and ``nemesis schema``: the onboarding commands.
 
-``nemesis.cli`` registers them with ``add_onboarding_commands``; the work is
+``nemesis.cli`` builds them with the ``add_*_command`` functions; the work is
 done by ``templates``, ``probe`` and ``schema`` in this package.
 """
 
@@ -34,9 +34,8 @@ EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 
 
-def add_onboarding_commands(commands: Any, run_async: AsyncRunner) -> None:
-    """Registers ``new``, ``check-handler`` and ``schema`` on the top-level subparsers."""
-    new = commands.add_parser("new", help="start a handler project or an integration file")
+def add_new_command(new: argparse.ArgumentParser) -> None:
+    """Builds ``new handler`` and ``new integration`` on the command's parser."""
     kinds = new.add_subparsers(title="what to create", metavar="KIND", required=True)
 
     handler = kinds.add_parser("handler", help="a runnable handler project with tests")
@@ -70,9 +69,9 @@ def add_onboarding_commands(commands: Any, run_async: AsyncRunner) -> None:
     integration.add_argument("--force", action="store_true", help="overwrite the file")
     integration.set_defaults(handler=cmd_new_integration)
 
-    check = commands.add_parser(
-        "check-handler", help="probe a handler: does it follow the contract? (exit 1 if not)"
-    )
+
+def add_check_handler_command(check: argparse.ArgumentParser, run_async: AsyncRunner) -> None:
+    """Builds ``check-handler`` on the command's parser."""
     check.add_argument("url", nargs="?", help="http(s)://... or grpc(s)://host:port")
     check.add_argument(
         "--integration", type=Path, help="take the URL, timeout, headers and batch size from it"
@@ -100,7 +99,9 @@ def add_onboarding_commands(commands: Any, run_async: AsyncRunner) -> None:
     check.add_argument("--json", action="store_true", help="the report as JSON")
     check.set_defaults(handler=functools.partial(cmd_check_handler, run_async=run_async))
 
-    schema = commands.add_parser("schema", help="JSON Schema of a YAML file kind, for editors")
+
+def add_schema_command(schema: argparse.ArgumentParser) -> None:
+    """Builds ``schema`` on the command's parser."""
     schema.add_argument(
         "kind",
         nargs="?",
