@@ -37,7 +37,13 @@ LAYERS: list[list[str]] = [
         "nemesis.terminal",
     ],
     # The ports, and the internal topics' names (over the broker port).
-    ["nemesis.broker.port", "nemesis.dlq.port", "nemesis.dlq.signature", "nemesis.fleet.port"],
+    [
+        "nemesis.broker.port",
+        "nemesis.broker.source",
+        "nemesis.dlq.port",
+        "nemesis.dlq.signature",
+        "nemesis.fleet.port",
+    ],
     ["nemesis.topology", "nemesis.tracecontext"],  # over the broker port
     ["nemesis.backends"],  # each kind's config model and factory
     ["nemesis.config"],
