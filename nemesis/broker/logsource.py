@@ -23,8 +23,6 @@ SourceOpener = Callable[[], Awaitable[Source]]
 class LogSource:
     """A ``TopicReader`` seen as a ``Source`` with the log's commit rule (``PREFIX``)."""
 
-    __slots__ = ("reader",)
-
     def __init__(self, reader: TopicReader) -> None:
         self.reader = reader
 
