@@ -145,7 +145,7 @@ async def test_the_internal_flows_of_an_integration_share_one_reader(tmp_path: P
                 assert opened.count(f"src-{name}") == 1
                 assert opened.count(internal) == 1
                 runners = proxy.groups[name].runners
-                views = [runners[flow]._reader for flow in ("retry-1", "retry-2", "replay")]
+                views = [runners[flow]._source for flow in ("retry-1", "retry-2", "replay")]
                 assert all(isinstance(view, FlowReader) for view in views)
             assert len(opened) == 2 * len(NAMES)
     finally:
@@ -317,7 +317,7 @@ async def test_a_retried_message_waits_its_tier_and_comes_through_the_shared_rea
             try:
                 await handler.ledger.wait_for(5, timeout_s=60)
                 tier = proxy.groups["it"].runners["retry-1"]
-                shared = tier._reader
+                shared = tier._source
                 assert isinstance(shared, FlowReader)
                 assert tier.statistics().messages_read == 5
             finally:

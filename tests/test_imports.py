@@ -37,10 +37,16 @@ LAYERS: list[list[str]] = [
         "nemesis.terminal",
     ],
     # The ports, and the internal topics' names (over the broker port).
-    ["nemesis.broker.port", "nemesis.dlq.port", "nemesis.dlq.signature", "nemesis.fleet.port"],
+    [
+        "nemesis.broker.port",
+        "nemesis.broker.source",
+        "nemesis.dlq.port",
+        "nemesis.dlq.signature",
+        "nemesis.fleet.port",
+    ],
     # Over the broker port: the internal topics, the trace context, the delivery port.
     ["nemesis.topology", "nemesis.tracecontext", "nemesis.delivery.port"],
-    # Each kind's config model and factory: backends, and transports by URL scheme.
+    # Each kind's config model and factory: backends and sources, transports by URL scheme.
     ["nemesis.backends", "nemesis.transports"],
     ["nemesis.config"],
     ["nemesis.identity"],  # who asks, from the configured tokens and teams

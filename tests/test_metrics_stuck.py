@@ -185,7 +185,7 @@ async def test_a_stalled_partition_shows_in_the_flow_status_its_issues_and_a_gau
         async with running(proxy), admin_client(proxy) as admin:
             await wait_until_true(lambda: "orders" in proxy.runners)
             await handler.ledger.wait_for(10, timeout_s=10)
-            reader = proxy.runners["orders"]._reader
+            reader = proxy.runners["orders"]._source
             assert reader is not None
             why = "orders[2] offset 7 is compressed with LZOP: the partition is parked"
             reader.stalled = lambda: {("orders", 2): why}  # type: ignore[method-assign]

@@ -21,7 +21,9 @@ import pytest
 
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.broker.embedded.reader import EmbeddedReader
+from nemesis.broker.logsource import LogSource, SourceOpener, log_source
 from nemesis.broker.port import ConsumerSpec, Message, OutgoingMessage, TopicReader
+from nemesis.broker.source import Source
 from nemesis.clock import SystemClock
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
 from nemesis.delivery.http import http_transport
@@ -84,11 +86,16 @@ async def publish(
     await writer.close()
 
 
+def orders(broker: EmbeddedBroker) -> SourceOpener:
+    """The test's source: topic ``orders`` of the embedded log, as consumer ``it``."""
+    return log_source(broker, "orders", "it")
+
+
 def runner_for(broker: EmbeddedBroker, cfg: IntegrationConfig) -> IntegrationRunner:
     transport = http_transport(
         cfg.target, integration=cfg.name, max_connections=cfg.delivery.workers
     )
-    return IntegrationRunner(cfg, broker, transport, options=FAST)
+    return IntegrationRunner(cfg, orders(broker), transport, options=FAST)
 
 
 async def committed(broker: EmbeddedBroker, consumer: str = "it") -> dict[int, int]:
@@ -152,7 +159,7 @@ async def test_batches_by_size_or_wait(broker: EmbeddedBroker) -> None:
     await publish(broker, 1000)
     transport = FakeTransport()
     cfg = config(NOWHERE, delivery={"workers": 4, "batch": {"size": 50, "max_wait_ms": 20}})
-    runner = IntegrationRunner(cfg, broker, transport, options=FAST)
+    runner = IntegrationRunner(cfg, orders(broker), transport, options=FAST)
     task = asyncio.create_task(runner.run())
     await wait_until_true(lambda: len(transport.done_ids()) == 1000, timeout_s=30)
     await wait_until_true(lambda: runner.statistics().outstanding == 0)
@@ -172,7 +179,7 @@ async def test_a_batch_integration_sends_a_lone_message_as_a_batch_of_one(
     await publish(broker, 1)
     transport = FakeTransport(lambda request: Reply(503 if request.number == 1 else 200))
     cfg = config(NOWHERE, delivery={"workers": 4, "batch": {"size": 50, "max_wait_ms": 0}})
-    runner = IntegrationRunner(cfg, broker, transport, options=FAST)
+    runner = IntegrationRunner(cfg, orders(broker), transport, options=FAST)
     task = asyncio.create_task(runner.run())
     await wait_until_true(lambda: len(transport.done_ids()) == 1, timeout_s=30)
     runner.stop()
@@ -255,7 +262,7 @@ async def test_an_idle_flow_commits_nothing_until_it_reads_again(
     clock = _CountingClock()
     cfg = config(handler.url)
     transport = http_transport(cfg.target, integration=cfg.name, max_connections=4)
-    runner = IntegrationRunner(cfg, broker, transport, options=FAST, clock=clock)
+    runner = IntegrationRunner(cfg, orders(broker), transport, options=FAST, clock=clock)
     async with clock.autojump(0.002):
         task = asyncio.create_task(runner.run())
         try:
@@ -293,7 +300,9 @@ async def _deliver_with_metrics(
 ) -> Metrics:
     metrics = Metrics()
     cfg = config(NOWHERE, delivery={"batch": {"size": batch, "max_wait_ms": 20}})
-    runner = IntegrationRunner(cfg, broker, transport, options=FAST, metrics=metrics, clock=clock)
+    runner = IntegrationRunner(
+        cfg, orders(broker), transport, options=FAST, metrics=metrics, clock=clock
+    )
     task = asyncio.create_task(runner.run())
     try:
         await wait_until_true(lambda: len(transport.done_ids()) >= count, timeout_s=30)
@@ -420,7 +429,7 @@ async def test_a_woken_worker_sends_before_the_intake_reads_again(
     monkeypatch.setattr(EmbeddedReader, "receive", logged_receive)
     await publish(broker, 0, partitions=1)
     cfg = config(NOWHERE, delivery={"workers": 4})
-    runner = IntegrationRunner(cfg, broker, _writes_in_a_task(log), options=FAST)
+    runner = IntegrationRunner(cfg, orders(broker), _writes_in_a_task(log), options=FAST)
     task = asyncio.create_task(runner.run())
     try:
         writer = await broker.writer("orders")
@@ -462,7 +471,7 @@ async def test_the_breaker_hears_the_answers_of_a_turn_in_their_order(
         record(healthy, attempt)
 
     breaker.record = spied  # type: ignore[method-assign]
-    runner = IntegrationRunner(cfg, broker, transport, breaker=breaker, options=FAST)
+    runner = IntegrationRunner(cfg, orders(broker), transport, breaker=breaker, options=FAST)
     task = asyncio.create_task(runner.run())
     try:
         await wait_until_true(lambda: transport.in_flight == 11, timeout_s=10)
@@ -491,7 +500,7 @@ async def test_a_failure_settling_a_turn_of_answers_fails_the_run_instead_of_sta
 
     breaker.record_healthy = broken  # type: ignore[method-assign]
     transport = FakeTransport(lambda request: Reply(204))
-    runner = IntegrationRunner(cfg, broker, transport, breaker=breaker, options=FAST)
+    runner = IntegrationRunner(cfg, orders(broker), transport, breaker=breaker, options=FAST)
     with pytest.raises(ExceptionGroup) as raised:
         await asyncio.wait_for(runner.run(), timeout=10)
     assert raised.group_contains(RuntimeError, match="a listener failed")
@@ -520,13 +529,13 @@ async def test_what_is_delivered_and_not_committed_stays_within_the_buffer(
     await publish(broker, 2000, partitions=1)
     held: list[_HeldCommits] = []
 
-    async def open_reader() -> TopicReader:
+    async def open_source() -> Source:
         held.append(_HeldCommits(await broker.reader("orders", "it")))
-        return cast(TopicReader, held[0])
+        return LogSource(cast(TopicReader, held[0]))
 
     cfg = config(handler.url, delivery={"buffer": buffer, "workers": 8})
     transport = http_transport(cfg.target, integration=cfg.name, max_connections=8)
-    runner = IntegrationRunner(cfg, broker, transport, options=FAST, open_reader=open_reader)
+    runner = IntegrationRunner(cfg, open_source, transport, options=FAST)
     task = asyncio.create_task(runner.run())
     await handler.ledger.wait_for(buffer, timeout_s=30)
     # The handler is fast and the commits do not come back: a crash now would deliver

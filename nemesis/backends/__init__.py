@@ -25,6 +25,12 @@ A fleet state store kind (``state:``, see ``nemesis.fleet``) is the same with
 A DLQ store kind is the same with ``DlqKind`` and ``register_dlq``; its
 model may override ``DlqModel.location`` (what ``nemesis init`` prints) and
 ``DlqModel.check_backend`` (a store that needs a certain broker).
+
+A source kind (an integration's ``source.kind``; ``topic``, a topic of the
+process's backend, is the default) is the same with ``SourceKind`` and
+``register_source``: its model is a ``SourceModel`` and its factory takes
+``(source_config, SourceContext)`` and returns a ``nemesis.broker.source.Source``
+(docs/design.md, "Adding a source").
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ from nemesis.backends.base import (
     DlqKind,
     DlqModel,
     ProcessConfig,
+    SourceContext,
+    SourceFactory,
+    SourceKind,
+    SourceModel,
     StateKind,
     StateModel,
 )
@@ -47,6 +57,7 @@ from nemesis.backends.embedded import EMBEDDED
 from nemesis.backends.kafka import KAFKA
 from nemesis.backends.postgres import POSTGRES_DLQ, POSTGRES_STATE
 from nemesis.backends.sqlite import SQLITE, SQLITE_STATE
+from nemesis.backends.topic import TOPIC
 from nemesis.backends.ydb import YDB, YDB_DLQ, YDB_STATE
 from nemesis.clock import SYSTEM_CLOCK, Clock
 
@@ -64,6 +75,10 @@ __all__ = [
     "DlqKind",
     "DlqModel",
     "ProcessConfig",
+    "SourceContext",
+    "SourceFactory",
+    "SourceKind",
+    "SourceModel",
     "StateKind",
     "StateModel",
     "default_backends",
@@ -85,6 +100,7 @@ def default_backends() -> Backends:
     registry.register_state(SQLITE_STATE)
     registry.register_state(POSTGRES_STATE)
     registry.register_state(YDB_STATE)
+    registry.register_source(TOPIC)
     return registry
 
 

@@ -1,18 +1,21 @@
 """What a backend kind is: a config model and a factory, registered together by name.
 
 ``BackendModel``, ``DlqModel`` and ``StateModel`` are the bases of the
-``backend:``, ``dlq:`` and ``state:`` sections' models: what every kind
-has, so the CLI and the runner can read it whatever the kind. ``Backends`` is the registry; see
-``nemesis.backends`` for how a kind joins it.
+``backend:``, ``dlq:`` and ``state:`` sections' models, and ``SourceModel``
+that of an integration's ``source:`` block: what every kind has, so the CLI
+and the runner can read it whatever the kind. ``Backends`` is the registry;
+see ``nemesis.backends`` for how a kind joins it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Protocol, Union
 
 from pydantic import (
+    AfterValidator,
     Discriminator,
     Field,
     Tag,
@@ -27,9 +30,15 @@ from nemesis.config_base import DurationS, Model
 
 if TYPE_CHECKING:
     from nemesis.broker.port import Broker
+    from nemesis.broker.source import Source
     from nemesis.clock import Clock
     from nemesis.dlq.port import DeadLetterStore
     from nemesis.fleet.port import StateStore
+
+TOPIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
+# A source topic may also be an absolute path (YDB: /<database>/<path>, a topic
+# outside the backend's directory); topics Nemesis creates are always relative.
+SOURCE_TOPIC_PATTERN = r"^/?[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 
 
 class BackendModel(Model):
@@ -91,6 +100,72 @@ class StateModel(Model):
         """Raises ValueError if the store cannot work with ``backend`` (see ``DlqModel``)."""
 
 
+# A producer header forwarded to the handler: an HTTP token, lowercase, and none that
+# the contract or HTTP framing sets (docs/handler-contract.md, "Producer headers").
+_FORWARDED_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
+_NOT_FORWARDED = frozenset(
+    {
+        "content-type",
+        "content-length",
+        "transfer-encoding",
+        "host",
+        "connection",
+        "te",
+        "user-agent",
+        "accept",
+        "accept-encoding",
+    }
+)
+
+
+def _check_forwarded(names: tuple[str, ...]) -> tuple[str, ...]:
+    for name in names:
+        if not _FORWARDED_NAME.fullmatch(name):
+            raise ValueError(f"{name!r}: a header name is a lowercase HTTP token")
+        if name.startswith(("ce-", "ce_", "nemesis-", "grpc-")) or name in _NOT_FORWARDED:
+            raise ValueError(f"{name!r}: set by Nemesis or by HTTP itself, never forwarded")
+        if name.endswith("-bin"):
+            raise ValueError(f"{name!r}: -bin names are gRPC's binary metadata")
+    if len(set(names)) != len(names):
+        raise ValueError("a header is named twice")
+    return names
+
+
+class SourceModel(Model):
+    """An integration's ``source:`` block of one kind; every kind has these fields.
+
+    ``topic`` is the name the source goes by: its messages' ``topic``, the
+    metrics' label and the origin recorded in retries and dead letters (a
+    queue's name, for a queue). ``consumer`` names the integration on the
+    process's log backend, whatever the source: its retry tiers and replay
+    topic are read there as this consumer.
+    """
+
+    kind: str
+    topic: Annotated[str, Field(pattern=SOURCE_TOPIC_PATTERN)]
+    consumer: Annotated[str, Field(pattern=TOPIC_PATTERN)]
+    # The metadata key that names a message's type (ce-type, flags.disabled_types).
+    type_key: str = "type"
+    # The producer's headers (Kafka headers, YDB and embedded metadata) a handler
+    # receives as request headers (gRPC: metadata; docs/handler-contract.md). The W3C
+    # trace context is always sent, continued or started (docs/tracing.md): naming
+    # traceparent or tracestate here changes nothing.
+    forward_headers: Annotated[tuple[str, ...], AfterValidator(_check_forwarded)] = ()
+
+    # Whether the source is a topic of the process's own log backend (``backend:``): its
+    # consumer is registered there and its commit lag watched there.
+    on_backend: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class SourceContext:
+    """What a source factory is given besides its ``source:`` block."""
+
+    integration: str
+    broker: Broker  # the process's log backend (``backend:``): where retry tiers live
+    clock: Clock
+
+
 class ProcessConfig(Protocol):
     """What a factory reads of the process's configuration (``NemesisConfig`` has it).
 
@@ -114,6 +189,8 @@ class ProcessConfig(Protocol):
 BrokerFactory = Callable[[ProcessConfig, "Clock"], Awaitable["Broker"]]
 DlqFactory = Callable[[ProcessConfig, "Broker | None", "Clock"], Awaitable["DeadLetterStore"]]
 StateFactory = Callable[[ProcessConfig], Awaitable["StateStore"]]
+# Opens an integration's source: its ``source:`` block (of the kind's model) and context.
+SourceFactory = Callable[[SourceModel, SourceContext], Awaitable["Source"]]
 
 
 @dataclass(frozen=True)
@@ -143,16 +220,26 @@ class StateKind:
     open: StateFactory
 
 
+@dataclass(frozen=True)
+class SourceKind:
+    """A source of an integration's messages: its name (``source.kind``), model and factory."""
+
+    name: str
+    config: type[SourceModel]
+    open: SourceFactory
+
+
 @dataclass
 class Backends:
-    """Broker, DLQ-store and state-store kinds by name; the first of each is the default."""
+    """Broker, DLQ-store, state-store and source kinds by name; the first of each is the default."""
 
     brokers: dict[str, BrokerKind] = field(default_factory=dict)
     dlqs: dict[str, DlqKind] = field(default_factory=dict)
     states: dict[str, StateKind] = field(default_factory=dict)
+    sources: dict[str, SourceKind] = field(default_factory=dict)
 
     def copy(self) -> Backends:
-        return Backends(dict(self.brokers), dict(self.dlqs), dict(self.states))
+        return Backends(dict(self.brokers), dict(self.dlqs), dict(self.states), dict(self.sources))
 
     def register_broker(self, kind: BrokerKind) -> None:
         self.brokers[kind.name] = kind
@@ -162,6 +249,9 @@ class Backends:
 
     def register_state(self, kind: StateKind) -> None:
         self.states[kind.name] = kind
+
+    def register_source(self, kind: SourceKind) -> None:
+        self.sources[kind.name] = kind
 
     def backend_config(self) -> Any:
         """The type of ``backend:``: one model per registered kind, chosen by ``kind``."""
@@ -175,8 +265,16 @@ class Backends:
         """The type of ``state:``: one model per registered kind, chosen by ``kind``."""
         return _by_kind("state", {name: kind.config for name, kind in self.states.items()})
 
+    def source_config(self) -> Any:
+        """The type of an integration's ``source:``: one model per registered kind."""
+        return _by_kind("source", {name: kind.config for name, kind in self.sources.items()})
+
 
 _UNKNOWN = "?"  # the tag of a kind nobody registered
+
+
+def _tag(kind: str) -> str:
+    return f"kind={kind}"
 
 
 def _by_kind(section: str, models: dict[str, type[Model]]) -> Any:
@@ -210,14 +308,17 @@ def _by_kind(section: str, models: dict[str, type[Model]]) -> Any:
                 problems.append(details)
             raise ValidationError.from_exception_data(exc.title, problems) from None
 
+    # A member's tag is never a field's name: an error's location names the tag, and
+    # the problem report walks the location through the data (a ``topic`` kind of a
+    # section that has a ``topic`` field would send it down the wrong path).
     def kind_of(value: Any) -> str:
         kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
         if kind is None:
-            return names[0]
-        return kind if kind in models else _UNKNOWN
+            return _tag(names[0])
+        return _tag(kind) if kind in models else _UNKNOWN
 
     default: Any = models[names[0]]
-    choices: list[Any] = [Annotated[model, Tag(name)] for name, model in models.items()]
+    choices: list[Any] = [Annotated[model, Tag(_tag(name))] for name, model in models.items()]
     fallback: Any = Annotated[default, WrapValidator(unknown_kind), Tag(_UNKNOWN)]
     skip: Any = SkipJsonSchema  # built at run time: to mypy not a type
     choices.append(skip[fallback])

@@ -9,7 +9,6 @@ field says so.
 
 from __future__ import annotations
 
-import datetime
 import re
 from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
@@ -17,7 +16,6 @@ from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
-    BeforeValidator,
     Field,
     IPvAnyNetwork,
     SecretStr,
@@ -25,15 +23,20 @@ from pydantic import (
     model_validator,
 )
 
-from nemesis.backends import BackendModel, DlqModel, StateModel, default_backends
+from nemesis.backends import BackendModel, DlqModel, SourceModel, StateModel, default_backends
+from nemesis.backends.base import SOURCE_TOPIC_PATTERN as SOURCE_TOPIC_PATTERN
+from nemesis.backends.base import TOPIC_PATTERN as TOPIC_PATTERN
 from nemesis.backends.embedded import EmbeddedBackendConfig as EmbeddedBackendConfig
 from nemesis.backends.sqlite import SqliteDlqConfig as SqliteDlqConfig
 from nemesis.backends.sqlite import SqliteStateConfig as SqliteStateConfig
+from nemesis.backends.topic import START_FROM_HELP as START_FROM_HELP
+from nemesis.backends.topic import TopicSourceConfig as TopicSourceConfig
+from nemesis.backends.topic import parse_start_from as parse_start_from
+from nemesis.backends.topic import start_from_at as start_from_at
 from nemesis.backends.ydb import YdbBackendConfig as YdbBackendConfig
 from nemesis.backends.ydb import YdbConnectionConfig as YdbConnectionConfig
 from nemesis.backends.ydb import YdbCredentialsConfig as YdbCredentialsConfig
 from nemesis.backends.ydb import YdbDlqConfig as YdbDlqConfig
-from nemesis.broker.port import StartFrom
 from nemesis.config_base import CROSS_FIELD_ERROR as CROSS_FIELD_ERROR
 from nemesis.config_base import CrossRule as CrossRule
 from nemesis.config_base import DurationS as DurationS
@@ -43,10 +46,6 @@ from nemesis.config_base import parse_duration as parse_duration
 from nemesis.transports import default_transports
 
 NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
-TOPIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
-# A source topic may also be an absolute path (YDB: /<database>/<path>, a topic
-# outside the backend's directory); topics Nemesis creates are always relative.
-SOURCE_TOPIC_PATTERN = r"^/?[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 
 
 # The transports targets may use (``nemesis.transports``): the URL schemes, the
@@ -71,95 +70,13 @@ def _check_target_url(url: str) -> str:
 
 # --- integration --------------------------------------------------------------
 
-
-START_FROM_HELP = (
-    "earliest, latest, a time with its zone (2026-12-01T09:00:00Z) or a duration back"
-    " from now (-1h, -30m, -2d)"
-)
-
-
-def parse_start_from(value: Any) -> str:
-    """Checks a ``start_from`` value (see ``START_FROM_HELP``); returns it as written."""
-    if not isinstance(value, str):
-        # pydantic turns only ValueError into a validation error.
-        raise ValueError(f"expected {START_FROM_HELP}, got {value!r}")  # noqa: TRY004
-    text = value.strip()
-    if text in ("earliest", "latest"):
-        return text
-    if text.startswith("-"):
-        try:
-            parse_duration(text[1:])
-        except ValueError:
-            raise ValueError(f"expected {START_FROM_HELP}, got {value!r}") from None
-        return text
-    try:
-        moment = datetime.datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError(f"expected {START_FROM_HELP}, got {value!r}") from None
-    if moment.tzinfo is None:
-        raise ValueError(f"{value!r} has no zone: add Z or +03:00, so it means one moment")
-    return text
-
-
-def start_from_at(text: str, now: float) -> StartFrom:
-    """The position a checked ``start_from`` names; a duration is counted back from ``now``."""
-    text = parse_start_from(text)
-    if text in ("earliest", "latest"):
-        return StartFrom(text)  # type: ignore[arg-type]  # one of the two literals
-    if text.startswith("-"):
-        return StartFrom("time", now - parse_duration(text[1:]))
-    return StartFrom("time", datetime.datetime.fromisoformat(text).timestamp())
-
-
-# A producer header forwarded to the handler: an HTTP token, lowercase, and none that
-# the contract or HTTP framing sets (docs/handler-contract.md, "Producer headers").
-_FORWARDED_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
-_NOT_FORWARDED = frozenset(
-    {
-        "content-type",
-        "content-length",
-        "transfer-encoding",
-        "host",
-        "connection",
-        "te",
-        "user-agent",
-        "accept",
-        "accept-encoding",
-    }
-)
-
-
-def _check_forwarded(names: tuple[str, ...]) -> tuple[str, ...]:
-    for name in names:
-        if not _FORWARDED_NAME.fullmatch(name):
-            raise ValueError(f"{name!r}: a header name is a lowercase HTTP token")
-        if name.startswith(("ce-", "ce_", "nemesis-", "grpc-")) or name in _NOT_FORWARDED:
-            raise ValueError(f"{name!r}: set by Nemesis or by HTTP itself, never forwarded")
-        if name.endswith("-bin"):
-            raise ValueError(f"{name!r}: -bin names are gRPC's binary metadata")
-    if len(set(names)) != len(names):
-        raise ValueError("a header is named twice")
-    return names
-
-
-class SourceConfig(Model):
-    topic: Annotated[str, Field(pattern=SOURCE_TOPIC_PATTERN)]
-    consumer: Annotated[str, Field(pattern=TOPIC_PATTERN)]
-    # The metadata key that names a message's type (ce-type, flags.disabled_types).
-    type_key: str = "type"
-    # Where the consumer starts on partitions it never committed (the retry tier and
-    # replay flows always start at earliest): see ``START_FROM_HELP``. A duration
-    # counts back from when the integration starts reading.
-    start_from: Annotated[str, BeforeValidator(parse_start_from)] = "earliest"
-    # The producer's headers (Kafka headers, YDB and embedded metadata) a handler
-    # receives as request headers (gRPC: metadata; docs/handler-contract.md). The W3C
-    # trace context is always sent, continued or started (docs/tracing.md): naming
-    # traceparent or tracestate here changes nothing.
-    forward_headers: Annotated[tuple[str, ...], AfterValidator(_check_forwarded)] = ()
-
-    def start_position(self, now: float) -> StartFrom:
-        """``start_from`` as the broker port takes it."""
-        return start_from_at(self.start_from, now)
+# The ``source:`` block: one model per registered source kind, chosen by ``kind``
+# (``nemesis.backends``; without ``kind``, a topic of the process's backend); to the
+# type checker, what every kind has.
+if TYPE_CHECKING:
+    SourceConfig = SourceModel
+else:
+    SourceConfig = default_backends().source_config()
 
 
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -408,7 +325,7 @@ def _forwarded_not_set_by_target(integration: Any) -> Iterator[tuple[tuple[Hasha
         integration,
         "source",
         "forward_headers",
-        default=SourceConfig.model_fields["forward_headers"].default,
+        default=SourceModel.model_fields["forward_headers"].default,
     )
     own = get_path(integration, "target", "headers", default=None)
     if not isinstance(forwarded, list | tuple) or not isinstance(own, dict):

@@ -40,6 +40,7 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_jso
 from pydantic_core import core_schema
 
 from nemesis import __version__
+from nemesis.backends import default_backends
 from nemesis.config.models import (
     DNS_NAME_PATTERN,
     NAME_PATTERN,
@@ -218,12 +219,13 @@ def _integration_rules(root: dict[str, Any], definitions: dict[str, Any]) -> Non
             },
         }
     ]
-    source = definitions["SourceConfig"]["properties"]
-    for field in ("topic", "consumer"):
-        source[field]["pattern"] = SOURCE_NAME_PATTERN
-        source[field]["description"] = (
-            f"lowercase words joined by '.', '-', '_' or '/'; not {INTERNAL_PREFIX}*"
-        )
+    for kind in default_backends().sources.values():  # every source kind's source:
+        source = definitions[kind.config.__name__]["properties"]
+        for field in ("topic", "consumer"):
+            source[field]["pattern"] = SOURCE_NAME_PATTERN
+            source[field]["description"] = (
+                f"lowercase words joined by '.', '-', '_' or '/'; not {INTERNAL_PREFIX}*"
+            )
     target = definitions["TargetConfig"]
     target["properties"]["headers"]["propertyNames"] = {"pattern": f"^{HEADER_NAME_PATTERN}$"}
     # Each transport's own checks, on a target of its schemes.

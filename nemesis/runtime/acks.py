@@ -1,14 +1,20 @@
-"""Per-partition acknowledgement tracking: the commit rule.
+"""Acknowledgement tracking per session: the commit rule of a source's ``ack_order``.
 
-Messages of one partition are read in offset order but finish in any order
-(many workers per partition). An offset may be committed only when every
-message before it is done, so each partition session keeps its read-but-not-
-committed messages in read order and, on demand, hands out the contiguous
-done prefix (uForwarder's AckTrackingQueue). A message that never finishes
-holds its partition's commit point where it is; the runner bounds how many
-messages may pile up behind it by pausing that partition (see ``outstanding``).
+Messages of one session are read in offset order but finish in any order
+(many workers per session). What may be committed depends on the source
+(``nemesis.broker.source.AckOrder``):
 
-Sessions are tracked apart: when a partition is revoked its session dies and
+* ``PREFIX`` (a log, ``PartitionAcks``): an offset may be committed only when
+  every message before it is done, so each partition session keeps its
+  read-but-not-committed messages in read order and, on demand, hands out the
+  contiguous done prefix (uForwarder's AckTrackingQueue). A message that never
+  finishes holds its partition's commit point where it is; the runner bounds
+  how many messages may pile up behind it by pausing that partition (see
+  ``outstanding``) or by holding it back (``blocked``).
+* ``ANY`` (a queue, ``AnyOrderAcks``): each done message is committable at
+  once, whatever is unfinished before it; nothing is ever ``blocked``.
+
+Sessions are tracked apart: when a session dies (a revoked partition)
 everything tracked for it is forgotten, never committed; the new owner reads
 those messages again.
 """
@@ -18,8 +24,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from nemesis.broker.port import Message, PartitionSession
+from nemesis.broker.source import AckOrder
 
 SessionKey = tuple[str, int, int]  # topic, partition, session id
 
@@ -37,6 +45,51 @@ class PartitionStats:
     unfinished: int  # read, not done
     oldest_unfinished_offset: int | None
     oldest_unfinished_written_at: float | None
+
+
+class SessionAcks(Protocol):
+    """The read-but-not-committed messages of one session, under one commit rule."""
+
+    @property
+    def session(self) -> PartitionSession | None: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def outstanding(self) -> int:
+        """Messages read and not yet committed (done ones waiting for the commit included)."""
+        ...
+
+    @property
+    def unfinished(self) -> int: ...
+
+    @property
+    def blocked(self) -> bool:
+        """Whether nothing of it can be committed for an unfinished message (held back)."""
+        ...
+
+    def extend(self, messages: Sequence[Message]) -> None:
+        """Tracks a run of messages of this session, in increasing offset order."""
+        ...
+
+    def ack(self, message: Message) -> bool:
+        """Marks a message done; False if it is not tracked (or was done already)."""
+        ...
+
+    def ack_all(self, messages: Sequence[Message]) -> int:
+        """Marks messages done, as ``ack`` would each; returns how many were newly done."""
+        ...
+
+    def take_committable(self) -> list[Message]:
+        """Removes and returns what may be committed now, in one commit of the session."""
+        ...
+
+    def oldest_unfinished(self) -> Message | None: ...
+
+    def clear(self) -> int:
+        """Forgets everything; returns how many unfinished messages were dropped."""
+        ...
 
 
 class PartitionAcks:
@@ -145,12 +198,92 @@ class PartitionAcks:
         return dropped
 
 
-class AckTracker:
-    """Acknowledgements of every partition session a runner holds."""
+class AnyOrderAcks:
+    """The read-but-not-committed messages of one queue session: each done one is committable.
 
-    def __init__(self) -> None:
-        self._partitions: dict[SessionKey, PartitionAcks] = {}
+    Kept as two dicts by offset (insertion order is read order): the
+    unfinished messages and the done ones not yet taken for a commit.
+    """
+
+    __slots__ = ("_done", "_last", "_open", "session")
+
+    def __init__(self, session: PartitionSession | None) -> None:
+        self.session = session
+        self._open: dict[int, Message] = {}
+        self._done: dict[int, Message] = {}
+        self._last = -1
+
+    @property
+    def alive(self) -> bool:
+        return self.session is None or self.session.alive
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._open) + len(self._done)
+
+    @property
+    def unfinished(self) -> int:
+        return len(self._open)
+
+    @property
+    def blocked(self) -> bool:
+        return False  # an unfinished message holds back nothing but itself
+
+    def extend(self, messages: Sequence[Message]) -> None:
+        previous, opened = self._last, self._open
+        for message in messages:
+            # A source's offsets grow within a session: one comparison keeps them unique.
+            if message.offset <= previous:
+                raise ValueError(
+                    f"offset {message.offset} read after {previous} "
+                    f"in {message.topic}/{message.partition}"
+                )
+            previous = message.offset
+            opened[previous] = message
+        self._last = previous
+
+    def ack(self, message: Message) -> bool:
+        found = self._open.pop(message.offset, None)
+        if found is None:
+            return False
+        self._done[message.offset] = found
+        return True
+
+    def ack_all(self, messages: Sequence[Message]) -> int:
+        ack = self.ack
+        return sum(1 for message in messages if ack(message))
+
+    def take_committable(self) -> list[Message]:
+        """Every done message, in the order they finished."""
+        taken = list(self._done.values())
+        self._done.clear()
+        return taken
+
+    def oldest_unfinished(self) -> Message | None:
+        return next(iter(self._open.values()), None)
+
+    def clear(self) -> int:
+        dropped = len(self._open)
+        self._open.clear()
+        self._done.clear()
+        return dropped
+
+
+class AckTracker:
+    """Acknowledgements of every session a runner holds, under its source's ``ack_order``."""
+
+    def __init__(self, order: AckOrder = AckOrder.PREFIX) -> None:
+        self._partitions: dict[SessionKey, SessionAcks] = {}
         self._unfinished = 0
+        self.order = order
+        self._kind: type[PartitionAcks] | type[AnyOrderAcks] = _ACKS_OF[order]
+
+    def use(self, order: AckOrder) -> None:
+        """Takes the commit rule of the source just opened; nothing may be tracked yet."""
+        if self._partitions:
+            raise RuntimeError("the commit rule changes only while nothing is tracked")
+        self.order = order
+        self._kind = _ACKS_OF[order]
 
     @property
     def unfinished(self) -> int:
@@ -161,21 +294,21 @@ class AckTracker:
     def outstanding(self) -> int:
         return sum(p.outstanding for p in self._partitions.values())
 
-    def partitions(self) -> Iterator[PartitionAcks]:
+    def partitions(self) -> Iterator[SessionAcks]:
         return iter(list(self._partitions.values()))
 
-    def partition_of(self, message: Message) -> PartitionAcks | None:
+    def partition_of(self, message: Message) -> SessionAcks | None:
         return self._partitions.get(session_key(message))
 
-    def add(self, message: Message) -> PartitionAcks:
+    def add(self, message: Message) -> SessionAcks:
         return self.extend((message,))
 
-    def extend(self, messages: Sequence[Message]) -> PartitionAcks:
-        """Tracks a run of messages of one partition session, in increasing offset order."""
+    def extend(self, messages: Sequence[Message]) -> SessionAcks:
+        """Tracks a run of messages of one session, in increasing offset order."""
         key = session_key(messages[0])
         acks = self._partitions.get(key)
         if acks is None:
-            acks = self._partitions[key] = PartitionAcks(messages[0].session)
+            acks = self._partitions[key] = self._kind(messages[0].session)
         acks.extend(messages)
         self._unfinished += len(messages)
         return acks
@@ -198,7 +331,8 @@ class AckTracker:
         return True
 
     def take_committable(self) -> list[list[Message]]:
-        """The done prefix of every live session; dead sessions are forgotten."""
+        """What each live session may commit now (a log's: its done prefix); dead ones are
+        forgotten."""
         runs: list[list[Message]] = []
         for key, acks in list(self._partitions.items()):
             if not acks.alive:
@@ -235,3 +369,9 @@ class AckTracker:
                 )
             )
         return stats
+
+
+_ACKS_OF: dict[AckOrder, type[PartitionAcks] | type[AnyOrderAcks]] = {
+    AckOrder.PREFIX: PartitionAcks,
+    AckOrder.ANY: AnyOrderAcks,
+}

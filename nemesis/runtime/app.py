@@ -39,7 +39,10 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from nemesis.aio import first_of
-from nemesis.broker.port import Broker, ConsumerSpec, TopicReader, TopicWriter
+from nemesis.backends import SourceContext, SourceKind, default_backends
+from nemesis.broker.logsource import SourceOpener, log_source
+from nemesis.broker.port import Broker, ConsumerSpec, TopicWriter
+from nemesis.broker.source import Source
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config import overrides as live
 from nemesis.config.models import IntegrationConfig
@@ -131,8 +134,11 @@ class Proxy:
         clock: Clock = SYSTEM_CLOCK,
         runner_options: RunnerOptions = RunnerOptions(),
         supervisor_options: SupervisorOptions = SupervisorOptions(),
+        sources: Mapping[str, SourceKind] | None = None,
     ) -> None:
         self.broker = broker
+        # Source kinds by name (``source.kind``); tests and embedders pass their own.
+        self._sources = dict(default_backends().sources if sources is None else sources)
         self.dlq = dlq
         self.metrics = metrics or Metrics()
         self._pipelines_dir = pipelines_dir
@@ -211,11 +217,12 @@ class Proxy:
         return flows_of(config, dead_letters=self.dlq is not None)
 
     def lag_targets(self) -> list[LagTarget]:
-        """Every flow whose commit lag is watched."""
+        """Every flow whose commit lag is watched: those on the process's log backend."""
         return [
             LagTarget(name, flow.name, flow.topic, flow.consumer)
             for name, group in self._groups.items()
             for flow in self.flows(group.config)
+            if flow.name != "main" or group.config.source.on_backend
         ]
 
     def snapshot(self, names: Collection[str] | None = None) -> ProxySnapshot:
@@ -453,6 +460,15 @@ class Proxy:
 
     async def _run_group(self, group: IntegrationGroup) -> None:
         config = group.config
+        if config.source.kind not in self._sources:
+            group.issues["main"] = f"no source of kind {config.source.kind}"
+            log.error(
+                "integration %s: no source of kind %s; not started",
+                config.name,
+                config.source.kind,
+                extra={"integration": config.name},
+            )
+            return
         known = self._transports.kind_for(config.target.scheme) is not None
         if not known and group.transport is None:
             group.issues["main"] = f"no transport for {config.target.scheme}:// targets"
@@ -660,7 +676,8 @@ class Proxy:
         """Registers the consumer; creates the retry tier and replay topics Nemesis owns."""
         admin = self.broker.admin
         if flow.name == "main":
-            await admin.add_consumer(flow.topic, ConsumerSpec(flow.consumer))
+            if group.config.source.on_backend:  # a source elsewhere opens on its own
+                await admin.add_consumer(flow.topic, ConsumerSpec(flow.consumer))
         else:
             await self._prepare_internal(flow.topic, group.name)
         topics = tier_topics_of(group.config, dead_letters=self.dlq is not None)
@@ -686,16 +703,9 @@ class Proxy:
         self, group: IntegrationGroup, flow: FlowSpec, shared: SharedReader | None = None
     ) -> IntegrationRunner:
         assert group.transport is not None
-        open_reader = None
-        if shared is not None:
-            view = shared.view(flow.topic)
-
-            async def open_reader() -> TopicReader:
-                return view
-
         return IntegrationRunner(
             group.config,
-            self.broker,
+            self._source_of(group, flow, shared),
             group.transport,
             flow=flow,
             dlq=self.dlq,
@@ -707,8 +717,34 @@ class Proxy:
             clock=self._clock,
             options=self._runner_options,
             owns_transport=False,
-            open_reader=open_reader,
         )
+
+    def _source_of(
+        self, group: IntegrationGroup, flow: FlowSpec, shared: SharedReader | None
+    ) -> SourceOpener:
+        """What a flow reads: the integration's source (of its kind), or a topic of the log.
+
+        Retry tiers and the replay topic are topics of the process's backend,
+        whatever the source's kind; they start at earliest (what they hold is
+        owed to the handler, all of it).
+        """
+        if flow.name != "main":
+            if shared is None:
+                return log_source(self.broker, flow.topic, flow.consumer)
+            view = shared.view(flow.topic)
+
+            async def open_view() -> Source:
+                return view
+
+            return open_view
+        source = group.config.source
+        kind = self._sources[source.kind]  # known: _run_group starts no other
+        context = SourceContext(group.name, self.broker, self._clock)
+
+        async def open_source() -> Source:
+            return await kind.open(source, context)
+
+        return open_source
 
     async def _telemetry(self) -> None:
         """Refreshes commit lag and samples the live sizing figures, until cancelled."""

@@ -7,9 +7,9 @@ its head's due time, the ``retry`` and ``replay`` rate limits still apply
 separately, and commits stay per partition session of each topic. What they
 share is the broker reader: one reader over all the internal topics (the
 broker port's ``reader([...], consumer)``), seen by each flow's runner as a
-reader of its own topic (``FlowReader``). Most of the time these topics are
-empty; one waiting reader for four of them is what keeps an idle
-integration cheap.
+source of its own topic (``FlowReader``, with the log's commit rule). Most
+of the time these topics are empty; one waiting reader for four of them is
+what keeps an idle integration cheap.
 
 Reading: a flow that wants messages takes them from its queue; when the
 queue is empty, one waiting flow at a time (the *pump*) reads the shared
@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from nemesis.broker.port import Message, PartitionSession, TopicReader
+from nemesis.broker.source import AckOrder
 
 # Messages a flow may have queued and not taken before its topic's sessions are paused.
 QUEUE_CAP = 1000
@@ -88,7 +89,7 @@ class SharedReader:
 
 
 class FlowReader:
-    """One flow's view of a ``SharedReader``: the broker port's reader, for one topic."""
+    """One flow's view of a ``SharedReader``: a source over one topic of the log."""
 
     def __init__(self, share: SharedReader, topic: str) -> None:
         self._share = share
@@ -99,6 +100,10 @@ class FlowReader:
         self._closed = False
         self._held: dict[_SessionKey, PartitionSession] = {}  # paused here: queue too long
         self._paused: set[_SessionKey] = set()  # paused by the runner (flow control)
+
+    @property
+    def ack_order(self) -> AckOrder:
+        return AckOrder.PREFIX  # a topic of the log: its partitions commit their done prefix
 
     async def receive(self, max_messages: int, timeout_s: float) -> Sequence[Message]:
         """Up to ``max_messages`` of this topic; empty after ``timeout_s`` or an ``interrupt``."""

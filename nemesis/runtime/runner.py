@@ -1,4 +1,4 @@
-"""The runner of one integration: reader -> bounded buffer -> workers -> delivery -> commit.
+"""The runner of one integration: source -> bounded buffer -> workers -> delivery -> commit.
 
 ::
 
@@ -9,7 +9,7 @@
       │                                            ▼         │ tier / DLQ  │ in place, halt
       └──────────── ack tracker <──── ack (done) ──┴─────────┘             └─> scheduler
                          │
-                 commit loop: contiguous done prefix per partition session
+                 commit loop: what the source's commit rule allows, per session
 
 A worker's dispatch delivers and measures; what becomes of a message that
 failed (a retry tier, the DLQ, a retry in place, a halted key) is decided by
@@ -19,15 +19,18 @@ of the event loop (``_settle_turn``): the breaker, the metrics and the
 acknowledgements take every answer of that turn in one step, and any other
 answer first settles those before it, so nothing sees them out of order.
 
-The commit rule: an offset is committed only when every message before it
-in its partition is done (``nemesis.runtime.acks``). Messages of a revoked
-partition session are neither delivered further nor committed.
+The runner reads a *source* (``nemesis.broker.source``): a log through its
+adapter (``nemesis.broker.logsource``), or a queue. The commit rule is the
+source's ``ack_order`` (``nemesis.runtime.acks``): on a log an offset is
+committed only when every message before it in its partition is done; on a
+queue each finished message is committed on its own. Messages of a dead
+session (a revoked partition) are neither delivered further nor committed.
 
 Memory is bounded twice: no more than ``delivery.buffer`` messages are
-unfinished at once (intake waits), and no partition holds more than
+unfinished at once (intake waits), and no session holds more than
 ``delivery.buffer`` uncommitted messages (done ones included, waiting behind a
-slow or failing one): such a partition is paused at the reader while the
-others flow on.
+slow or failing one on a log): such a session is paused at the source while
+the others flow on.
 
 Shutdown: stop reading, let the deliveries in flight finish within the grace
 period (workers take nothing new: what was read and not started stays
@@ -47,19 +50,14 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from nemesis import logs
 from nemesis.aio import first_of
-from nemesis.broker.port import (
-    EARLIEST,
-    Broker,
-    Message,
-    PartitionSession,
-    TopicReader,
-    TopicWriter,
-)
+from nemesis.broker.logsource import SourceOpener
+from nemesis.broker.port import Message, PartitionSession, TopicWriter
+from nemesis.broker.source import AckOrder, Source
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig
 from nemesis.delivery.port import DeliveryResult, Event, Outcome, Transport
@@ -150,7 +148,7 @@ class IntegrationRunner:
     def __init__(
         self,
         config: IntegrationConfig,
-        broker: Broker,
+        source: SourceOpener,
         transport: Transport,
         *,
         flow: FlowSpec | None = None,
@@ -163,7 +161,6 @@ class IntegrationRunner:
         clock: Clock = SYSTEM_CLOCK,
         options: RunnerOptions = RunnerOptions(),
         owns_transport: bool = True,
-        open_reader: Callable[[], Awaitable[TopicReader]] | None = None,
     ) -> None:
         self.config = config
         self.name = config.name
@@ -175,10 +172,9 @@ class IntegrationRunner:
         self._limiter = None if limits is None else limits[self._limit_flow]
         # Messages of retry tiers and replays are shown to handlers at their source coordinates.
         self._view: Callable[[Message], Message] = _same if self.flow.name == "main" else origin
-        self._broker = broker
-        # Where the flow's reader comes from: the broker (its own reader of the flow's topic),
-        # or a reader shared with the integration's other internal flows.
-        self._open_reader = open_reader
+        # Opens what the flow reads when it runs: the source of the main flow (a log's
+        # topic or a queue), or a retry tier's or the replay topic's reader on the log.
+        self._open_source = source
         self._transport = transport
         self._owns_transport = owns_transport
         self._pipeline = pipeline or Pipeline.empty(config.name)
@@ -192,7 +188,8 @@ class IntegrationRunner:
         self._type_key = config.source.type_key
         self._take_live_settings(config)
         self._log = logs.bind(log, integration=config.name, flow=self.flow.name)
-        self._tracker = AckTracker()
+        self._tracker = AckTracker()  # takes the source's commit rule when it opens (run)
+        self._any_order = False  # the source acknowledges each message on its own (a queue)
         self._scheduler = Scheduler(config.delivery.ordering, clock)
         self._unordered = self._scheduler.unordered
         # Answers of the delivered path, settled together once per turn of the event loop
@@ -233,7 +230,7 @@ class IntegrationRunner:
         self._failed_commits: dict[SessionKey, int] = {}  # the last offset logged as failed
         self._commit_soon = asyncio.Event()  # the intake waits for a commit: commit now
         self._pool: WorkerPool | None = None
-        self._reader: TopicReader | None = None
+        self._source: Source | None = None
         self._in_flight = 0
         self._messages_read = 0
         self._requests = 0
@@ -280,8 +277,8 @@ class IntegrationRunner:
 
     def _interrupt(self) -> None:
         """Ends the intake's wait in receive (it waits for messages as long as it likes)."""
-        if self._reader is not None:
-            self._reader.interrupt()
+        if self._source is not None:
+            self._source.interrupt()
 
     def resume(self) -> None:
         """Reads again after ``pause()``."""
@@ -318,7 +315,7 @@ class IntegrationRunner:
     def statistics(self) -> RunnerStats:
         """A snapshot of the queues, the workers and the counters."""
         self._settle_turn()
-        pool, reader = self._pool, self._reader
+        pool, reader = self._pool, self._source
         return RunnerStats(
             integration=self.name,
             state=self._state,
@@ -357,18 +354,11 @@ class IntegrationRunner:
 
     async def run(self) -> None:
         """Reads, delivers and commits until ``stop()``, then drains and returns."""
-        if self._open_reader is not None:
-            reader = await self._open_reader()
-        else:
-            # Only the source follows start_from: a retry tier or replay topic holds
-            # messages Nemesis owes the handler, all of them.
-            start_from = EARLIEST
-            if self.flow.name == "main":
-                start_from = self.config.source.start_position(self._clock.time())
-            reader = await self._broker.reader(
-                self.flow.topic, self.flow.consumer, start_from=start_from
-            )
-        self._reader = reader
+        reader = await self._open_source()
+        # The source's commit rule: a log's contiguous prefix, or a queue's one at a time.
+        self._tracker.use(reader.ack_order)
+        self._any_order = reader.ack_order is AckOrder.ANY
+        self._source = reader
         self._call_soon = asyncio.get_running_loop().call_soon
         if self._stopping.is_set():
             reader.interrupt()
@@ -403,7 +393,7 @@ class IntegrationRunner:
             finally:
                 # Commit what finished, even when cancelled: it is only ever less redelivery.
                 await asyncio.shield(self._commit(reader))
-                self._reader = None
+                self._source = None
                 await reader.close()
                 if self._owns_transport:
                     await self._transport.close()
@@ -434,7 +424,7 @@ class IntegrationRunner:
                 left,
             )
 
-    async def _intake(self, reader: TopicReader) -> None:
+    async def _intake(self, reader: Source) -> None:
         while not self._stopping.is_set():
             if not self._resumed.is_set():
                 self._state = RunnerState.PAUSED
@@ -491,7 +481,7 @@ class IntegrationRunner:
             self._commit_soon.set()
         return buffer - max(self._tracker.unfinished, uncommitted)
 
-    def _hold_back(self, reader: TopicReader, buffer: int, refill: int) -> bool:
+    def _hold_back(self, reader: Source, buffer: int, refill: int) -> bool:
         """Pauses the partitions whose uncommitted messages wait behind an unfinished one.
 
         Called when the flow cannot read for its uncommitted messages: those of
@@ -555,7 +545,7 @@ class IntegrationRunner:
         self._m_read.inc(admitted)
         self._admitted.set()
 
-    def _flow_control(self, reader: TopicReader) -> None:
+    def _flow_control(self, reader: Source) -> None:
         """Pauses partitions with too much uncommitted behind a slow message; resumes drained."""
         cap = self.config.delivery.buffer
         for acks in self._tracker.partitions():
@@ -906,7 +896,7 @@ class IntegrationRunner:
 
     # --- commits ------------------------------------------------------------
 
-    async def _commit_loop(self, reader: TopicReader) -> None:
+    async def _commit_loop(self, reader: Source) -> None:
         tracker = self._tracker
         while True:
             # Every interval, or at once when the intake waits for the commit.
@@ -924,11 +914,11 @@ class IntegrationRunner:
                 self._admitted.clear()
                 await self._admitted.wait()
 
-    async def _commit(self, reader: TopicReader) -> None:
+    async def _commit(self, reader: Source) -> None:
         async with self._commit_lock:
             await self._commit_runs(reader)
 
-    async def _commit_runs(self, reader: TopicReader) -> None:
+    async def _commit_runs(self, reader: Source) -> None:
         unfinished_before = self._tracker.unfinished
         runs = self._tracker.take_committable()
         dropped = unfinished_before - self._tracker.unfinished
@@ -954,12 +944,13 @@ class IntegrationRunner:
                 if self._failed_commits.get(key) == last.offset:
                     continue  # the same commit again: said once
                 self._failed_commits[key] = last.offset
+                what = f"{len(run)} messages" if self._any_order else f"up to {last.offset}"
                 self._log.warning(
-                    "integration %s: commit of %s/%s up to %d failed: %s",
+                    "integration %s: commit of %s/%s %s failed: %s",
                     self.name,
                     last.topic,
                     last.partition,
-                    last.offset,
+                    what,
                     exc,
                     extra={"topic": last.topic, "partition": last.partition, "offset": last.offset},
                 )

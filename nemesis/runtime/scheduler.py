@@ -24,7 +24,7 @@ from typing import Literal
 from nemesis.aio import first_of
 from nemesis.broker.port import Message
 from nemesis.clock import Clock
-from nemesis.runtime.acks import PartitionAcks
+from nemesis.runtime.acks import SessionAcks
 from nemesis.tracecontext import TraceContext
 
 Ordering = Literal["none", "key", "partition"]
@@ -50,7 +50,7 @@ class Work:
     )
     failed_at: float
 
-    def __init__(self, message: Message, acks: PartitionAcks | None = None) -> None:
+    def __init__(self, message: Message, acks: SessionAcks | None = None) -> None:
         self.message = message
         self.acks = acks
         self.attempt = 1
@@ -119,7 +119,7 @@ class Scheduler:
             self._busy.add(key)
             self._push(work)
 
-    def put_all(self, messages: Sequence[Message], acks: PartitionAcks | None = None) -> None:
+    def put_all(self, messages: Sequence[Message], acks: SessionAcks | None = None) -> None:
         """Admits newly read messages (first attempts) in their order."""
         if self._ordering != "none":
             for message in messages:
