@@ -644,13 +644,13 @@ async def audit(
     shown = []
     for entry in entries.rows:
         # Only what the reader may see: their integrations' names, and no one else's words.
-        names, description = audit_view(entry, scope)
+        names, count, description = audit_view(entry, scope)
         shown.append(
             {
                 "at": entry.at,
                 "who": entry.who,
                 "action": entry.action.value,
-                "count": entry.count,
+                "count": count,
                 "description": description,
                 "shown_integrations": render.join_names(names),
             }
