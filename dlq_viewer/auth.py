@@ -12,12 +12,20 @@ the configuration on every request, so they apply at once too.
 
 Failed sign-ins slow down, they never lock out (``LoginThrottle``): after a
 few failures for one user name from one client address, each further try
-waits twice as long as the last, up to ``MAX_DELAY_S``. A person who knows
-the password waits at most that long, whoever else is guessing; the same
-person from another address is not slowed at all. A looser count per
-address slows one client guessing many names. The client address is the
-TCP peer, or the forwarded address when the peer is a configured reverse
-proxy (``client_address``).
+waits twice as long as the last, up to ``MAX_DELAY_S``. A looser count per
+address slows one client guessing many names. A browser where the user
+signed in before carries a device cookie (OWASP's "device cookies") and
+counts only its own failures, so whoever shares its address and guesses the
+user's password cannot hold it back; the same person from another address
+is not slowed either. The counts live in a ``LoginStore``: the fleet's state
+store (``SharedLoginStore``), so every replica counts the same failures, or
+this process's memory. The client address is the TCP peer, or the forwarded
+address when the peer is a configured reverse proxy (``client_address``).
+
+The sign-in form's nonce and token work once (the nonce is spent in the
+``LoginStore``) and only from the viewer's own origin (``from_own_origin``):
+a page on another port of the same host is same-site to a browser, which
+sends it this site's cookies, but is another origin.
 
 Every state change by a browser needs a CSRF token: an HMAC of the
 session's nonce (or, behind an SSO proxy, of the user name) that only pages
