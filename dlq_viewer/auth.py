@@ -863,19 +863,22 @@ def _account_key(username: str, address: str) -> str:
 def from_own_origin(headers: Mapping[str, str], *, scheme: str, secure: bool) -> bool:
     """False when a browser says a request comes from another origin than the viewer's.
 
-    ``Sec-Fetch-Site`` must be ``same-origin`` (or ``none``: typed in by the
-    user); ``same-site`` is refused too, since a page on another port of the
-    same host is same-site. ``Origin``, when sent, must be the viewer's own:
-    the scheme it is served over (``https`` when cookies are secure, for a
-    proxy that ends TLS in front of it) and the ``Host`` the browser asked
-    for. A client that sends neither (a script) is not a browser carrying
-    someone's cookies, and passes.
+    ``Sec-Fetch-Site``, which every current browser sends, decides: it must
+    be ``same-origin`` (or ``none``: typed in by the user); ``same-site`` is
+    refused too, since a page on another port of the same host is same-site.
+    Without it, an ``Origin`` must be the viewer's own: the scheme it is
+    served over (or ``https`` when cookies are secure, for a proxy that ends
+    TLS in front of it) and the ``Host`` the browser asked for. ``null`` is
+    what a browser sends from the viewer's own pages (their Referrer-Policy
+    is ``no-referrer``), so it passes there. A client that sends neither (a
+    script) is not a browser carrying someone's cookies, and passes.
     """
     site = headers.get("sec-fetch-site")
-    if site is not None and site not in ("same-origin", "none"):
-        return False
+    if site is not None:
+        return site in ("same-origin", "none")
     origin = headers.get("origin")
-    if origin is None:
+    if origin is None or origin == "null":
         return True
     host = headers.get("host", "")
-    return bool(host) and origin == f"{'https' if secure else scheme}://{host}"
+    schemes = {scheme, "https"} if secure else {scheme}
+    return bool(host) and origin in {f"{name}://{host}" for name in schemes}

@@ -136,7 +136,7 @@ async def test_sign_in_from_another_origin_is_refused(tmp_path: Path) -> None:
             {"sec-fetch-site": "cross-site"},
             {"origin": "http://viewer.test:8081"},
             {"origin": "https://viewer.test"},
-            {"origin": "null"},
+            {"origin": "http://viewer.test:8081", "sec-fetch-site": "same-site"},
         )
         for headers in refused:
             answer = await post_login(client, ALICE.name, ALICE.password, headers=headers)
