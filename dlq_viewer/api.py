@@ -369,7 +369,9 @@ class AuditEntryOut(ApiModel):
     who: str
     action: Action
     integrations: list[str]
-    count: int
+    # Messages of your integrations the action touched (an admin sees the whole count); null
+    # for an older entry that also covered other teams' integrations and has no split.
+    count: int | None
     description: str
 
 
@@ -717,13 +719,13 @@ async def audit_log(
 
 
 def _entry(entry: ActionRecord, scope: frozenset[str] | None) -> AuditEntryOut:
-    names, description = audit_view(entry, scope)
+    names, count, description = audit_view(entry, scope)
     return AuditEntryOut(
         seq=entry.seq,
         at=entry.at,
         who=entry.who,
         action=entry.action,
         integrations=names,
-        count=entry.count,
+        count=count,
         description=description,
     )

@@ -31,7 +31,7 @@ from dlq_viewer import render
 from dlq_viewer.actions import BULK_PAUSE_S, ROUND_SIZE, BulkJobs, JobsBusy, Requeuer
 from dlq_viewer.api import SECURITY_SCHEMES
 from dlq_viewer.api import router as api_router
-from dlq_viewer.auth import Authenticator, IPNetwork, SessionRevocations
+from dlq_viewer.auth import Authenticator, IPNetwork, LoginStore, SessionRevocations
 from dlq_viewer.context import (
     CsrfRejected,
     NotFound,
@@ -186,6 +186,7 @@ def create_app(
     count_cap: int = COUNT_CAP,
     trusted_proxies: Sequence[IPNetwork] = (),
     session_revocations: SessionRevocations | None = None,
+    login_store: LoginStore | None = None,
 ) -> FastAPI:
     """The DLQ viewer over ``store``; serve it with ``dlq_viewer.serve_viewer``.
 
@@ -198,14 +199,15 @@ def create_app(
     ``bulk_round_size`` rows with ``bulk_pause_s`` between them.
     ``trusted_proxies`` are the reverse proxies whose forwarded client
     addresses sign-in throttling believes; ``session_revocations`` remembers
-    ended sessions (in this process's memory unless given one replicas share).
+    ended sessions and ``login_store`` counts failed sign-ins and spends
+    sign-in forms (each in this process's memory unless given one replicas share).
     The store stays the caller's: the app never closes it.
     """
     jobs = BulkJobs(store, requeue, clock=clock, round_size=bulk_round_size, pause_s=bulk_pause_s)
     viewer = Viewer(
         store=store,
         integrations=integrations,
-        auth=Authenticator(auth, clock=clock, revocations=session_revocations),
+        auth=Authenticator(auth, clock=clock, revocations=session_revocations, logins=login_store),
         requeuer=requeue,
         jobs=jobs,
         clock=clock,
@@ -218,8 +220,11 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with jobs:
-            yield
+        try:
+            async with jobs:
+                yield
+        finally:
+            await viewer.auth.aclose()
 
     app = FastAPI(
         title="Nemesis DLQ viewer",

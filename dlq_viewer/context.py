@@ -157,19 +157,25 @@ PARTIAL_AUDIT_DESCRIPTION = (
 )
 
 
-def audit_view(entry: ActionRecord, scope: frozenset[str] | None) -> tuple[list[str], str]:
-    """The integrations and description of an audit entry that ``scope`` may read.
+def audit_view(
+    entry: ActionRecord, scope: frozenset[str] | None
+) -> tuple[list[str], int | None, str]:
+    """The integrations, count and description of an audit entry that ``scope`` may read.
 
     The description is free text written by whoever acted (a filter in words,
     other teams' integration names, search text), so an entry that reaches
-    beyond the reader's integrations shows only their names and a neutral line.
+    beyond the reader's integrations shows only their names, the part of the
+    count that was theirs, and a neutral line. The count is None for such an
+    entry written without per-integration counts: the total would tell a team
+    how much of other teams' work the action touched.
     """
     if scope is None:
-        return list(entry.integrations), entry.description
+        return list(entry.integrations), entry.count, entry.description
     names = [name for name in entry.integrations if name in scope]
     if len(names) == len(entry.integrations):
-        return names, entry.description
-    return names, PARTIAL_AUDIT_DESCRIPTION
+        return names, entry.count, entry.description
+    own = None if entry.counts is None else sum(entry.counts.get(name, 0) for name in names)
+    return names, own, PARTIAL_AUDIT_DESCRIPTION
 
 
 def letter_id(text: str) -> str:

@@ -14,7 +14,14 @@ from starlette.datastructures import FormData
 
 from dlq_viewer import render
 from dlq_viewer.actions import BulkJob, act_on_ids
-from dlq_viewer.auth import LOGIN_COOKIE, SESSION_COOKIE
+from dlq_viewer.auth import (
+    DEVICE_COOKIE,
+    DEVICE_TTL_S,
+    LOGIN_COOKIE,
+    LOGIN_FORM_TTL_S,
+    SESSION_COOKIE,
+    from_own_origin,
+)
 from dlq_viewer.context import (
     FLASH_COOKIE,
     MAX_FORM_FIELDS,
@@ -644,13 +651,13 @@ async def audit(
     shown = []
     for entry in entries.rows:
         # Only what the reader may see: their integrations' names, and no one else's words.
-        names, description = audit_view(entry, scope)
+        names, count, description = audit_view(entry, scope)
         shown.append(
             {
                 "at": entry.at,
                 "who": entry.who,
                 "action": entry.action.value,
-                "count": entry.count,
+                "count": count,
                 "description": description,
                 "shown_integrations": render.join_names(names),
             }
@@ -703,7 +710,7 @@ def _login_page(
     response.set_cookie(
         LOGIN_COOKIE,
         nonce,
-        max_age=3600,
+        max_age=LOGIN_FORM_TTL_S,
         path="/login",
         httponly=True,
         samesite="strict",
@@ -736,7 +743,13 @@ async def login(request: Request, viewer: ViewerDep) -> Response:
     next_path = safe_local_path(form.get("next"))
     username = form.get("username", "").strip()[:128]
     password = form.get("password", "")
-    if not viewer.auth.check_login_form(request.cookies.get(LOGIN_COOKIE), form.get("csrf_token")):
+    # A page elsewhere (another port of this host is same-site) must not sign a browser in.
+    own_origin = from_own_origin(
+        request.headers, scheme=request.url.scheme, secure=viewer.secure_cookies
+    )
+    if not own_origin or not await viewer.auth.check_login_form(
+        request.cookies.get(LOGIN_COOKIE), form.get("csrf_token")
+    ):
         return _login_page(
             viewer,
             request,
@@ -746,12 +759,10 @@ async def login(request: Request, viewer: ViewerDep) -> Response:
             status=403,
         )
     address = client_of(request, viewer)
-    # Per name and address: someone guessing alice's password from elsewhere never slows her.
-    account_key = f"{username.lower()}\x00{address}"
-    wait_s = max(
-        viewer.auth.account_throttle.retry_after_s(account_key),
-        viewer.auth.address_throttle.retry_after_s(address),
-    )
+    # A browser this user signed in on before counts its own failures (a device cookie);
+    # others count per name and address, and per address.
+    device = viewer.auth.known_device(request.cookies.get(DEVICE_COOKIE), username)
+    wait_s = await viewer.auth.sign_in_wait_s(username, address, device)
     if wait_s > 0:
         seconds = math.ceil(wait_s)
         refused = _login_page(
@@ -766,8 +777,7 @@ async def login(request: Request, viewer: ViewerDep) -> Response:
         return refused
     user = await viewer.auth.check_password(username, password) if username and password else None
     if user is None:
-        viewer.auth.account_throttle.failed(account_key)
-        viewer.auth.address_throttle.failed(address)
+        await viewer.auth.sign_in_failed(username, address, device)
         return _login_page(
             viewer,
             request,
@@ -776,14 +786,22 @@ async def login(request: Request, viewer: ViewerDep) -> Response:
             error="Wrong user name or password.",
             status=401,
         )
-    # The address's count stays: one good account must not reset a client guessing others.
-    viewer.auth.account_throttle.succeeded(account_key)
+    await viewer.auth.sign_in_succeeded(username, address, device)
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(
         SESSION_COOKIE,
         viewer.auth.new_session(user),
         max_age=int(viewer.auth.config.session_ttl_s),
         path="/",
+        httponly=True,
+        samesite="strict",
+        secure=viewer.secure_cookies,
+    )
+    response.set_cookie(
+        DEVICE_COOKIE,
+        viewer.auth.new_device(user),
+        max_age=DEVICE_TTL_S,
+        path="/login",
         httponly=True,
         samesite="strict",
         secure=viewer.secure_cookies,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from dlq_viewer.actions import replay_requeuer
 from dlq_viewer.app import create_app
-from dlq_viewer.auth import SharedSessionRevocations
+from dlq_viewer.auth import SharedLoginStore, SharedSessionRevocations
 from dlq_viewer.owners import ConfiguredIntegrations
 from nemesis.broker.port import Broker
 from nemesis.config.models import NemesisConfig
@@ -36,8 +36,9 @@ def viewer_app(
 ) -> FastAPI:
     """The viewer over ``dlq`` and ``broker``, with the owners of every configured integration.
 
-    Sign-outs go to the fleet's ``state`` store, so every replica (and every
-    viewer of this configuration) refuses a signed-out cookie.
+    Sign-outs, failed sign-ins and spent sign-in forms go to the fleet's
+    ``state`` store, so every replica (and every viewer of this configuration)
+    refuses a signed-out cookie, slows a guesser alike, and takes a form once.
     """
     return create_app(
         dlq,
@@ -46,6 +47,7 @@ def viewer_app(
         requeue=replay_requeuer(dlq, broker),
         trusted_proxies=config.viewer.trusted_proxies,
         session_revocations=SharedSessionRevocations(state),
+        login_store=SharedLoginStore(state),
     )
 
 

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from dlq_viewer import render
 from dlq_viewer.actions import BulkJob, BulkJobs, JobsBusy, JobState
-from dlq_viewer.auth import LoginThrottle
+from dlq_viewer.auth import LoginThrottle, MemoryLoginStore
 from dlq_viewer.filters import ListFilter
 from dlq_viewer.passwords import hash_password, hash_token, new_token, verify_password
 from dlq_viewer.server import ViewerStartError, bound_port, serve_viewer, viewer_server
@@ -152,36 +152,40 @@ def test_password_hashes_verify_and_differ_by_salt() -> None:
     assert hash_token(token).startswith("sha256$")
 
 
-def test_login_throttle_slows_a_key_down_and_never_locks_it() -> None:
+async def test_login_throttle_slows_a_key_down_and_never_locks_it() -> None:
     clock = FakeClock()
-    throttle = LoginThrottle(clock, free_failures=3, first_delay_s=1, max_delay_s=8)
+    throttle = LoginThrottle(
+        MemoryLoginStore(), clock, free_failures=3, first_delay_s=1, max_delay_s=8
+    )
     for _ in range(3):
-        throttle.failed("alice")
-        assert throttle.retry_after_s("alice") == 0
-    throttle.failed("alice")
-    assert throttle.retry_after_s("alice") == 1
-    assert throttle.retry_after_s("bob") == 0  # others are not affected
+        await throttle.failed("alice")
+        assert await throttle.retry_after_s("alice") == 0
+    await throttle.failed("alice")
+    assert await throttle.retry_after_s("alice") == 1
+    assert await throttle.retry_after_s("bob") == 0  # others are not affected
     waits = []
     for _ in range(6):  # a try after each wait fails again
-        wait = throttle.retry_after_s("alice")
+        wait = await throttle.retry_after_s("alice")
         waits.append(wait)
         clock.advance(wait)
-        assert throttle.retry_after_s("alice") == 0  # after the wait, a try is allowed
-        throttle.failed("alice")
+        assert await throttle.retry_after_s("alice") == 0  # after the wait, a try is allowed
+        await throttle.failed("alice")
     assert waits == [1, 2, 4, 8, 8, 8]  # doubling, then capped: a bounded wait, not a lockout
-    throttle.succeeded("alice")
-    assert throttle.retry_after_s("alice") == 0
+    await throttle.succeeded("alice")
+    assert await throttle.retry_after_s("alice") == 0
 
 
-def test_login_throttle_forgets_a_quiet_key() -> None:
+async def test_login_throttle_forgets_a_quiet_key() -> None:
     clock = FakeClock()
-    throttle = LoginThrottle(clock, free_failures=1, max_delay_s=8, forget_after_s=60)
+    throttle = LoginThrottle(
+        MemoryLoginStore(), clock, free_failures=1, max_delay_s=8, forget_after_s=60
+    )
     for _ in range(5):
-        throttle.failed("alice")
-    assert throttle.retry_after_s("alice") == 8
+        await throttle.failed("alice")
+    assert await throttle.retry_after_s("alice") == 8
     clock.advance(60)
-    throttle.failed("alice")  # counted from zero again: the first failure is free
-    assert throttle.retry_after_s("alice") == 0
+    await throttle.failed("alice")  # counted from zero again: the first failure is free
+    assert await throttle.retry_after_s("alice") == 0
 
 
 def test_the_auth_section_refuses_plaintext_and_weak_secrets() -> None:

@@ -594,6 +594,24 @@ async def test_an_admins_bulk_job_shows_a_team_none_of_the_other_teams_details(
     assert "for team" not in page
 
 
+async def test_an_admins_action_over_two_teams_shows_each_team_its_own_count(
+    env: ViewerEnv, client: httpx.AsyncClient
+) -> None:
+    a_ids, b_ids = await ids_of(env, "orders-a"), await ids_of(env, "orders-b")
+    chosen = a_ids[:2] + b_ids[:5]
+    moved = await client.post("/api/discard", json={"ids": chosen}, headers=bearer(BOT_ROOT.token))
+    assert moved.json()["count"] == 7
+    admin_rows = (await client.get("/api/audit", headers=bearer(BOT_ROOT.token))).json()["rows"]
+    assert [row["count"] for row in admin_rows] == [7]
+    await sign_in(client, ALICE)
+    assert [row["count"] for row in (await client.get("/api/audit")).json()["rows"]] == [2]
+    count_cells = re.findall(r'<td class="num">([^<]*)</td>', (await client.get("/audit")).text)
+    assert count_cells == ["2"]
+    async with new_client(env) as bob:
+        await sign_in(bob, BOB)
+        assert [row["count"] for row in (await bob.get("/api/audit")).json()["rows"]] == [5]
+
+
 async def test_jobs_are_visible_to_their_starter_and_admins_only(
     env: ViewerEnv, client: httpx.AsyncClient
 ) -> None:

@@ -334,14 +334,17 @@ def group(r: Row) -> Group:
 
 
 def action_record(r: Row) -> ActionRecord:
+    # The integrations column holds a JSON list of names, or an object of each name's count.
+    integrations = orjson.loads(r["integrations"])
     return ActionRecord(
         seq=int(r["seq"]),
         at=to_s(r["at_us"]),
         who=r["who"],
         action=Action(r["action"]),
-        integrations=tuple(orjson.loads(r["integrations"])),
+        integrations=tuple(integrations),
         count=int(r["count"]),
         description=r["description"],
+        counts=dict(integrations) if isinstance(integrations, dict) else None,
     )
 
 
@@ -862,10 +865,14 @@ class StoreCore(abc.ABC):
         count: int,
         description: str,
         at: float | None = None,
+        counts: Mapping[str, int] | None = None,
     ) -> ActionRecord:
-        """Appends an entry to the audit log."""
+        """Appends an entry to the audit log; ``counts``: each integration's part of ``count``."""
         at_us = self.times.to_us(self._clock.time() if at is None else at)
-        names = tuple(sorted({no_nul(name) for name in integrations}))
+        names: object = tuple(sorted({no_nul(name) for name in integrations}))
+        if counts is not None:
+            # Each name's own count, so a team reading the entry sees its part of it.
+            names = {no_nul(name): int(counts.get(name, 0)) for name in sorted(integrations)}
         entry = {
             "at_us": at_us,
             "who": no_nul(cut(who, MAX_ACTOR_CHARS)),

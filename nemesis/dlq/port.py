@@ -329,6 +329,8 @@ class ActionRecord:
     integrations: tuple[str, ...]
     count: int
     description: str  # what was selected: ids, a filter or a group, in words
+    # How many of ``count`` each integration had; None when the action did not say.
+    counts: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,8 +425,9 @@ class DeadLetterStore(Protocol):
         count: int,
         description: str,
         at: float | None = None,
+        counts: Mapping[str, int] | None = None,
     ) -> ActionRecord:
-        """Appends an entry to the audit log."""
+        """Appends an entry to the audit log; ``counts``: each integration's part of ``count``."""
         ...
 
     async def actions(

@@ -176,6 +176,7 @@ async def _audited(
             count=total,
             description=description or f"{total} selected",
             at=at,
+            counts=moved,
         )
     return ActionResult(action, total, moved)
 

@@ -24,14 +24,15 @@ runs its connection (a worker thread for SQLite).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
 
-from nemesis.fleet import revocations
+from nemesis.fleet import logins, revocations
 from nemesis.fleet.port import (
+    MAX_LOGIN_ROWS,
     MAX_REVOKED_ROWS,
     Assignment,
     FleetView,
@@ -73,6 +74,7 @@ class SqlStateStore(abc.ABC):
 
     queries: Queries
     revocation_queries: revocations.RevocationQueries  # the viewer's signed-out sessions
+    login_queries: logins.LoginQueries  # the viewer's failed sign-ins and spent sign-in forms
 
     @property
     @abc.abstractmethod
@@ -88,8 +90,16 @@ class SqlStateStore(abc.ABC):
         """Closes the store's connection."""
 
     def _create_schema(self, tx: Tx) -> None:
-        for statement in (*self.queries.schema, *self.revocation_queries.schema):
+        for statement in self.schema():
             tx.execute(statement)
+
+    def schema(self) -> tuple[str, ...]:
+        """Every statement that creates this store's tables."""
+        return (
+            *self.queries.schema,
+            *self.revocation_queries.schema,
+            *self.login_queries.schema,
+        )
 
     # --- the port -----------------------------------------------------------------
 
@@ -255,3 +265,43 @@ class SqlStateStore(abc.ABC):
             return revocations.revoked_until(tx, q, session_id, now=now)
 
         return await self._transaction(job, write=False)
+
+    # --- the viewer's failed sign-ins and spent sign-in forms (nemesis.fleet.logins) ------
+
+    async def login_failures(
+        self, keys: Sequence[str], *, since: float
+    ) -> dict[str, tuple[int, float]]:
+        q = self.login_queries
+
+        def job(tx: Tx) -> dict[str, tuple[int, float]]:
+            return logins.failures(tx, q, keys, since=since)
+
+        return await self._transaction(job, write=False)
+
+    async def login_failed(
+        self, keys: Sequence[str], *, now: float, since: float, max_rows: int = MAX_LOGIN_ROWS
+    ) -> dict[str, int]:
+        q = self.login_queries
+
+        def job(tx: Tx) -> dict[str, int]:
+            return logins.failed(tx, q, keys, now=now, since=since, max_rows=max_rows)
+
+        return await self._transaction(job)
+
+    async def login_succeeded(self, keys: Sequence[str]) -> None:
+        q = self.login_queries
+
+        def job(tx: Tx) -> None:
+            logins.succeeded(tx, q, keys)
+
+        await self._transaction(job)
+
+    async def spend_login_nonce(
+        self, nonce: str, expires_at: float, *, now: float, max_rows: int = MAX_LOGIN_ROWS
+    ) -> bool:
+        q = self.login_queries
+
+        def job(tx: Tx) -> bool:
+            return logins.spend_nonce(tx, q, nonce, expires_at, now=now, max_rows=max_rows)
+
+        return await self._transaction(job)

@@ -25,6 +25,9 @@ holds, and what each part means:
   cookie would have expired, so that every replica refuses a copy of the
   cookie (``nemesis.fleet.revocations``; they do not move the generation:
   the viewer asks for one session id when a cookie arrives).
+- **sign-in failures and spent sign-in forms**: the viewer's throttle counts
+  and the nonces of sign-in forms already posted (``nemesis.fleet.logins``),
+  so that every replica slows a guesser alike and a form works once.
 
 Every call is one transaction. Times are wall-clock seconds of the member
 that writes them: the hosts of one fleet need clocks that agree well within
@@ -40,6 +43,8 @@ from typing import Any, Final, Protocol
 
 # The most revoked sessions a store keeps (as many as the viewer remembers in memory).
 MAX_REVOKED_ROWS: Final = 100_000
+# The most sign-in keys with failures, and spent sign-in forms, a store keeps (each).
+MAX_LOGIN_ROWS: Final = 100_000
 
 
 class Tx(Protocol):
@@ -201,4 +206,26 @@ class StateStore(Protocol):
 
     async def session_revoked_until(self, session_id: str, *, now: float) -> float | None:
         """Until when ``session_id`` is revoked; None when it is not (or no longer)."""
+        ...
+
+    async def login_failures(
+        self, keys: Sequence[str], *, since: float
+    ) -> dict[str, tuple[int, float]]:
+        """Each key's failed sign-ins and the latest one's time, for keys failed after ``since``."""
+        ...
+
+    async def login_failed(
+        self, keys: Sequence[str], *, now: float, since: float, max_rows: int = MAX_LOGIN_ROWS
+    ) -> dict[str, int]:
+        """Counts a failed sign-in at ``now`` for each key (quiet since ``since``: from one)."""
+        ...
+
+    async def login_succeeded(self, keys: Sequence[str]) -> None:
+        """Forgets the failed sign-ins of ``keys``."""
+        ...
+
+    async def spend_login_nonce(
+        self, nonce: str, expires_at: float, *, now: float, max_rows: int = MAX_LOGIN_ROWS
+    ) -> bool:
+        """Spends a sign-in form's nonce until ``expires_at``: True once, False after that."""
         ...

@@ -27,6 +27,7 @@ import asyncpg
 from nemesis.backends.postgres import PostgresStateConfig
 from nemesis.errors import StateError
 from nemesis.fleet.core import Queries, SqlStateStore
+from nemesis.fleet.logins import FAILURES_TABLE, NONCES_TABLE, postgres_logins
 from nemesis.fleet.port import Tx
 from nemesis.fleet.revocations import TABLE, postgres_revocations
 from nemesis.fleet.sqlite import QUERIES as SQLITE_QUERIES
@@ -76,6 +77,8 @@ TABLES: Final = (
     "fleet_assignments",
     "fleet_overrides",
     TABLE,  # the viewer's signed-out sessions (nemesis.fleet.revocations)
+    FAILURES_TABLE,  # the viewer's failed sign-ins (nemesis.fleet.logins)
+    NONCES_TABLE,  # the viewer's spent sign-in forms
 )
 
 
@@ -134,6 +137,7 @@ class PostgresStateStore(SqlStateStore):
 
     queries = QUERIES
     revocation_queries = postgres_revocations(numbered)
+    login_queries = postgres_logins(numbered)
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ from typing import Any, Final, TypeVar
 
 from nemesis.errors import BrokerError, StateError
 from nemesis.fleet.core import Queries, SqlStateStore
+from nemesis.fleet.logins import SQLITE_LOGINS
 from nemesis.fleet.port import Tx
 from nemesis.fleet.revocations import SQLITE_REVOCATIONS
 from nemesis.sqlite_thread import SqliteThread, read_transaction, write_transaction
@@ -110,6 +111,7 @@ class SqliteStateStore(SqlStateStore):
 
     queries = QUERIES
     revocation_queries = SQLITE_REVOCATIONS
+    login_queries = SQLITE_LOGINS
 
     def __init__(self, path: Path, *, timeout_s: float = TIMEOUT_S) -> None:
         self.path = path

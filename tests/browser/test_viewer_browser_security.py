@@ -15,6 +15,7 @@ import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from playwright.async_api import Browser, Locator
@@ -23,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
-from dlq_viewer.auth import SESSION_COOKIE
+from dlq_viewer.auth import LOGIN_COOKIE, SESSION_COOKIE
 from dlq_viewer.testing import (
     STANDARD_ACCESS,
     ViewerEnv,
@@ -259,3 +260,39 @@ async def test_a_form_on_another_site_cannot_act_for_a_signed_in_user(
     assert await env.store.count(DeadLetterFilter(status=Status.DISCARDED)) == 0
     assert (await env.store.actions()).rows == []
     assert any(Reason.HTTP_4XX for _ in ids)
+
+
+def sign_in_site(target: str, nonce: str, token: str) -> Starlette:
+    """A page on another port that signs its visitor in to the viewer as the attacker."""
+
+    async def page(request: Request) -> HTMLResponse:
+        # Cookies do not tell ports apart: this page can plant the viewer's form cookie.
+        return HTMLResponse(
+            f'<form id="f" method="post" action="{target}/login">'
+            f'<input name="username" value="{BOB.name}">'
+            f'<input name="password" value="{BOB.password}">'
+            f'<input name="csrf_token" value="{token}"></form>'
+            f"<script>document.cookie = 'nemesis_login={nonce}; path=/login';"
+            "document.getElementById('f').submit()</script>"
+        )
+
+    return Starlette(routes=[Route("/", page)])
+
+
+async def test_a_page_on_another_port_cannot_sign_a_visitor_in_as_someone_else(
+    env: ViewerEnv, tab: Tab
+) -> None:
+    async with serving(env) as base:
+        tab.base_url = base
+        # The attacker fetches a sign-in form of their own: its nonce and token.
+        async with httpx.AsyncClient(base_url=base) as attacker:
+            form = await attacker.get("/login")
+            found = re.search(r'name="csrf_token" value="([^"]+)"', form.text)
+            assert found is not None
+            nonce = attacker.cookies[LOGIN_COOKIE]
+        async with serve_attacker(sign_in_site(base, nonce, found.group(1))) as evil:
+            async with tab.page.expect_navigation(url=re.compile(r"/login$")):
+                await tab.page.goto(evil)
+            assert "The sign-in form expired" in await tab.page.content()
+        cookies = await tab.page.context.cookies()
+        assert SESSION_COOKIE not in {cookie["name"] for cookie in cookies}
