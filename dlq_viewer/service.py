@@ -37,7 +37,8 @@ def viewer_app(
     """The viewer over ``dlq`` and ``broker``, with the owners of every configured integration.
 
     Sign-outs go to the fleet's ``state`` store, so every replica (and every
-    viewer of this configuration) refuses a signed-out cookie.
+    viewer of this configuration) refuses a signed-out cookie; the team
+    console reads the replicas' reports and writes live overrides there.
     """
     return create_app(
         dlq,
@@ -46,6 +47,7 @@ def viewer_app(
         requeue=replay_requeuer(dlq, broker),
         trusted_proxies=config.viewer.trusted_proxies,
         session_revocations=SharedSessionRevocations(state),
+        state=state,
     )
 
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from nemesis.fleet.member import FleetMember
     from nemesis.runtime.app import Proxy
     from nemesis.runtime.reload import ConfigReloader
+    from nemesis.runtime.reports import StatusReporter
 
 log = logging.getLogger("nemesis")
 
@@ -479,7 +480,12 @@ async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
             await serve_beside(
                 proxy.run(),
                 services,
-                [reloader.run(), enforce_dlq_retention(dlq), fleet.run()],
+                [
+                    reloader.run(),
+                    enforce_dlq_retention(dlq),
+                    fleet.run(),
+                    StatusReporter(proxy, state, fleet.member_id).run(),
+                ],
                 required=[ADMIN_API],
                 failures=failures,
             )

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from nemesis.fleet import revocations
+from nemesis.fleet import reports, revocations
 from nemesis.fleet.port import (
     MAX_REVOKED_ROWS,
     Assignment,
@@ -38,6 +38,7 @@ from nemesis.fleet.port import (
     Member,
     MemberInfo,
     StoredOverride,
+    StoredReport,
     Tx,
 )
 
@@ -73,6 +74,7 @@ class SqlStateStore(abc.ABC):
 
     queries: Queries
     revocation_queries: revocations.RevocationQueries  # the viewer's signed-out sessions
+    report_queries: reports.ReportQueries  # what each member runs, for the team console
 
     @property
     @abc.abstractmethod
@@ -88,7 +90,11 @@ class SqlStateStore(abc.ABC):
         """Closes the store's connection."""
 
     def _create_schema(self, tx: Tx) -> None:
-        for statement in (*self.queries.schema, *self.revocation_queries.schema):
+        for statement in (
+            *self.queries.schema,
+            *self.revocation_queries.schema,
+            *self.report_queries.schema,
+        ):
             tx.execute(statement)
 
     # --- the port -----------------------------------------------------------------
@@ -228,6 +234,7 @@ class SqlStateStore(abc.ABC):
         gone = 0
         for member_id in member_ids:
             tx.execute(q.delete_member_assignments, (member_id,))
+            reports.forget(tx, self.report_queries, member_id)
             gone += tx.execute(q.delete_member, (member_id,))
         return gone > 0
 
@@ -253,5 +260,25 @@ class SqlStateStore(abc.ABC):
 
         def job(tx: Tx) -> float | None:
             return revocations.revoked_until(tx, q, session_id, now=now)
+
+        return await self._transaction(job, write=False)
+
+    # --- the members' reports, for the team console (nemesis.fleet.reports) ---------
+
+    async def publish_reports(
+        self, member_id: str, reports_: Mapping[str, Mapping[str, Any]], *, now: float
+    ) -> None:
+        q = self.report_queries
+
+        def job(tx: Tx) -> None:
+            reports.publish(tx, q, member_id, reports_, now=now)
+
+        await self._transaction(job)
+
+    async def reports(self) -> tuple[StoredReport, ...]:
+        q = self.report_queries
+
+        def job(tx: Tx) -> tuple[StoredReport, ...]:
+            return reports.read(tx, q)
 
         return await self._transaction(job, write=False)

@@ -28,6 +28,8 @@ from nemesis.backends.postgres import PostgresStateConfig
 from nemesis.errors import StateError
 from nemesis.fleet.core import Queries, SqlStateStore
 from nemesis.fleet.port import Tx
+from nemesis.fleet.reports import TABLE as REPORTS_TABLE
+from nemesis.fleet.reports import postgres_reports
 from nemesis.fleet.revocations import TABLE, postgres_revocations
 from nemesis.fleet.sqlite import QUERIES as SQLITE_QUERIES
 from nemesis.postgres import Translated, close_pool, describe, open_pool
@@ -76,6 +78,7 @@ TABLES: Final = (
     "fleet_assignments",
     "fleet_overrides",
     TABLE,  # the viewer's signed-out sessions (nemesis.fleet.revocations)
+    REPORTS_TABLE,  # the members' reports for the team console (nemesis.fleet.reports)
 )
 
 
@@ -134,6 +137,7 @@ class PostgresStateStore(SqlStateStore):
 
     queries = QUERIES
     revocation_queries = postgres_revocations(numbered)
+    report_queries = postgres_reports(numbered)
 
     def __init__(
         self,

@@ -48,6 +48,7 @@ from nemesis.broker.ydb.errors import table_call
 from nemesis.errors import BrokerError, DlqError, StateError
 from nemesis.fleet.core import Queries, SqlStateStore
 from nemesis.fleet.port import Tx
+from nemesis.fleet.reports import ydb_reports
 from nemesis.fleet.revocations import ydb_revocations
 
 T = TypeVar("T")
@@ -249,6 +250,7 @@ class YdbStateStore(SqlStateStore):
     ) -> None:
         self.queries = queries(directory)
         self.revocation_queries = ydb_revocations(directory)
+        self.report_queries = ydb_reports(directory)
         self._pool = pool
         self._directory = directory.strip("/")
         self._timeout_s = timeout_s
@@ -265,7 +267,11 @@ class YdbStateStore(SqlStateStore):
         """Creates the tables and the generation row if missing."""
         self._check_open()
         # YDB runs schema changes outside transactions.
-        for statement in (*self.queries.schema, *self.revocation_queries.schema):
+        for statement in (
+            *self.queries.schema,
+            *self.revocation_queries.schema,
+            *self.report_queries.schema,
+        ):
             await self._call(
                 "create the fleet's tables", self._pool.execute_with_retries(statement)
             )
