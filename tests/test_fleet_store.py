@@ -326,3 +326,27 @@ async def test_ydb_refuses_a_server_whose_transactions_cannot_read_their_writes(
     with pytest.raises(StateError, match=r"read its own writes .*YDB 24\.1 or newer"):
         await store.open()
     await store.close()
+
+
+async def test_a_members_reports_replace_its_last_and_go_when_it_leaves(
+    stores: list[StateStore],
+) -> None:
+    one, two = stores
+    await one.heartbeat(A, now=1000.0, lease_s=10)
+    await two.heartbeat(B, now=1000.0, lease_s=10)
+    start = await one.generation()
+    await one.publish_reports(
+        A.member_id, {"orders": {"lag_messages": 3}, "refunds": {"state": "running"}}, now=1001.0
+    )
+    await two.publish_reports(B.member_id, {"orders": {"lag_messages": 4}}, now=1002.0)
+    await one.publish_reports(A.member_id, {"orders": {"lag_messages": 5}}, now=1003.0)
+    found = {(r.integration, r.member_id): (r.at, r.body) for r in await two.reports()}
+    assert found == {
+        ("orders", A.member_id): (1003.0, {"lag_messages": 5}),  # refunds no longer runs there
+        ("orders", B.member_id): (1002.0, {"lag_messages": 4}),
+    }
+    assert await one.generation() == start  # reports are not news the members wait for
+    await two.leave(B.member_id)
+    assert [(r.integration, r.member_id) for r in await one.reports()] == [
+        ("orders", A.member_id)
+    ]
