@@ -347,6 +347,4 @@ async def test_a_members_reports_replace_its_last_and_go_when_it_leaves(
     }
     assert await one.generation() == start  # reports are not news the members wait for
     await two.leave(B.member_id)
-    assert [(r.integration, r.member_id) for r in await one.reports()] == [
-        ("orders", A.member_id)
-    ]
+    assert [(r.integration, r.member_id) for r in await one.reports()] == [("orders", A.member_id)]
