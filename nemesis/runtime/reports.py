@@ -123,5 +123,9 @@ class StatusReporter:
     async def run(self) -> None:
         """Publishes every ``every_s`` until cancelled."""
         while True:
-            await self.publish()
+            try:
+                await self.publish()
+            except Exception:
+                # A bug here must not end the proxy beside it: the console goes stale instead.
+                log.exception("the console's status report failed")
             await asyncio.sleep(self.every_s)
