@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from nemesis.fleet.member import FleetMember
     from nemesis.runtime.app import Proxy
     from nemesis.runtime.reload import ConfigReloader
-    from nemesis.runtime.reports import StatusReporter
 
 log = logging.getLogger("nemesis")
 
@@ -405,6 +404,7 @@ async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
     from nemesis.runtime.app import Proxy, SupervisorOptions
     from nemesis.runtime.housekeeping import enforce_dlq_retention
     from nemesis.runtime.reload import ConfigReloader
+    from nemesis.runtime.reports import StatusReporter
     from nemesis.runtime.runner import RunnerOptions
     from nemesis.runtime.tracing import delivery_tracing
 
