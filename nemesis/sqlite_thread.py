@@ -17,15 +17,18 @@ Faults of the files: no connection maps the database into memory
 (``mmap_size=0``), so a file that shrinks or vanishes under the process is an
 error on the job that meets it, never a signal. WAL's index (the ``-shm``
 file) is memory-mapped whatever the settings: a ``-shm`` truncated under the
-process ends it with SIGBUS. A store that must outlive its folder (the DLQ)
-opens with a rollback journal (``journal_mode="TRUNCATE"``) and has no
-``-shm``.
+process ends it with SIGBUS. The stores that must outlive a fault of their
+folder (the DLQ, the fleet's state) open with a rollback journal
+(``journal_mode="TRUNCATE"``) and have no ``-shm``. The embedded log keeps
+WAL: its readers in other processes read while a writer appends, which a
+rollback journal would serialize.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import queue
 import sqlite3
@@ -38,6 +41,8 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from nemesis.errors import BrokerError, BrokerTimeout
+
+_log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -248,9 +253,11 @@ class SqliteThread:
         background: bool = False,
         poll_locks: bool = False,
         journal_mode: str = "WAL",
+        journal_fallback: str | None = None,
     ) -> None:
         self._path = path
         self._journal_mode = journal_mode
+        self._journal_fallback = journal_fallback
         self._name = name
         self._busy_timeout_s = busy_timeout_s
         self._pragmas = tuple(pragmas)
@@ -370,17 +377,48 @@ class SqliteThread:
 
     def _configure(self, conn: sqlite3.Connection) -> None:
         wanted = self._journal_mode
-        mode = conn.execute(f"PRAGMA journal_mode={wanted}").fetchone()[0]
-        if str(mode).lower() != wanted.lower():
-            raise BrokerError(f"{self._path}: cannot use journal mode {wanted} (got {mode!r})")
+        mode = self._switch_journal(conn, wanted)
+        if mode != wanted.upper():
+            fallback = self._journal_fallback
+            if fallback is None or mode != fallback.upper():
+                raise BrokerError(f"{self._path}: cannot use journal mode {wanted} (got {mode!r})")
+            _log.warning(
+                "%s: kept in journal mode %s while another process has it open;"
+                " it moves to %s when one opens it alone",
+                self._path,
+                mode,
+                wanted,
+            )
         # WAL: the WAL is written before a commit returns, which survives a process kill.
         # A rollback journal: FULL syncs the journal before the database is changed.
-        conn.execute("PRAGMA synchronous=NORMAL" if wanted == "WAL" else "PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA synchronous=NORMAL" if mode == "WAL" else "PRAGMA synchronous=FULL")
         conn.execute("PRAGMA mmap_size=0")  # see the module docstring: errors, not signals
         conn.execute("PRAGMA temp_store=MEMORY")
         conn.execute("PRAGMA cache_size=-16000")
         for pragma in self._pragmas:
             conn.execute(f"PRAGMA {pragma}")
+
+    def _switch_journal(self, conn: sqlite3.Connection, wanted: str) -> str:
+        """Sets the journal mode; the mode the file has after it, upper case.
+
+        A file in WAL leaves it only for a connection alone on the file; with
+        a fallback of WAL, a file another process holds in WAL is kept so at
+        once rather than after the busy timeout.
+        """
+        fallback = self._journal_fallback
+        if fallback is None or fallback.upper() != "WAL":
+            return str(conn.execute(f"PRAGMA journal_mode={wanted}").fetchone()[0]).upper()
+        if str(conn.execute("PRAGMA journal_mode").fetchone()[0]).upper() != "WAL":
+            return str(conn.execute(f"PRAGMA journal_mode={wanted}").fetchone()[0]).upper()
+        conn.execute("PRAGMA busy_timeout=0")
+        try:
+            return str(conn.execute(f"PRAGMA journal_mode={wanted}").fetchone()[0]).upper()
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            return "WAL"
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_s * 1000)}")
 
     def _disconnect(self) -> None:
         if self._conn is not None:

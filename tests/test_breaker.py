@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nemesis.config.models import BreakerConfig
-from nemesis.delivery.contract import outcome_for_response
-from nemesis.delivery.port import Outcome
+from nemesis.delivery.contract import answer_for_response
+from nemesis.delivery.port import FailureKind
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import (
     BreakerState,
@@ -143,19 +143,26 @@ def test_the_window_slides_a_bucket_at_a_time() -> None:
 
 
 def test_message_level_answers_count_as_healthy() -> None:
-    # The contract table decides; the breaker counts only what says "handler unhealthy".
-    assert is_healthy(outcome_for_response(200))
-    assert is_healthy(outcome_for_response(422))
-    assert is_healthy(outcome_for_response(400))
-    assert is_healthy(outcome_for_response(200, {"nemesis-verdict": "drop"}))
-    assert is_healthy(outcome_for_response(200, {"nemesis-verdict": "dead"}))
-    assert not is_healthy(outcome_for_response(503))
-    assert not is_healthy(outcome_for_response(None))  # timeout, refused connection
-    assert not is_healthy(outcome_for_response(429))
+    # The contract table names the kind; the breaker counts only what says "handler unwell".
+    def healthy(status: int | None, verdict: str | None = None) -> bool:
+        headers = None if verdict is None else {"nemesis-verdict": verdict}
+        return is_healthy(answer_for_response(status, headers).failure)
+
+    assert healthy(200)
+    assert healthy(422)
+    assert healthy(400)
+    assert healthy(200, "drop")
+    assert healthy(200, "dead")
+    assert not healthy(503)
+    assert not healthy(None)  # timeout, refused connection
+    assert not healthy(429)
+    # The handler asks to be called again later: counts against it, as the contract says.
+    assert not healthy(200, "retry")
     r = rig()
     for _ in range(100):
-        r.send(is_healthy(Outcome.DEAD))
-        r.send(is_healthy(Outcome.DROPPED))
+        r.send(is_healthy(FailureKind.REJECTED))
+        r.send(is_healthy(FailureKind.VERDICT_DEAD))
+        r.send(is_healthy(None))  # delivered or dropped
     assert r.breaker.state is CLOSED
     assert r.breaker.statistics().window_failures == 0
 

@@ -30,8 +30,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemesis.config.models import BreakerConfig
+from nemesis.delivery.port import FailureKind
 from nemesis.resilience.breaker import BreakerState, CircuitBreaker
-from nemesis.runtime.policy import Action, Failure, FailureKind, Health, RetryPolicy, decide
+from nemesis.runtime.policy import Action, Failure, Health, RetryPolicy, decide
 from nemesis.testing.clock import FakeClock
 
 LATENCY_S = 0.01  # every answer, healthy or not

@@ -7,7 +7,11 @@ says otherwise. Expectations read:
 - ``tier <n> in <d>s``: published to retry tier n, due d seconds later;
 - ``in place in <d>s``: delivered again after d seconds, keeping its offset;
 - ``wait <d>s``: in place too, held back because the handler may be down;
-- ``halt in <d>s``: in place at the last delay, its key (or partition) halted.
+- ``halt in <d>s``: in place at the last delay, its key (or partition) halted;
+- ``halt, wait <d>s``: halted, and held back because the handler may be down.
+
+The settlement (``nemesis.runtime.settle``) does what the row says and
+decides nothing: whether a key is halted is the policy's answer alone.
 """
 
 from __future__ import annotations
@@ -17,15 +21,16 @@ from typing import Literal
 
 import pytest
 
-from nemesis.delivery.port import DeliveryResult, Outcome
+from nemesis.config.models import IntegrationConfig
+from nemesis.delivery.contract import Contract, WireError, WireFailure
+from nemesis.delivery.port import DeliveryResult, FailureKind
 from nemesis.dlq import Reason
-from nemesis.resilience.breaker import BreakerState
+from nemesis.resilience.breaker import BreakerState, is_healthy
 from nemesis.runtime.policy import (
     HEALTHY,
     Action,
     Decision,
     Failure,
-    FailureKind,
     Health,
     RetryPolicy,
     backoff_s,
@@ -33,6 +38,8 @@ from nemesis.runtime.policy import (
     failure_of,
     pipeline_failure,
 )
+from nemesis.runtime.retries import flows_of, tier_topics_of
+from nemesis.topology import tier_topic
 
 K = FailureKind
 TIERS = (1.0, 5.0, 15.0)
@@ -84,7 +91,7 @@ def described(decision: Decision) -> str:
     if action is Action.TO_TIER:
         return f"tier {decision.tier} in {delay}"
     if action is Action.HALT:
-        return f"halt in {delay}"
+        return f"halt, wait {delay}" if decision.waiting_out else f"halt in {delay}"
     if action is Action.ACK:
         return "ack"
     return f"wait {delay}" if decision.waiting_out else f"in place in {delay}"
@@ -145,9 +152,12 @@ TABLE = [
     # ... nor while nothing else was answered since it last failed: the handler may be down.
     row(K.NO_ANSWER, "tier-3", 5, "wait 10s", health="quiet"),
     row(K.SERVER_ERROR, "main", 2, "wait 10s", tiers=(), health="quiet"),
-    # A retry verdict is the handler's word about this message, not about its health.
-    row(K.VERDICT_RETRY, "tier-3", 4, "dead-letter retries_exhausted"),
-    row(K.VERDICT_RETRY, "tier-3", 4, "dead-letter retries_exhausted", health="open"),
+    # A retry verdict asks to be called again later, as a 503 does: the handler may be
+    # unwell (it counts against the breaker), so it waits as any such failure.
+    row(K.VERDICT_RETRY, "tier-3", 4, "wait 10s"),
+    row(K.VERDICT_RETRY, "tier-3", 5, "dead-letter retries_exhausted"),
+    row(K.VERDICT_RETRY, "tier-3", 6, "wait 10s", health="open"),
+    row(K.VERDICT_RETRY, "tier-3", 5, "wait 10s", health="quiet"),
     # No tiers at all: the first failure is the last; a health failure still waits once.
     row(K.SERVER_ERROR, "main", 1, "wait 10s", tiers=()),
     row(K.SERVER_ERROR, "main", 2, "dead-letter retries_exhausted", tiers=()),
@@ -158,17 +168,43 @@ TABLE = [
     row(K.RATE_LIMITED, "main", 3, "in place in 20s", ordering="key", retry_after_s=20),
     row(K.SERVER_ERROR, "main", 4, "wait 10s", ordering="key"),
     row(K.SERVER_ERROR, "main", 5, "dead-letter retries_exhausted", ordering="key"),
+    row(K.NO_ANSWER, "main", 8, "wait 10s", ordering="partition", health="failing"),
+    row(K.VERDICT_RETRY, "main", 4, "wait 10s", ordering="key", health="open"),
+    row(K.VERDICT_RETRY, "main", 5, "dead-letter retries_exhausted", ordering="key"),
+    # --- halting: the policy halts; nothing after it decides again -------------------------
+    # Not exhausted yet: retried in place, its key not halted.
+    row(K.SERVER_ERROR, "main", 3, "in place in 15s", ordering="key", on_exhausted="halt"),
+    # Exhausted: halted at the last delay ...
     row(K.SERVER_ERROR, "main", 5, "halt in 15s", ordering="key", on_exhausted="halt"),
     row(K.NO_ANSWER, "main", 5, "halt in 15s", ordering="partition", on_exhausted="halt"),
-    row(K.VERDICT_RETRY, "main", 4, "halt in 15s", ordering="key", on_exhausted="halt"),
-    row(K.SERVER_ERROR, "main", 5, "wait 10s", ordering="key", on_exhausted="halt", health="open"),
-    row(K.NO_ANSWER, "main", 8, "wait 10s", ordering="partition", health="failing"),
-    row(K.VERDICT_RETRY, "main", 4, "dead-letter retries_exhausted", ordering="key", health="open"),
+    row(K.VERDICT_RETRY, "main", 5, "halt in 15s", ordering="key", on_exhausted="halt"),
+    row(
+        K.RATE_LIMITED,
+        "main",
+        5,
+        "halt in 30s",
+        ordering="key",
+        on_exhausted="halt",
+        retry_after_s=30,
+    ),
+    # ... and halted too while it waits for a handler that may be down: the first time it
+    # runs out, and whenever the breaker or the answers say "down".
+    row(K.SERVER_ERROR, "main", 4, "halt, wait 10s", ordering="key", on_exhausted="halt"),
+    row(K.VERDICT_RETRY, "main", 4, "halt, wait 10s", ordering="key", on_exhausted="halt"),
+    row(
+        K.SERVER_ERROR,
+        "main",
+        5,
+        "halt, wait 10s",
+        ordering="key",
+        on_exhausted="halt",
+        health="open",
+    ),
     row(
         K.SERVER_ERROR,
         "main",
         6,
-        "wait 10s",
+        "halt, wait 10s",
         ordering="partition",
         on_exhausted="halt",
         health="quiet",
@@ -176,11 +212,20 @@ TABLE = [
     row(
         K.VERDICT_RETRY,
         "main",
-        4,
-        "halt in 15s",
+        7,
+        "halt, wait 10s",
         ordering="key",
         on_exhausted="halt",
-        health="quiet",
+        health="failing",
+    ),
+    row(
+        K.NO_ANSWER,
+        "main",
+        4,
+        "halt, wait 60s",
+        ordering="key",
+        on_exhausted="halt",
+        retry_after_s=60,
     ),
     # on_exhausted: halt means nothing without ordering: the unordered tiers end in the DLQ.
     row(K.SERVER_ERROR, "tier-3", 5, "dead-letter retries_exhausted", on_exhausted="halt"),
@@ -191,6 +236,17 @@ TABLE = [
     row(K.SERVER_ERROR, "main", 9, "in place in 15s", dlq=False),
     row(K.SERVER_ERROR, "main", 9, "in place in 15s", dlq=False, health="open"),
     row(K.SERVER_ERROR, "main", 5, "halt in 15s", dlq=False, ordering="key", on_exhausted="halt"),
+    row(
+        K.SERVER_ERROR,
+        "main",
+        4,
+        "halt, wait 10s",
+        dlq=False,
+        ordering="key",
+        on_exhausted="halt",
+    ),
+    # A dead message without a store is kept in place, never halted: it is not exhausted.
+    row(K.REJECTED, "main", 9, "in place in 15s", dlq=False, ordering="key", on_exhausted="halt"),
 ]
 
 # Dead kinds go to the DLQ at once, with their own reason, in every flow, mode and health.
@@ -232,7 +288,7 @@ def test_the_failure_policy(
     ("kind", "flow", "ordering", "on_exhausted"),
     list(
         itertools.product(
-            [K.SERVER_ERROR, K.NO_ANSWER, K.RATE_LIMITED],
+            [kind for kind in FailureKind if kind.unwell],
             list(FLOWS),
             ORDERINGS,
             ON_EXHAUSTED,
@@ -255,26 +311,62 @@ def test_a_health_failure_is_never_dead_lettered_while_the_handler_is_down(
         assert decision.action is not Action.DEAD_LETTER
 
 
+CONTRACT = Contract()
+GRPC = "grpc"
+
+
+def _http(status: int, verdict: str | None = None) -> DeliveryResult:
+    headers = {} if verdict is None else {"nemesis-verdict": verdict}
+    return CONTRACT.http_answer(status, headers, b"", (), 0.0)
+
+
+def _grpc(code: int, verdict: str | None = None) -> DeliveryResult:
+    trailers = {} if verdict is None else {"nemesis-verdict": verdict}
+    return CONTRACT.grpc_answer(code, None, trailers, (), 0.0)
+
+
 @pytest.mark.parametrize(
     ("result", "kind", "reason"),
     [
-        (DeliveryResult(Outcome.DEAD, 422), K.REJECTED, Reason.HTTP_4XX),
-        (DeliveryResult(Outcome.DEAD, 200), K.VERDICT_DEAD, Reason.VERDICT_DEAD),
-        (DeliveryResult(Outcome.DEAD, 3, protocol="grpc"), K.REJECTED, Reason.GRPC_STATUS),
-        (DeliveryResult(Outcome.DEAD, 0, protocol="grpc"), K.VERDICT_DEAD, Reason.VERDICT_DEAD),
-        (DeliveryResult(Outcome.RETRY, 503), K.SERVER_ERROR, None),
-        (DeliveryResult(Outcome.RETRY, 404), K.SERVER_ERROR, None),
-        (DeliveryResult(Outcome.RETRY, 429), K.RATE_LIMITED, None),
-        (DeliveryResult(Outcome.RETRY, None), K.NO_ANSWER, None),
-        (DeliveryResult(Outcome.RETRY, 200), K.VERDICT_RETRY, None),
-        (DeliveryResult(Outcome.RETRY, 14, protocol="grpc"), K.SERVER_ERROR, None),
-        (DeliveryResult(Outcome.RETRY, 8, protocol="grpc"), K.RATE_LIMITED, None),
-        (DeliveryResult(Outcome.RETRY, None, protocol="grpc"), K.NO_ANSWER, None),
+        (_http(422), K.REJECTED, Reason.HTTP_4XX),
+        (_http(200, "dead"), K.VERDICT_DEAD, Reason.VERDICT_DEAD),
+        (_http(503, "dead"), K.VERDICT_DEAD, Reason.VERDICT_DEAD),
+        (_grpc(3), K.REJECTED, Reason.GRPC_STATUS),
+        (_grpc(0, "dead"), K.VERDICT_DEAD, Reason.VERDICT_DEAD),
+        (_grpc(14, "dead"), K.VERDICT_DEAD, Reason.VERDICT_DEAD),
+        (_http(503), K.SERVER_ERROR, None),
+        (_http(404), K.SERVER_ERROR, None),
+        (_http(429), K.RATE_LIMITED, None),
+        (_http(200, "retry"), K.VERDICT_RETRY, None),
+        (_http(503, "retry"), K.VERDICT_RETRY, None),
+        (CONTRACT.wire_error(WireError(WireFailure.REFUSED), 0.0), K.NO_ANSWER, None),
+        (_grpc(14), K.SERVER_ERROR, None),
+        (_grpc(8), K.RATE_LIMITED, None),
+        (_grpc(0, "retry"), K.VERDICT_RETRY, None),
+        # Our own deadline, and an answer grpcio refused as too large, carry the library's
+        # code; they are no answer, not the handler's DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED.
+        (
+            CONTRACT.wire_error(WireError(WireFailure.TIMEOUT), 0.0, protocol=GRPC, status=4),
+            K.NO_ANSWER,
+            None,
+        ),
+        (
+            CONTRACT.wire_error(WireError(WireFailure.TOO_LARGE), 0.0, protocol=GRPC, status=8),
+            K.NO_ANSWER,
+            None,
+        ),
+        (
+            CONTRACT.wire_error(WireError(WireFailure.CLOSED), None, protocol=GRPC),
+            K.NO_ANSWER,
+            None,
+        ),
     ],
 )
-def test_a_handlers_answer_is_typed_once(
+def test_the_contract_names_the_kind_and_the_policy_takes_it(
     result: DeliveryResult, kind: FailureKind, reason: Reason | None
 ) -> None:
+    assert result.failure is kind
+    assert result.outcome is kind.outcome
     failure = failure_of(result)
     assert failure.kind is kind
     assert failure.kind.dead == (reason is not None)
@@ -282,6 +374,44 @@ def test_a_handlers_answer_is_typed_once(
         assert failure.reason is reason
     # A gRPC code is no HTTP status: it stays out of the DLQ's http_status.
     assert failure.http_status == (None if result.protocol == "grpc" else result.status)
+
+
+def test_a_result_without_a_kind_is_refused_not_guessed() -> None:
+    # Nothing reads the status to recover a kind: a failed result must carry one.
+    with pytest.raises(ValueError, match="names no failure kind"):
+        failure_of(DeliveryResult(K.SERVER_ERROR.outcome, 503))
+
+
+@pytest.mark.parametrize("kind", list(FailureKind))
+def test_the_breaker_and_the_policy_share_one_definition_of_unwell(kind: FailureKind) -> None:
+    # What the breaker counts against the handler is exactly what the policy keeps out
+    # of the DLQ while the handler is down; what it counts as healthy is the message's own.
+    retry = policy()
+    exhausted = decide(Failure(kind), len(TIERS) + 5, 3, retry, OPEN)
+    if is_healthy(kind):
+        assert kind.dead
+        assert exhausted.action is Action.DEAD_LETTER
+        assert exhausted.reason is not Reason.RETRIES_EXHAUSTED
+    else:
+        assert kind.unwell
+        assert (exhausted.action, exhausted.waiting_out) == (Action.RETRY_IN_PLACE, True)
+
+
+@pytest.mark.parametrize("kind", [kind for kind in FailureKind if kind.unwell])
+@pytest.mark.parametrize("ordering", ["key", "partition"])
+@pytest.mark.parametrize("tiers", [(), (0.1,), TIERS], ids=["no-tiers", "one-tier", "three-tiers"])
+@pytest.mark.parametrize("health", list(HEALTHS))
+@pytest.mark.parametrize("dlq", [True, False], ids=["dlq", "no-dlq"])
+def test_a_halting_integration_halts_exactly_the_exhausted_messages(
+    kind: FailureKind, ordering: Ordering, tiers: tuple[float, ...], health: str, dlq: bool
+) -> None:
+    retry = policy(ordering, "halt", dlq=dlq, tiers=tiers)
+    for attempt in range(1, 12):
+        decision = decide(Failure(kind), attempt, 0, retry, HEALTHS[health])
+        exhausted = attempt > len(tiers)
+        assert (decision.action is Action.HALT) == exhausted, attempt
+        if not exhausted:
+            assert decision.action is Action.RETRY_IN_PLACE
 
 
 def test_a_pipeline_failure_keeps_its_stage_and_its_own_reason() -> None:
@@ -315,3 +445,32 @@ def test_backoff_is_the_tier_of_the_attempt_raised_by_retry_after(
     attempt: int, retry_after_s: float | None, expected: float
 ) -> None:
     assert backoff_s(attempt, TIERS, retry_after_s) == expected
+
+
+@pytest.mark.parametrize("ordering", ORDERINGS)
+@pytest.mark.parametrize("dlq", [True, False], ids=["dlq", "no-dlq"])
+def test_the_flows_the_topics_and_the_policy_agree_on_tier_topics(
+    ordering: Ordering, dlq: bool
+) -> None:
+    config = IntegrationConfig.model_validate(
+        {
+            "name": "it",
+            "owners": ["team-it"],
+            "source": {"topic": "orders", "consumer": "it"},
+            "target": {"url": "http://127.0.0.1:9/"},
+            "delivery": {"ordering": ordering},
+            "retry": {"tiers": ["1s", "5s"]},
+        }
+    )
+    flows = [flow.name for flow in flows_of(config, dead_letters=dlq)]
+    topics = tier_topics_of(config, dead_letters=dlq)
+    retry = RetryPolicy.of(config, dead_letters=dlq)
+    if dlq and ordering == "none":
+        assert flows == ["main", "retry-1", "retry-2", "replay"]
+        assert topics == [tier_topic("it", 1), tier_topic("it", 2)]
+        assert not retry.in_place
+    else:
+        # Ordered, or nowhere for a last tier to end: retries happen in place.
+        assert flows == (["main", "replay"] if dlq else ["main"])
+        assert topics == []
+        assert retry.in_place

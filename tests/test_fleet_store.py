@@ -5,8 +5,13 @@ Written once against the port; each store kind is one entry of ``STORES``.
 
 from __future__ import annotations
 
+import sqlite3
+import subprocess
+import sys
+import textwrap
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import closing
 from pathlib import Path
 from typing import cast
 
@@ -326,6 +331,96 @@ async def test_ydb_refuses_a_server_whose_transactions_cannot_read_their_writes(
     with pytest.raises(StateError, match=r"read its own writes .*YDB 24\.1 or newer"):
         await store.open()
     await store.close()
+
+
+# Opens a store, joins, lets the test's fault happen, then heartbeats on and says how it went.
+_CHILD = textwrap.dedent(
+    """
+    import asyncio, shutil, sys
+    from pathlib import Path
+    from nemesis.errors import StateError
+    from nemesis.fleet.port import MemberInfo
+    from nemesis.fleet.sqlite import open_sqlite_state
+
+    folder, fault = Path(sys.argv[1]), sys.argv[2]
+    me = MemberInfo("host-a-1-aaaaaa", "host-a", 1, started_at=1000.0)
+
+    async def main():
+        store = await open_sqlite_state(folder / "state.db")
+        for n in range(20):
+            await store.heartbeat(me, now=1000.0 + n, lease_s=10)
+        if fault == "cut":
+            for path in folder.iterdir():  # the file and whatever lies beside it
+                with open(path, "r+b") as f:
+                    f.truncate(0)
+        else:
+            shutil.rmtree(folder)
+        failed, last = 0, None
+        for n in range(20, 60):
+            try:
+                await store.heartbeat(me, now=1000.0 + n, lease_s=10)
+                await store.view()
+            except StateError as exc:
+                failed += 1
+                last = exc
+        print(f"failed {failed} of 40 rounds; the last error: {last}")
+        await store.close()
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.parametrize("fault", ["cut", "removed"])
+def test_state_files_cut_or_removed_under_the_store_fail_its_calls_not_the_process(
+    tmp_path: Path, fault: str
+) -> None:
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path / "fleet"), fault],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    # A memory-mapped WAL index (-shm) cut under the process would end it: SIGBUS (-7).
+    assert child.returncode == 0, f"exit {child.returncode}\n{child.stderr}"
+    assert child.stdout.startswith("failed "), child.stdout
+    assert "Traceback" not in child.stderr
+
+
+async def test_the_state_file_has_no_memory_mapped_index(tmp_path: Path) -> None:
+    store = await open_sqlite_state(tmp_path / "state.db")
+    try:
+        await store.heartbeat(A, now=1000.0, lease_s=10)
+        assert not (tmp_path / "state.db-shm").exists()
+        with closing(sqlite3.connect(tmp_path / "state.db")) as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal"  # only WAL persists
+    finally:
+        await store.close()
+
+
+async def test_a_state_file_another_process_holds_in_wal_stays_in_wal_until_opened_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "state.db"
+    with closing(sqlite3.connect(path)) as earlier:  # a member of an earlier release
+        assert earlier.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
+        earlier.execute("CREATE TABLE kept (n INTEGER)")
+        store = await open_sqlite_state(path)
+        try:
+            assert await store.heartbeat(A, now=1000.0, lease_s=10) >= 1
+        finally:
+            await store.close()
+    assert "kept in journal mode WAL while another process has it open" in caplog.text
+    store = await open_sqlite_state(path)  # alone on the file now
+    try:
+        [member] = (await store.view()).members
+        assert member.member_id == A.member_id
+    finally:
+        await store.close()
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal"  # only WAL persists
+    assert not (tmp_path / "state.db-shm").exists()
 
 
 async def test_a_members_reports_replace_its_last_and_go_when_it_leaves(

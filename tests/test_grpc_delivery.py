@@ -26,10 +26,7 @@ from pydantic import ValidationError
 from nemesis import __version__
 from nemesis.broker.port import Message
 from nemesis.config.models import TargetConfig
-from nemesis.delivery.grpc import (
-    GrpcTransport,
-    grpc_transport,
-)
+from nemesis.delivery.grpc import GrpcTransport
 from nemesis.delivery.port import Event, Outcome
 from nemesis.errors import ConfigError
 from nemesis.proto import SERVICE
@@ -38,6 +35,11 @@ from nemesis.proto.nemesis.v1 import handler_pb2 as pb
 INTEGRATION = "orders-to-loyalty"
 CREATED_AT = 1764480000.25  # 2025-11-30T05:20:00.25Z
 PAYLOAD = b'{"order": {"id": 17, "city": "msk", "amount": 250.5}}'
+
+
+def grpc_transport(target: TargetConfig, integration: str, max_connections: int) -> GrpcTransport:
+    """The gRPC transport of ``target``, as the registry's ``grpc`` kind makes it."""
+    return GrpcTransport(target, integration=integration, max_connections=max_connections)
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,7 +329,7 @@ async def test_one_channel_carries_every_call(
 
 # --- the status table ------------------------------------------------------------------
 
-# The handler contract's table (nemesis.delivery.contract.outcome_for_grpc_status).
+# The handler contract's table (nemesis.delivery.contract.answer_for_grpc_status).
 EXPECTED = {
     grpc.StatusCode.INVALID_ARGUMENT: Outcome.DEAD,
     grpc.StatusCode.FAILED_PRECONDITION: Outcome.DEAD,

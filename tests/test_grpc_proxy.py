@@ -1,8 +1,8 @@
 """A whole Proxy delivering over grpc:// to a real grpcio handler on loopback.
 
 Real parts: the embedded log and the sqlite DLQ under tmp_path, the gRPC
-transport registered for ``grpc`` the way ``DEFAULT_TRANSPORTS`` maps
-schemes, and ``GrpcHandler`` serving ``nemesis.v1.HandlerService``.
+transport the default registry (``nemesis.transports``) makes for
+grpc://, and ``GrpcHandler`` serving ``nemesis.v1.HandlerService``.
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ import pytest
 from nemesis.broker.embedded import EmbeddedBroker, open_embedded
 from nemesis.broker.port import Broker, ConsumerSpec, OutgoingMessage
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
-from nemesis.delivery.grpc import grpc_transport
 from nemesis.dlq import DeadLetterFilter, Reason, SqliteDeadLetterStore, open_sqlite_dlq
 from nemesis.proto.nemesis.v1 import handler_pb2 as pb
-from nemesis.runtime.app import DEFAULT_TRANSPORTS, Proxy
+from nemesis.runtime.app import Proxy
 from nemesis.runtime.runner import RunnerOptions
 from tests.test_grpc_delivery import Answer, GrpcHandler
 
 FAST = RunnerOptions(receive_timeout_s=0.05, commit_interval_s=0.02, shutdown_grace_s=2)
-TRANSPORTS = {**DEFAULT_TRANSPORTS, "grpc": grpc_transport, "grpcs": grpc_transport}
 
 
 @pytest.fixture
@@ -107,7 +105,6 @@ async def test_proxy_delivers_every_message_over_grpc(
             broker,
             {"it": integration(handler.url)},
             dlq=dlq,
-            transports=TRANSPORTS,
             runner_options=FAST,
         )
         await run_until(proxy, handler, 300)
@@ -130,7 +127,7 @@ async def test_proxy_delivers_batches_over_grpc(
             handler.url,
             delivery={"workers": 4, "buffer": 200, "batch": {"size": 25, "max_wait_ms": 20}},
         )
-        proxy = Proxy(broker, {"it": config}, dlq=dlq, transports=TRANSPORTS, runner_options=FAST)
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, runner_options=FAST)
         await run_until(proxy, handler, 200)
     assert "DeliverBatch" in {call.method for call in handler.calls}
     assert max(len(call.events) for call in handler.calls) > 1
@@ -149,7 +146,7 @@ async def test_a_lone_message_of_a_batch_integration_goes_through_deliver_batch(
             handler.url,
             delivery={"workers": 4, "buffer": 200, "batch": {"size": 25, "max_wait_ms": 0}},
         )
-        proxy = Proxy(broker, {"it": config}, dlq=dlq, transports=TRANSPORTS, runner_options=FAST)
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, runner_options=FAST)
         await run_until(proxy, handler, 1)
     assert [(call.method, len(call.events)) for call in handler.calls] == [("DeliverBatch", 1)]
 
@@ -181,7 +178,7 @@ async def test_statuses_retry_dead_letter_and_time_out_through_the_proxy(
         # A deadline no answer meets only when it is made to wait (on a busy host a short
         # one would cut ordinary answers too, and retry them).
         config = integration(handler.url, target={"url": handler.url, "timeout_s": 2.0})
-        proxy = Proxy(broker, {"it": config}, dlq=dlq, transports=TRANSPORTS, runner_options=FAST)
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, runner_options=FAST)
         # 40 messages; 3, 9 and 11 are never answered plain OK.
         await run_until(proxy, handler, 37)
     attempts = {

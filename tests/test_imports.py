@@ -38,8 +38,10 @@ LAYERS: list[list[str]] = [
     ],
     # The ports, and the internal topics' names (over the broker port).
     ["nemesis.broker.port", "nemesis.dlq.port", "nemesis.dlq.signature", "nemesis.fleet.port"],
-    ["nemesis.topology", "nemesis.tracecontext"],  # over the broker port
-    ["nemesis.backends"],  # each kind's config model and factory
+    # Over the broker port: the internal topics, the trace context, the delivery port.
+    ["nemesis.topology", "nemesis.tracecontext", "nemesis.delivery.port"],
+    # Each kind's config model and factory: backends, and transports by URL scheme.
+    ["nemesis.backends", "nemesis.transports"],
     ["nemesis.config"],
     ["nemesis.identity"],  # who asks, from the configured tokens and teams
     # The parts: brokers, transports, stages, limits; the PostgreSQL connection.

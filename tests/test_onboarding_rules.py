@@ -21,6 +21,7 @@ from nemesis.errors import ConfigProblem
 from nemesis.onboarding import IntegrationRulesChecker
 from nemesis.onboarding.inline_secrets import find_inline_secrets, is_secret_key
 from nemesis.pipeline import PipelineChecker
+from nemesis.transports import HTTP, TransportKind, Transports
 from tests.conftest import REPO
 
 ANNOTATION = re.compile(r"^::error file=(?P<file>[^,]+),line=(?P<line>\d+)::(?P<text>.*)$")
@@ -224,9 +225,9 @@ def test_the_topic_convention_and_transports_can_be_configured(tmp_path: Path) -
     (tmp_path / "integrations" / "a.yaml").write_text(
         integration("a", topic="Orders", url="'grpc://x:1'")
     )
-    checker = IntegrationRulesChecker(
-        topic_convention=r"^[A-Za-z]+$", transports={"http": lambda t, i, n: NotImplemented}
-    )
+    only_http = Transports()
+    only_http.register(TransportKind("http", "http", None, HTTP.open, check=HTTP.check))
+    checker = IntegrationRulesChecker(topic_convention=r"^[A-Za-z]+$", transports=only_http)
     problems = validate_paths([tmp_path / "integrations"], checkers=[checker])
     assert [(p.field, p.message) for p in problems] == [
         ("target.url", "no transport for grpc:// targets (this Nemesis has http://)")

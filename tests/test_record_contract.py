@@ -26,12 +26,12 @@ from nemesis.broker.kafka.mapping import to_message as kafka_message
 from nemesis.broker.port import Message, OutgoingMessage, key_text
 from nemesis.config.models import IntegrationConfig, TargetConfig
 from nemesis.delivery.cloudevents import batch_body
-from nemesis.delivery.grpc import GrpcTransport, grpc_transport
-from nemesis.delivery.http_clients import http_transport_for
+from nemesis.delivery.grpc import GrpcTransport
 from nemesis.delivery.port import Event, Outcome
 from nemesis.runtime.events import EventFactory
+from nemesis.transports import default_transports
 from tests.kafka_broker import free_port
-from tests.test_grpc_delivery import GrpcHandler, target
+from tests.test_grpc_delivery import GrpcHandler, grpc_transport, target
 
 TRACEPARENT = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -267,7 +267,7 @@ async def test_both_http_clients_send_a_records_headers_as_the_contract_says(
         key=b"\xfe\x00",
         value=None,
     )
-    transport = http_transport_for(
+    transport = default_transports().open(
         TargetConfig(url=url, transport=client, timeout_s=5),
         integration="it",
         max_connections=2,
@@ -339,7 +339,7 @@ async def test_every_http_request_carries_its_events_trace_context(
 ) -> None:
     url, received = http_handler
     plain, producer = traced_events()
-    single = http_transport_for(
+    single = default_transports().open(
         TargetConfig(url=url, transport=client, timeout_s=5), integration="it", max_connections=2
     )
     try:

@@ -270,6 +270,37 @@ async def test_outage_opens_the_breaker_and_dead_letters_nothing(
     assert transitions.get((BreakerState.HALF_OPEN, BreakerState.CLOSED), 0) == 1
 
 
+async def test_a_handler_answering_retry_to_everything_is_waited_out_not_dead_lettered(
+    broker: EmbeddedBroker, dlq: SqliteDeadLetterStore, clock: FakeClock
+) -> None:
+    # `nemesis-verdict: retry` counts against the breaker, as a 503 does (the handler
+    # contract), and the failure policy reads the same definition: while the handler asks
+    # every message to come back later, far longer than the tiers last, none is dead.
+    count = 200
+    await publish(broker, count)
+    async with HandlerServer(clock=clock) as handler, clock.autojump(AUTOJUMP_S):
+        handler.behave(status=200, headers={"nemesis-verdict": "retry"})
+        config = integration(
+            "it",
+            handler.url,
+            retry={"tiers": ["100ms", "200ms"]},
+            breaker={"window_s": 5, "min_requests": 20, "cooldown_s": 0.5},
+            delivery={"workers": 8, "buffer": 200},
+        )
+        proxy = Proxy(broker, {"it": config}, dlq=dlq, clock=clock, runner_options=FAST)
+        task = asyncio.create_task(proxy.run())
+        breaker = proxy.groups["it"].breaker
+        await wait_for_state(breaker, {BreakerState.OPEN, BreakerState.HALF_OPEN})
+        await clock.sleep(10.0)  # dozens of tier lengths and cooldowns
+        assert await dlq.count(DeadLetterFilter()) == 0
+        assert handler.requests > count  # the retries were answered "retry", not waiting
+        handler.behave(status=200)
+        await handler.ledger.wait_for(count, timeout_s=60)
+        proxy.stop()
+        await task
+    assert await dlq.count(DeadLetterFilter()) == 0
+
+
 @pytest.mark.slow
 async def test_an_outage_with_tiers_shorter_than_the_breaker_needs_dead_letters_nothing(
     broker: EmbeddedBroker, dlq: SqliteDeadLetterStore, clock: FakeClock

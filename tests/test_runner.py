@@ -1,7 +1,10 @@
 """The runner in-process: ordering, batching, flow control, shutdown and revocation.
 
-Real parts throughout: the embedded log in a SQLite file under tmp_path, the
-aiohttp transport, and a real handler server on 127.0.0.1.
+Real parts throughout: the embedded log in a SQLite file under tmp_path, and
+for the cases that test the wire (connections, hanging answers, delays) the
+aiohttp transport and a real handler server on 127.0.0.1. The cases that need
+only the handler's answers use ``FakeTransport``, which answers in-process
+through the contract's own table.
 """
 
 from __future__ import annotations
@@ -22,14 +25,16 @@ from nemesis.broker.port import ConsumerSpec, Message, OutgoingMessage, TopicRea
 from nemesis.clock import SystemClock
 from nemesis.config.models import EmbeddedBackendConfig, IntegrationConfig
 from nemesis.delivery.http import http_transport
-from nemesis.delivery.port import DeliveryResult, Event, Outcome
+from nemesis.delivery.port import Event
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import CircuitBreaker
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
-from nemesis.testing import HandlerServer, LedgerEntry
+from nemesis.testing import FakeRequest, FakeTransport, HandlerServer, LedgerEntry, Reply
 from nemesis.testing.clock import FakeClock
 from tests.operability import wait_until_true
 
+# The URL of the cases whose transport is a FakeTransport: nothing listens there.
+NOWHERE = "http://127.0.0.1:9/"
 FAST = RunnerOptions(receive_timeout_s=0.05, commit_interval_s=0.02, shutdown_grace_s=5)
 
 
@@ -95,6 +100,10 @@ def n_of(entry: LedgerEntry) -> int:
     return int(json.loads(entry.body)["n"])
 
 
+def n_in(event: Event) -> int:
+    return int(json.loads(event.body)["n"])
+
+
 async def test_key_ordering_holds_a_key_behind_its_retried_message(
     broker: EmbeddedBroker, handler: HandlerServer
 ) -> None:
@@ -139,41 +148,38 @@ async def test_partition_ordering_runs_one_message_per_partition(
     assert handler.connections <= 4
 
 
-async def test_batches_by_size_or_wait(broker: EmbeddedBroker, handler: HandlerServer) -> None:
+async def test_batches_by_size_or_wait(broker: EmbeddedBroker) -> None:
     await publish(broker, 1000)
-    runner = runner_for(
-        broker,
-        config(handler.url, delivery={"workers": 4, "batch": {"size": 50, "max_wait_ms": 20}}),
-    )
+    transport = FakeTransport()
+    cfg = config(NOWHERE, delivery={"workers": 4, "batch": {"size": 50, "max_wait_ms": 20}})
+    runner = IntegrationRunner(cfg, broker, transport, options=FAST)
     task = asyncio.create_task(runner.run())
-    await handler.ledger.wait_for(1000, timeout_s=30)
+    await wait_until_true(lambda: len(transport.done_ids()) == 1000, timeout_s=30)
+    await wait_until_true(lambda: runner.statistics().outstanding == 0)
     runner.stop()
     await task
-    sizes = [e.batch_size for e in handler.ledger]
-    assert all(e.mode == "batch" for e in handler.ledger)
-    assert max(sizes) == 50
-    assert handler.requests < 1000 / 10
+    assert all(r.batch for r in transport.requests)
+    assert max(len(r.events) for r in transport.requests) == 50
+    assert len(transport.requests) < 1000 / 10
     assert await committed(broker) == {p: 250 for p in range(4)}
 
 
 async def test_a_batch_integration_sends_a_lone_message_as_a_batch_of_one(
-    broker: EmbeddedBroker, handler: HandlerServer
+    broker: EmbeddedBroker,
 ) -> None:
     # A handler that implements only batches must get a quiet hour's messages too,
     # and their retries: every request of a batch integration is a batch.
     await publish(broker, 1)
-    handler.fail_first(1, status=503)
-    runner = runner_for(
-        broker,
-        config(handler.url, delivery={"workers": 4, "batch": {"size": 50, "max_wait_ms": 0}}),
-    )
+    transport = FakeTransport(lambda request: Reply(503 if request.number == 1 else 200))
+    cfg = config(NOWHERE, delivery={"workers": 4, "batch": {"size": 50, "max_wait_ms": 0}})
+    runner = IntegrationRunner(cfg, broker, transport, options=FAST)
     task = asyncio.create_task(runner.run())
-    await handler.ledger.wait_for(1, timeout_s=30)
+    await wait_until_true(lambda: len(transport.done_ids()) == 1, timeout_s=30)
     runner.stop()
     await task
-    assert [(e.mode, e.batch_size, e.attempt) for e in handler.ledger] == [
-        ("batch", 1, 1),
-        ("batch", 1, 2),
+    assert [(r.batch, len(r.events), r.events[0].attempt) for r in transport.requests] == [
+        (True, 1, 1),
+        (True, 1, 2),
     ]
 
 
@@ -280,18 +286,17 @@ class _ShiftedClock(SystemClock):
 
 async def _deliver_with_metrics(
     broker: EmbeddedBroker,
-    handler: HandlerServer,
+    transport: FakeTransport,
     count: int,
     clock: SystemClock,
     batch: int = 1,
 ) -> Metrics:
     metrics = Metrics()
-    cfg = config(handler.url, delivery={"batch": {"size": batch, "max_wait_ms": 20}})
-    transport = http_transport(cfg.target, integration=cfg.name, max_connections=16)
+    cfg = config(NOWHERE, delivery={"batch": {"size": batch, "max_wait_ms": 20}})
     runner = IntegrationRunner(cfg, broker, transport, options=FAST, metrics=metrics, clock=clock)
     task = asyncio.create_task(runner.run())
     try:
-        await handler.ledger.wait_until(lambda led: len(led.done_ids()) >= count, timeout_s=30)
+        await wait_until_true(lambda: len(transport.done_ids()) >= count, timeout_s=30)
         await wait_until_true(lambda: runner.statistics().outstanding == 0)
     finally:
         runner.stop()
@@ -308,27 +313,34 @@ def _age(metrics: Metrics, sample: str, **labels: str) -> float:
 
 
 async def test_delivery_age_counts_each_accepted_message_once_from_its_write(
-    broker: EmbeddedBroker, handler: HandlerServer
+    broker: EmbeddedBroker,
 ) -> None:
     await publish(broker, 200)
-    # A tenth fail at first: retried in place, their age counts once, when accepted.
-    handler.when(lambda e: n_of(e) % 10 == 0 and e.receipt == 1, status=503)
-    # Eight are dropped by the handler: finished, but not accepted.
-    handler.when(lambda e: n_of(e) % 25 == 7, status=200, headers={"nemesis-verdict": "drop"})
+
+    def answer(request: FakeRequest) -> Reply:
+        (event,) = request.events
+        # A tenth fail at first: retried in place, their age counts once, when accepted.
+        if n_in(event) % 10 == 0 and event.attempt == 1:
+            return Reply(503)
+        # Eight are dropped by the handler: finished, but not accepted.
+        if n_in(event) % 25 == 7:
+            return Reply(200, {"nemesis-verdict": "drop"})
+        return Reply(200)
+
+    transport = FakeTransport(answer)
     # The runner's clock 0.3 s ahead of the broker's: every message is at least that old.
-    metrics = await _deliver_with_metrics(broker, handler, 200, _ShiftedClock(0.3))
-    assert handler.requests >= 220
+    metrics = await _deliver_with_metrics(broker, transport, 200, _ShiftedClock(0.3))
+    assert len(transport.requests) >= 220
     assert _age(metrics, "count") == 192
     assert _age(metrics, "bucket", le="0.25") == 0
     assert 0.3 <= _age(metrics, "sum") / 192 < 30
 
 
-async def test_delivery_age_counts_each_message_of_a_batch(
-    broker: EmbeddedBroker, handler: HandlerServer
-) -> None:
+async def test_delivery_age_counts_each_message_of_a_batch(broker: EmbeddedBroker) -> None:
     await publish(broker, 200)
-    metrics = await _deliver_with_metrics(broker, handler, 200, _ShiftedClock(0.3), batch=20)
-    assert handler.requests < 200
+    transport = FakeTransport()
+    metrics = await _deliver_with_metrics(broker, transport, 200, _ShiftedClock(0.3), batch=20)
+    assert len(transport.requests) < 200
     assert _age(metrics, "count") == 200
     assert _age(metrics, "bucket", le="0.25") == 0
     assert 0.3 <= _age(metrics, "sum") / 200 < 30
@@ -336,10 +348,11 @@ async def test_delivery_age_counts_each_message_of_a_batch(
 
 @pytest.mark.parametrize("batch", [1, 10])
 async def test_delivery_age_is_never_negative_when_the_broker_clock_runs_ahead(
-    broker: EmbeddedBroker, handler: HandlerServer, batch: int
+    broker: EmbeddedBroker, batch: int
 ) -> None:
     await publish(broker, 50)
-    metrics = await _deliver_with_metrics(broker, handler, 50, _ShiftedClock(-3600.0), batch)
+    transport = FakeTransport()
+    metrics = await _deliver_with_metrics(broker, transport, 50, _ShiftedClock(-3600.0), batch)
     assert _age(metrics, "bucket", le="0.001") == 50
     assert _age(metrics, "sum") == 0
 
@@ -376,24 +389,18 @@ async def test_revoked_partitions_are_not_committed_by_the_old_owner(
     assert await committed(broker) == {p: 10 for p in range(4)}
 
 
-class _WritesInATask:
+def _writes_in_a_task(log: list[str]) -> FakeTransport:
     """A transport that sends each request in a task of its own, as aiohttp does on Python 3.11."""
 
-    def __init__(self, log: list[str]) -> None:
-        self._log = log
+    async def send(event: Event) -> None:
+        log.append(f"sent {event.message.offset}")
 
-    async def deliver(self, event: Event) -> DeliveryResult:
-        await asyncio.create_task(self._send(event))
-        return DeliveryResult(Outcome.DELIVERED, status=200)
+    async def answer(request: FakeRequest) -> Reply:
+        assert not request.batch
+        await asyncio.create_task(send(request.events[0]))
+        return Reply(200)
 
-    async def _send(self, event: Event) -> None:
-        self._log.append(f"sent {event.message.offset}")
-
-    async def deliver_batch(self, events: Sequence[Event]) -> DeliveryResult:
-        raise AssertionError("not batching")
-
-    async def close(self) -> None:
-        pass
+    return FakeTransport(answer)
 
 
 async def test_a_woken_worker_sends_before_the_intake_reads_again(
@@ -412,8 +419,8 @@ async def test_a_woken_worker_sends_before_the_intake_reads_again(
 
     monkeypatch.setattr(EmbeddedReader, "receive", logged_receive)
     await publish(broker, 0, partitions=1)
-    cfg = config("http://127.0.0.1:9/", delivery={"workers": 4})
-    runner = IntegrationRunner(cfg, broker, _WritesInATask(log), options=FAST)
+    cfg = config(NOWHERE, delivery={"workers": 4})
+    runner = IntegrationRunner(cfg, broker, _writes_in_a_task(log), options=FAST)
     task = asyncio.create_task(runner.run())
     try:
         writer = await broker.writer("orders")
@@ -429,28 +436,6 @@ async def test_a_woken_worker_sends_before_the_intake_reads_again(
         assert log[read + 1 : read + 3] == [f"sent {n}", "receive"], log[read - 1 : read + 4]
 
 
-class _AnsweredTogether:
-    """Holds every request until ``release``, then answers them all in one turn of the loop."""
-
-    def __init__(self, failing_offset: int) -> None:
-        self.gate = asyncio.Event()
-        self.waiting = 0
-        self._failing = failing_offset
-
-    async def deliver(self, event: Event) -> DeliveryResult:
-        self.waiting += 1
-        await self.gate.wait()
-        if event.message.offset == self._failing:
-            return DeliveryResult(Outcome.RETRY, status=503)
-        return DeliveryResult(Outcome.DELIVERED, status=204)
-
-    async def deliver_batch(self, events: Sequence[Event]) -> DeliveryResult:
-        raise AssertionError("not batching")
-
-    async def close(self) -> None:
-        pass
-
-
 async def test_the_breaker_hears_the_answers_of_a_turn_in_their_order(
     broker: EmbeddedBroker,
 ) -> None:
@@ -458,8 +443,15 @@ async def test_the_breaker_hears_the_answers_of_a_turn_in_their_order(
     # same turn must still find the successes before it in the breaker's window (and the
     # failure policy its view of the handler's health).
     await publish(broker, 11, partitions=1)
-    cfg = config("http://127.0.0.1:9/", delivery={"workers": 16})
-    transport = _AnsweredTogether(failing_offset=10)
+    cfg = config(NOWHERE, delivery={"workers": 16})
+    # Every request is held until the gate opens, then all are answered in one turn.
+    gate = asyncio.Event()
+
+    async def answer(request: FakeRequest) -> Reply:
+        await gate.wait()
+        return Reply(503 if request.events[0].message.offset == 10 else 204)
+
+    transport = FakeTransport(answer)
     breaker = CircuitBreaker(cfg.breaker)
     seen: list[tuple[int, int]] = []
     record = breaker.record
@@ -473,8 +465,8 @@ async def test_the_breaker_hears_the_answers_of_a_turn_in_their_order(
     runner = IntegrationRunner(cfg, broker, transport, breaker=breaker, options=FAST)
     task = asyncio.create_task(runner.run())
     try:
-        await wait_until_true(lambda: transport.waiting == 11, timeout_s=10)
-        transport.gate.set()
+        await wait_until_true(lambda: transport.in_flight == 11, timeout_s=10)
+        gate.set()
         await wait_until_true(lambda: bool(seen), timeout_s=10)
         stats = runner.statistics()
     finally:
@@ -485,31 +477,21 @@ async def test_the_breaker_hears_the_answers_of_a_turn_in_their_order(
     assert breaker.statistics().window_requests >= 11
 
 
-class _Delivers:
-    async def deliver(self, event: Event) -> DeliveryResult:
-        return DeliveryResult(Outcome.DELIVERED, status=204)
-
-    async def deliver_batch(self, events: Sequence[Event]) -> DeliveryResult:
-        return DeliveryResult(Outcome.DELIVERED, status=204)
-
-    async def close(self) -> None:
-        pass
-
-
 async def test_a_failure_settling_a_turn_of_answers_fails_the_run_instead_of_stalling(
     broker: EmbeddedBroker,
 ) -> None:
     # The delivered answers are settled by a callback of the loop, where an exception
     # would only be logged and the messages left unacknowledged for ever.
     await publish(broker, 20, partitions=1)
-    cfg = config("http://127.0.0.1:9/")
+    cfg = config(NOWHERE)
     breaker = CircuitBreaker(cfg.breaker)
 
     def broken(count: int) -> None:
         raise RuntimeError("a listener failed")
 
     breaker.record_healthy = broken  # type: ignore[method-assign]
-    runner = IntegrationRunner(cfg, broker, _Delivers(), breaker=breaker, options=FAST)
+    transport = FakeTransport(lambda request: Reply(204))
+    runner = IntegrationRunner(cfg, broker, transport, breaker=breaker, options=FAST)
     with pytest.raises(ExceptionGroup) as raised:
         await asyncio.wait_for(runner.run(), timeout=10)
     assert raised.group_contains(RuntimeError, match="a listener failed")

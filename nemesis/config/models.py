@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import re
 from collections.abc import Hashable, Iterator
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -40,6 +40,7 @@ from nemesis.config_base import DurationS as DurationS
 from nemesis.config_base import Model as Model
 from nemesis.config_base import get_path
 from nemesis.config_base import parse_duration as parse_duration
+from nemesis.transports import default_transports
 
 NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
 TOPIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
@@ -48,9 +49,15 @@ TOPIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 SOURCE_TOPIC_PATTERN = r"^/?[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 
 
+# The transports targets may use (``nemesis.transports``): the URL schemes, the
+# ``target.transport`` choices and which schemes take TLS settings come from it.
+TRANSPORTS: Final = default_transports()
+
+
 def _check_target_url(url: str) -> str:
-    if not re.match(r"^(https?|grpcs?)://[^/\s]+", url):
-        raise ValueError("must start with http://, https://, grpc:// or grpcs:// and name a host")
+    problem = TRANSPORTS.url_problem(url)
+    if problem is not None:
+        raise ValueError(problem)
     if "${" in url:
         return url  # an unset variable while validating without secrets: checked where it is set
     try:
@@ -248,13 +255,9 @@ def _tls_needs_a_tls_url(target: Any) -> Iterator[tuple[tuple[Hashable, ...], st
     url = get_path(target, "url")
     if get_path(target, "tls") is None or not isinstance(url, str):
         return
-    scheme = url.split("://", 1)[0]
-    if scheme in ("http", "grpc"):
-        yield (
-            ("tls",),
-            f"{scheme}:// is plain text: TLS settings apply to https:// and grpcs:// targets"
-            f" (use {scheme}s://, or remove tls)",
-        )
+    problem = TRANSPORTS.tls_problem(url.split("://", 1)[0])
+    if problem is not None:
+        yield ("tls",), problem
 
 
 def _not_the_trace_context(headers: dict[str, str]) -> dict[str, str]:
@@ -264,6 +267,13 @@ def _not_the_trace_context(headers: dict[str, str]) -> dict[str, str]:
                 f"{name!r}: set by Nemesis for every event (its trace context, docs/tracing.md)"
             )
     return headers
+
+
+# target.transport: one of the registered clients (to the type checker, a name).
+if TYPE_CHECKING:
+    TransportClient = str
+else:
+    TransportClient = Literal[TRANSPORTS.clients()]
 
 
 class TargetConfig(Model):
@@ -276,9 +286,9 @@ class TargetConfig(Model):
     )
     # None: requests are not signed.
     signing: SigningConfig | None = None
-    # The HTTP client of http(s):// targets: Nemesis' own HTTP/1.1 transport (h1), or
-    # aiohttp's. gRPC targets ignore it.
-    transport: Literal["h1", "aiohttp"] = "h1"
+    # The client of a kind that offers several (``TransportKind.clients``): for http(s)://
+    # targets Nemesis' own HTTP/1.1 transport (h1), or aiohttp's. gRPC targets ignore it.
+    transport: TransportClient = TRANSPORTS.clients()[0]
     # None: the system's CAs, no client certificate, the URL's host as the name.
     tls: TlsConfig | None = None
 

@@ -10,9 +10,11 @@ would otherwise have to copy lives here:
 
 - the verdict a handler may give (``nemesis-verdict`` header or trailer:
   ``drop``, ``dead`` or ``retry``), which overrides the status;
-- one outcome table per protocol, ``outcome_for_response`` (HTTP statuses)
-  and ``outcome_for_grpc_status`` (gRPC codes), with a comment on each
-  decision;
+- one table per protocol, ``answer_for_response`` (HTTP statuses) and
+  ``answer_for_grpc_status`` (gRPC codes), with a comment on each decision:
+  each row names the ``Outcome`` and, for an answer that did not finish the
+  message, its ``FailureKind``; the circuit breaker and the failure policy
+  read the kind and never the status;
 - ``Retry-After`` (seconds or an HTTP date, bounded by
   ``MAX_RETRY_AFTER_S``) and gRPC's ``grpc-retry-pushback-ms``;
 - the error text of a failed delivery: one line, at most ``ERROR_TEXT_CHARS``
@@ -33,12 +35,12 @@ import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import TargetConfig
 from nemesis.delivery import signing
-from nemesis.delivery.port import DeliveryResult, Outcome
+from nemesis.delivery.port import DeliveryResult, FailureKind, Outcome
 
 if TYPE_CHECKING:  # the generated code is a build product: only the gRPC transport needs it
     from nemesis.proto.nemesis.v1 import handler_pb2 as pb
@@ -60,11 +62,35 @@ _MIN_REDACTED_BYTES: Final = 8
 _PAYLOAD_MARK: Final = b"<request payload>"
 _SECRET_MARK: Final = b"<redacted>"
 
-_VERDICTS: Final = {"drop": Outcome.DROPPED, "dead": Outcome.DEAD, "retry": Outcome.RETRY}
+
+class Answer(NamedTuple):
+    """What a handler's answer amounts to: its outcome, and why it did not finish, if not."""
+
+    outcome: Outcome
+    failure: FailureKind | None = None
 
 
-def verdict_of(value: str | None) -> Outcome | None:
-    """The outcome a ``nemesis-verdict`` value asks for; None when absent or unknown."""
+def _failed(kind: FailureKind) -> Answer:
+    return Answer(kind.outcome, kind)
+
+
+_DELIVERED: Final = Answer(Outcome.DELIVERED)
+_DROPPED: Final = Answer(Outcome.DROPPED)
+_REJECTED: Final = _failed(FailureKind.REJECTED)
+_SERVER_ERROR: Final = _failed(FailureKind.SERVER_ERROR)
+_RATE_LIMITED: Final = _failed(FailureKind.RATE_LIMITED)
+# Timeout, refused or reset connection, an answer too large to read: no answer.
+NO_ANSWER: Final = _failed(FailureKind.NO_ANSWER)
+
+_VERDICTS: Final = {
+    "drop": _DROPPED,
+    "dead": _failed(FailureKind.VERDICT_DEAD),
+    "retry": _failed(FailureKind.VERDICT_RETRY),
+}
+
+
+def verdict_of(value: str | None) -> Answer | None:
+    """The answer a ``nemesis-verdict`` value gives; None when absent or unknown."""
     if value is None:
         return None
     # An unknown verdict is ignored rather than guessed at: the status decides.
@@ -74,12 +100,12 @@ def verdict_of(value: str | None) -> Outcome | None:
 # --- HTTP -------------------------------------------------------------------------------
 
 _DEAD_STATUSES: Final = frozenset({400, 409, 410, 413, 415, 422})
-_COME_BACK_LATER_STATUSES: Final = frozenset({408, 425, 429})
+_COME_BACK_LATER_STATUSES: Final = frozenset({408, 425})
 _MISCONFIGURED_STATUSES: Final = frozenset({401, 403, 404, 405})
 
 
-def outcome_for_response(status: int | None, headers: Mapping[str, str] | None = None) -> Outcome:
-    """The HTTP handler contract: the handler's answer (None: no answer) -> Outcome.
+def answer_for_response(status: int | None, headers: Mapping[str, str] | None = None) -> Answer:
+    """The HTTP handler contract: the handler's answer (None: no answer) -> Outcome and kind.
 
     ``headers`` must look names up case-insensitively (aiohttp's response
     headers do). Integration-wide failures retry, so that the circuit breaker
@@ -96,28 +122,31 @@ def outcome_for_response(status: int | None, headers: Mapping[str, str] | None =
             return by_verdict
     if status is None:
         # Timeout, refused or reset connection: the handler may be down or overloaded.
-        return Outcome.RETRY
+        return NO_ANSWER
     if 200 <= status <= 299:
         # The handler took the message: its offset may be committed.
-        return Outcome.DELIVERED
+        return _DELIVERED
     if status in _DEAD_STATUSES:
         # 400, 409, 410, 413, 415, 422: this message breaks the contract; retrying cannot help.
-        return Outcome.DEAD
+        return _REJECTED
+    if status == 429:
+        # The handler is overloaded and asks to be called again later (Retry-After).
+        return _RATE_LIMITED
     if status in _COME_BACK_LATER_STATUSES:
-        # 408, 425, 429: the handler asks to be called again later (Retry-After).
-        return Outcome.RETRY
+        # 408, 425: the handler asks to be called again later (Retry-After).
+        return _SERVER_ERROR
     if status in _MISCONFIGURED_STATUSES:
         # 401, 403, 404, 405: credentials, route or method are wrong for every message
         # alike. 401 is also a handler refusing a missing, wrong or stale signature
         # (signing secrets that differ between the two sides): retry, never dead-letter.
-        return Outcome.RETRY
+        return _SERVER_ERROR
     if 500 <= status <= 599:
         # The handler failed or is unavailable.
-        return Outcome.RETRY
+        return _SERVER_ERROR
     # 1xx as a final answer, 3xx (redirects are not followed: a moved handler is a
     # reviewed config change, and a POST must not turn into a GET), the other 4xx
     # and nonsense statuses: retry, as argued above.
-    return Outcome.RETRY
+    return _SERVER_ERROR
 
 
 # --- gRPC -------------------------------------------------------------------------------
@@ -156,7 +185,6 @@ _DEAD_CODES: Final = frozenset(
 _TRY_LATER_CODES: Final = frozenset(
     {
         GrpcCode.UNAVAILABLE,
-        GrpcCode.RESOURCE_EXHAUSTED,
         GrpcCode.DEADLINE_EXCEEDED,
         GrpcCode.ABORTED,
         GrpcCode.INTERNAL,
@@ -172,10 +200,10 @@ _MISCONFIGURED_CODES: Final = frozenset(
 )
 
 
-def outcome_for_grpc_status(code: int | None, trailers: Mapping[str, str] | None = None) -> Outcome:
-    """The gRPC handler contract: the call's status (None: no answer) and trailers -> Outcome.
+def answer_for_grpc_status(code: int | None, trailers: Mapping[str, str] | None = None) -> Answer:
+    """The gRPC handler contract: the call's status (None: no answer) and trailers -> Answer.
 
-    It mirrors ``outcome_for_response``: integration-wide failures retry, so
+    It mirrors ``answer_for_response``: integration-wide failures retry, so
     that the circuit breaker stops the flow and messages wait in the topic;
     only message-level violations go to the DLQ at once, and a status this
     table does not know never does (a truly bad message still reaches the DLQ
@@ -188,27 +216,30 @@ def outcome_for_grpc_status(code: int | None, trailers: Mapping[str, str] | None
             return by_verdict
     if code is None:
         # No status at all (the transport was closed before the call): try again later.
-        return Outcome.RETRY
+        return NO_ANSWER
     if code == GrpcCode.OK:
         # The handler took the event: its offset may be committed.
-        return Outcome.DELIVERED
+        return _DELIVERED
     if code in _DEAD_CODES:
         # INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE: this message breaks the
         # contract (HTTP's 400/422); ALREADY_EXISTS is HTTP's 409. Retrying cannot help.
-        return Outcome.DEAD
+        return _REJECTED
+    if code == GrpcCode.RESOURCE_EXHAUSTED:
+        # The handler is overloaded (HTTP's 429).
+        return _RATE_LIMITED
     if code in _TRY_LATER_CODES:
-        # UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED (our deadline or the
-        # handler's), ABORTED, INTERNAL: the handler is down, overloaded or failed (5xx, 429).
-        return Outcome.RETRY
+        # UNAVAILABLE, DEADLINE_EXCEEDED (the handler's deadline), ABORTED, INTERNAL: the
+        # handler is down, overloaded or failed (5xx).
+        return _SERVER_ERROR
     if code in _MISCONFIGURED_CODES:
         # UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED, NOT_FOUND: credentials,
         # service or method are wrong for every message alike (HTTP's 401/403/404/405).
         # UNAUTHENTICATED is also a refused signature, as HTTP's 401: retry.
-        return Outcome.RETRY
+        return _SERVER_ERROR
     # UNKNOWN (what a server answers when the handler raised), CANCELLED (the server
     # or our shutdown cancelled the call), DATA_LOSS and numbers gRPC does not define:
     # the handler failed, not the message; retry, as argued above.
-    return Outcome.RETRY
+    return _SERVER_ERROR
 
 
 def grpc_code_name(code: int) -> str:
@@ -436,7 +467,7 @@ class Contract:
             # The common answer, without the table's general path.
             duration_s = clock.monotonic() - started
             return DeliveryResult(Outcome.DELIVERED, status, None, None, duration_s)
-        outcome = outcome_for_response(status, headers)
+        outcome, failure = answer_for_response(status, headers)
         error = None
         if outcome is not Outcome.DELIVERED:
             words = self._redactor(body[:ERROR_BODY_BYTES], sent)
@@ -450,6 +481,7 @@ class Contract:
             error=error,
             retry_after_s=parse_retry_after(retry_after, clock.time()) if retry_after else None,
             duration_s=clock.monotonic() - started,
+            failure=failure,
         )
 
     def grpc_answer(
@@ -461,7 +493,7 @@ class Contract:
         started: float,
     ) -> DeliveryResult:
         """A gRPC status (the handler's, or the client library's) as a result."""
-        outcome = outcome_for_grpc_status(code, trailers)
+        outcome, failure = answer_for_grpc_status(code, trailers)
         error = None
         if outcome is not Outcome.DELIVERED:
             words = self._redactor((details or "").encode()[:ERROR_BODY_BYTES], sent)
@@ -477,6 +509,7 @@ class Contract:
             retry_after_s=grpc_retry_after_s(trailers, self._clock.time()),
             duration_s=self._clock.monotonic() - started,
             protocol="grpc",
+            failure=failure,
         )
 
     def wire_error(
@@ -490,16 +523,21 @@ class Contract:
         """A request without an answer as a result (``started`` None: nothing was sent).
 
         ``status``: what the protocol's library reported, if anything (gRPC's
-        DEADLINE_EXCEEDED for our own deadline); the outcome is the table's for
-        no answer, RETRY, whatever it is.
+        DEADLINE_EXCEEDED for our own deadline, RESOURCE_EXHAUSTED for an answer
+        too large); the answer is no answer, whatever it is.
         """
         # Nothing was answered: the handler may be down, slow or unreachable. Retry,
         # so that the circuit breaker sees it.
-        outcome = outcome_for_response(None)
+        outcome, kind = NO_ANSWER
         duration_s = 0.0 if started is None else self._clock.monotonic() - started
         text = self._redactor(failure.text().encode()).decode("utf-8", errors="replace")
         return DeliveryResult(
-            outcome, status=status, error=text, duration_s=duration_s, protocol=protocol
+            outcome,
+            status=status,
+            error=text,
+            duration_s=duration_s,
+            protocol=protocol,
+            failure=kind,
         )
 
 

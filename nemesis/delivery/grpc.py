@@ -47,14 +47,15 @@ from nemesis.delivery.contract import (
     RETRY_AFTER_HEADER,
     SIGNING_HEADERS,
     VERDICT_HEADER,
+    Answer,
     WireError,
     WireFailure,
+    answer_for_grpc_status,
     contract_for,
     grpc_retry_after_s,
-    outcome_for_grpc_status,
     timeout_after,
 )
-from nemesis.delivery.port import DeliveryResult, Event, Outcome, config_problem
+from nemesis.delivery.port import DeliveryResult, Event, config_problem
 from nemesis.delivery.tls import pem_files
 from nemesis.errors import ConfigError
 from nemesis.proto import SERVICE
@@ -82,11 +83,11 @@ _REFUSED_DETAILS: Final = re.compile(
 )
 
 
-def outcome_for_status(
+def answer_for_status(
     code: grpc.StatusCode | None, trailers: Mapping[str, str] | None = None
-) -> Outcome:
-    """``nemesis.delivery.contract.outcome_for_grpc_status`` for grpcio's status codes."""
-    return outcome_for_grpc_status(None if code is None else code.value[0], trailers)
+) -> Answer:
+    """``nemesis.delivery.contract.answer_for_grpc_status`` for grpcio's status codes."""
+    return answer_for_grpc_status(None if code is None else code.value[0], trailers)
 
 
 def retry_after_s(trailers: Mapping[str, str], now: float) -> float | None:
@@ -377,11 +378,6 @@ class _Channel:
                 response_deserializer=pb.DeliverBatchResponse.FromString,
             ),
         )
-
-
-def grpc_transport(target: TargetConfig, integration: str, max_connections: int) -> GrpcTransport:
-    """The gRPC transport for one integration (a TransportFactory for grpc:// and grpcs://)."""
-    return GrpcTransport(target, integration=integration, max_connections=max_connections)
 
 
 def _metadata_dict(metadata: Iterable[object] | None) -> dict[str, str]:

@@ -1,9 +1,13 @@
-"""The ``sqlite`` state store: one SQLite file (WAL) the replicas of one host share.
+"""The ``sqlite`` state store: one SQLite file the replicas of one host share.
 
 Only its queries and its transactions live here; the logic is
 ``nemesis.fleet.core``. One connection on its own thread
 (``nemesis.sqlite_thread``); writers of several processes serialize on
-``BEGIN IMMEDIATE``, which also makes a read-then-write job atomic. A fleet
+``BEGIN IMMEDIATE``, which also makes a read-then-write job atomic. The file
+has a rollback journal, not WAL: nothing of it is memory-mapped, so a file cut
+or removed under the process fails the calls that meet it and the member
+carries on as in a store outage (see ``nemesis.sqlite_thread``). A file left
+in WAL by an earlier release stays so until a process opens it alone. A fleet
 spread over several hosts needs a store they all reach (PostgreSQL), not a
 file.
 """
@@ -25,6 +29,9 @@ from nemesis.sqlite_thread import SqliteThread, read_transaction, write_transact
 T = TypeVar("T")
 
 TIMEOUT_S: Final = 5.0
+
+# A rollback journal, truncated after each commit: no -shm to map (see the module docstring).
+JOURNAL_MODE: Final = "TRUNCATE"
 
 QUERIES: Final = Queries(
     schema=(
@@ -109,7 +116,15 @@ class SqliteStateStore(SqlStateStore):
     def __init__(self, path: Path, *, timeout_s: float = TIMEOUT_S) -> None:
         self.path = path
         self._timeout_s = timeout_s
-        self._thread = SqliteThread(path, "fleet-state", busy_timeout_s=timeout_s, poll_locks=True)
+        self._thread = SqliteThread(
+            path,
+            "fleet-state",
+            busy_timeout_s=timeout_s,
+            # SQLite's busy handler, not poll_locks: with a rollback journal a read
+            # waits too, for a writer's commit (a few heartbeats a second at most).
+            journal_mode=JOURNAL_MODE,
+            journal_fallback="WAL",
+        )
 
     @property
     def location(self) -> str:

@@ -39,9 +39,11 @@ from nemesis.broker.port import Message
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import SigningConfig, TargetConfig
 from nemesis.delivery.cloudevents import is_json
+from nemesis.delivery.contract import grpc_code_name
 from nemesis.delivery.port import DeliveryResult, Event, Outcome, Transport
 from nemesis.delivery.signing import DEFAULT_TOLERANCE_S
 from nemesis.onboarding.choices import DEFAULT_DATA
+from nemesis.transports import default_transports
 
 PROBE_INTEGRATION: Final = "check-handler"
 PROBE_TOPIC: Final = "nemesis.check-handler"
@@ -431,31 +433,21 @@ def _ms(seconds: float) -> str:
 
 
 def _transport_for(scheme: str) -> tuple[TransportFactory, Describe, str]:
-    if scheme in ("grpc", "grpcs"):
-        # Imported here: HTTP checks never load grpcio.
-        from nemesis.delivery.contract import grpc_code_name
-        from nemesis.delivery.grpc import GrpcTransport
+    transports = default_transports()
+    kind = transports.kind_for(scheme)
+    protocol = kind.name if kind is not None else scheme
 
-        def grpc_factory(target: TargetConfig, clock: Clock) -> Transport:
-            return GrpcTransport(
-                target, integration=PROBE_INTEGRATION, max_connections=2, clock=clock
-            )
-
-        def grpc_answer(result: DeliveryResult) -> str:
-            if result.status is None:
-                return "no answer"
-            return grpc_code_name(result.status)
-
-        return grpc_factory, grpc_answer, "grpc"
-
-    from nemesis.delivery.http_clients import http_transport_for
-
-    def http_factory(target: TargetConfig, clock: Clock) -> Transport:
-        return http_transport_for(
+    def factory(target: TargetConfig, clock: Clock) -> Transport:
+        return transports.open(
             target, integration=PROBE_INTEGRATION, max_connections=2, clock=clock
         )
 
-    def http_answer(result: DeliveryResult) -> str:
-        return "no answer" if result.status is None else f"HTTP {result.status}"
+    return factory, _answer, protocol
 
-    return http_factory, http_answer, "http"
+
+def _answer(result: DeliveryResult) -> str:
+    if result.status is None:
+        return "no answer"
+    if result.protocol == "grpc":
+        return grpc_code_name(result.status)
+    return f"HTTP {result.status}"

@@ -32,7 +32,7 @@ Every problem points at the file and line of the value concerned.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Final, TypeVar
 
@@ -41,11 +41,11 @@ from pydantic import Field, TypeAdapter, ValidationError
 from nemesis.config.document import DataPath, YamlDocument, format_path, parse_yaml
 from nemesis.config.loader import YAML_SUFFIXES, ValidationContext, max_file_size
 from nemesis.config.models import SourceConfig, TargetConfig
-from nemesis.delivery.port import Transport
 from nemesis.errors import ConfigError, ConfigProblem
 from nemesis.onboarding.inline_secrets import find_inline_secrets
 from nemesis.pipeline.checker import PIPELINES_DIR_NAME
 from nemesis.pipeline.compiler import is_test_file
+from nemesis.transports import Transports, default_transports
 
 OWNER_PATTERN: Final = r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)?$|^[^@\s]+@[^@\s]+\.[a-z]+$"
 # Lowercase words joined by single separators: "orders", "billing.invoices", "crm/leads-v2".
@@ -53,36 +53,6 @@ TOPIC_CONVENTION: Final = r"^[a-z0-9]+([._/-][a-z0-9]+)*$"
 INTERNAL_PREFIX: Final = "nemesis."
 
 T = TypeVar("T")
-
-# Builds (or only checks, returning None) the transport of a target.
-TransportFactory = Callable[[TargetConfig, str, int], Transport | None]
-
-
-def _http(target: TargetConfig, integration: str, max_connections: int) -> Transport | None:
-    if target.transport == "h1":
-        # Nemesis' own client checks without being built: validating loads no event loop.
-        from nemesis.delivery.http_common import check_http_target
-
-        check_http_target(target, integration)
-        return None
-    from nemesis.delivery.http_clients import http_transport_for
-
-    return http_transport_for(target, integration=integration, max_connections=max_connections)
-
-
-def _grpc(target: TargetConfig, integration: str, max_connections: int) -> Transport:
-    from nemesis.delivery.grpc import grpc_transport
-
-    return grpc_transport(target, integration, max_connections)
-
-
-# The transports whose checks the rules run, by URL scheme.
-KNOWN_TRANSPORTS: Final[Mapping[str, TransportFactory]] = {
-    "http": _http,
-    "https": _http,
-    "grpc": _grpc,
-    "grpcs": _grpc,
-}
 
 
 class IntegrationRulesChecker:
@@ -92,12 +62,13 @@ class IntegrationRulesChecker:
         self,
         scan: Sequence[Path] = (),
         *,
-        transports: Mapping[str, TransportFactory] = KNOWN_TRANSPORTS,
+        transports: Transports | None = None,
         topic_convention: str = TOPIC_CONVENTION,
         owner_pattern: str = OWNER_PATTERN,
     ) -> None:
         self._scan = list(scan)
-        self._transports = transports
+        # The transports whose checks the rules run, by URL scheme.
+        self._transports = transports or default_transports()
         self._topic = re.compile(topic_convention)
         self._owner = re.compile(owner_pattern)
 
@@ -207,9 +178,8 @@ class IntegrationRulesChecker:
             )
 
     def _target(self, run: _Run, document: YamlDocument, name: str, target: TargetConfig) -> None:
-        factory = self._transports.get(target.scheme)
-        if factory is None:
-            schemes = ", ".join(f"{s}://" for s in sorted(self._transports))
+        if self._transports.kind_for(target.scheme) is None:
+            schemes = ", ".join(f"{s}://" for s in sorted(self._transports.schemes()))
             run.report(
                 document,
                 ("target", "url"),
@@ -224,7 +194,7 @@ class IntegrationRulesChecker:
             # it runs the transport's own checks of the URL and headers. The signing
             # secrets and the TLS files are `nemesis run`'s to read, on the host that
             # has them: validating needs only their names.
-            factory(target.model_copy(update={"signing": None, "tls": None}), name, 1)
+            self._transports.check(target.model_copy(update={"signing": None, "tls": None}), name)
         except ConfigError as exc:
             for problem in exc.problems:
                 path = _path_of(problem.field)

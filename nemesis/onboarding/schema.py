@@ -43,17 +43,13 @@ from nemesis import __version__
 from nemesis.config.models import (
     DNS_NAME_PATTERN,
     NAME_PATTERN,
+    TRANSPORTS,
     IntegrationConfig,
     NemesisConfig,
     parse_duration,
     parse_start_from,
 )
-from nemesis.delivery.contract import SIGNING_HEADERS
-from nemesis.delivery.http_common import (
-    HEADER_NAME_PATTERN,
-    RESERVED_HEADERS,
-    UNSAFE_VALUE_PATTERN,
-)
+from nemesis.delivery.http_common import HEADER_NAME_PATTERN
 from nemesis.onboarding.choices import SCHEMA_KINDS as SCHEMA_KINDS
 from nemesis.onboarding.choices import SchemaKind as SchemaKind
 from nemesis.onboarding.rules import INTERNAL_PREFIX, OWNER_PATTERN, TOPIC_CONVENTION
@@ -67,14 +63,13 @@ DIALECT: Final = "https://json-schema.org/draft/2020-12/schema"
 DURATION_PATTERN: Final = r"^\s*\d+(\.\d+)?\s*(ms|s|m|h|d)?\s*$"
 # A value that is (or holds) a ${VAR} reference: expanded before validation.
 VARIABLE_PATTERN: Final = r"\$\{"
-# The shape TargetConfig's validator checks.
-TARGET_URL_PATTERN: Final = r"^(https?|grpcs?)://[^/\s]+"
+# The shape TargetConfig's validator checks: a registered scheme (nemesis.transports).
+_SCHEMES: Final = TRANSPORTS.scheme_pattern()
+TARGET_URL_PATTERN: Final = rf"^{_SCHEMES}://[^/\s]+"
 # TARGET_URL_PATTERN, and a port (when written) from 1 to 65535, as urlsplit reads it.
 _PORT: Final = r"0*([1-9]\d{0,3}|[1-5]\d{4}|6[0-4]\d{3}|65[0-4]\d{2}|655[0-2]\d|6553[0-5])"
 _AUTHORITY: Final = rf"([^/\s?#@]*@)?(\[[^\]/\s]*\]|[^/\s?#:\[\]@]+)(:({_PORT})?)?"
-TARGET_URL_WITH_PORT_PATTERN: Final = rf"^(https?|grpcs?)://{_AUTHORITY}([/?#]|$)"
-# gRPC: host and port, no path, query, fragment or credentials.
-_GRPC_URL_PATTERN: Final = r"^grpcs?://(\[[^\]/\s]*\]|[^/\s?#:\[\]@]+)(:\d*)?/?$"
+TARGET_URL_WITH_PORT_PATTERN: Final = rf"^{_SCHEMES}://{_AUTHORITY}([/?#]|$)"
 # A duration of zero, which no retry tier may have.
 _ZERO_DURATION: Final = r"^\s*0+(\.0+)?\s*(ms|s|m|h|d)?\s*$"
 # What parse_start_from accepts: earliest, latest, -<duration>, or a time with its zone.
@@ -88,11 +83,6 @@ _INTERNAL: Final = INTERNAL_PREFIX.rstrip(".").replace(".", "\\.")
 SOURCE_NAME_PATTERN: Final = (
     rf"^(?!{_INTERNAL}(\.|$))(?=.{{1,200}}$){TOPIC_CONVENTION.removeprefix('^')}"
 )
-# The transports' header checks (nemesis.delivery.http_common, .grpc): names the
-# contract, HTTP framing or gRPC set themselves, by URL scheme.
-_GRPC_RESERVED: Final = ("content-type", "te", "user-agent", "host")
-_GRPC_METADATA_KEY: Final = r"^[0-9A-Za-z_.\-]+$"
-_GRPC_UNSAFE_VALUE: Final = r"[^\x20-\x7e]"
 
 _TITLES: Final[dict[SchemaKind, str]] = {
     "integration": "Nemesis integration (integrations/<name>.yaml)",
@@ -157,7 +147,8 @@ def json_schema(kind: SchemaKind, *, registry: StageRegistry | None = None) -> d
     if "TargetConfig" in definitions:
         url = definitions["TargetConfig"]["properties"]["url"]
         url["pattern"] = TARGET_URL_WITH_PORT_PATTERN
-        url.setdefault("description", "http(s)://host/path or grpc(s)://host:port")
+        forms = [kind.url_form for kind in TRANSPORTS.kinds.values() if kind.url_form]
+        url.setdefault("description", " or ".join(forms))
     if kind == "integration":
         _integration_rules(root, definitions)
     schema: dict[str, Any] = {
@@ -176,17 +167,6 @@ def json_schema(kind: SchemaKind, *, registry: StageRegistry | None = None) -> d
         "description": "${VAR} or ${VAR:-default}, read from the environment at load time",
     }
     return schema
-
-
-def _anycase(name: str) -> str:
-    """A pattern matching ``name`` in any case (JSON Schema patterns have no flags)."""
-    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else re.escape(c) for c in name)
-
-
-def _not_named(prefixes: tuple[str, ...], names: tuple[str, ...]) -> dict[str, Any]:
-    """Property names that neither start with one of ``prefixes`` nor are one of ``names``."""
-    alternatives = [_anycase(p) for p in prefixes] + [f"{_anycase(n)}$" for n in names]
-    return {"not": {"pattern": f"^({'|'.join(alternatives)})"}}
 
 
 def _on_scheme(pattern: str, then: dict[str, Any]) -> dict[str, Any]:
@@ -245,48 +225,21 @@ def _integration_rules(root: dict[str, Any], definitions: dict[str, Any]) -> Non
             f"lowercase words joined by '.', '-', '_' or '/'; not {INTERNAL_PREFIX}*"
         )
     target = definitions["TargetConfig"]
-    http_values = {"type": "string", "not": {"pattern": UNSAFE_VALUE_PATTERN}}
-    grpc_values = {"type": "string", "not": {"pattern": _GRPC_UNSAFE_VALUE}}
     target["properties"]["headers"]["propertyNames"] = {"pattern": f"^{HEADER_NAME_PATTERN}$"}
+    # Each transport's own checks, on a target of its schemes.
     target["allOf"] = [
-        _on_scheme(
-            "^https?://",
-            {
-                "properties": {
-                    "headers": {
-                        "propertyNames": _not_named(
-                            ("ce-",), (*sorted(RESERVED_HEADERS), *sorted(SIGNING_HEADERS))
-                        ),
-                        "additionalProperties": http_values,
-                    }
-                }
-            },
-        ),
-        _on_scheme(
-            "^grpcs?://",
-            {
-                "properties": {
-                    "headers": {
-                        "propertyNames": {
-                            "allOf": [
-                                {"pattern": _GRPC_METADATA_KEY},
-                                _not_named(("grpc-",), (*_GRPC_RESERVED, *sorted(SIGNING_HEADERS))),
-                                {"not": {"pattern": f"{_anycase('-bin')}$"}},
-                            ]
-                        },
-                        "additionalProperties": grpc_values,
-                    }
-                }
-            },
-        ),
-        # A gRPC target is grpc(s)://host:port: the service and methods are fixed.
-        _on_scheme("^grpcs?://", {"properties": {"url": {"pattern": _GRPC_URL_PATTERN}}}),
-        # TLS settings belong to https:// and grpcs:// targets.
-        {
-            "if": {"properties": {"url": {"pattern": "^(http|grpc)://"}}, "required": ["url"]},
-            "then": {"properties": {"tls": {"type": "null"}}},
-        },
+        _on_scheme(f"^({'|'.join(map(re.escape, kind.schemes))})://", {"properties": kind.schema()})
+        for kind in TRANSPORTS.kinds.values()
+        if kind.schema is not None and kind.schemes
     ]
+    # TLS settings belong to the TLS schemes (https://, grpcs://).
+    plain = "|".join(map(re.escape, TRANSPORTS.plain_schemes()))
+    target["allOf"].append(
+        {
+            "if": {"properties": {"url": {"pattern": f"^({plain})://"}}, "required": ["url"]},
+            "then": {"properties": {"tls": {"type": "null"}}},
+        }
+    )
     signing = definitions["SigningConfig"]["properties"]["secrets_env"]
     signing["uniqueItems"] = True
     tls = definitions["TlsConfig"]

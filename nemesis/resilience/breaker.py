@@ -21,11 +21,13 @@ or re-opens a half-open one: that band is the hysteresis that keeps a
 flaky-but-alive handler from flapping. The price of the band is that such a
 handler stays half-open, fed at the probe pace, until it gets better or worse.
 
-What counts (``is_healthy``): only handler-health failures, the ``retry``
-outcome (5xx, timeouts, refused connections, 408/425/429, the misconfigured
-401/403/404/405, a retry verdict). A message-level answer (``dead``: 4xx
-contract violations) and ``dropped`` prove the handler is up and count as
-healthy. One request counts once, whether it carried one event or a batch.
+What counts (``is_healthy``): only the failures whose kind says the handler
+may be unwell (``FailureKind.unwell``, the definition the failure policy
+shares: 5xx, timeouts, refused connections, 408/425/429, the misconfigured
+401/403/404/405, a retry verdict). A message-level answer (a ``dead`` kind:
+4xx contract violations, a dead verdict), a delivered and a dropped one
+prove the handler is up and count as healthy. One request counts once,
+whether it carried one event or a batch.
 
 Retries prove a recovering handler (each answer carries the attempt of its
 message, the smallest of a batch's):
@@ -59,7 +61,7 @@ In a runner::
     await breaker.wait_until_not_open()        # the reader, before each receive
     async with breaker.permit(attempt) as permit:     # a worker, around one request
         result = await transport.deliver(event)
-        permit.record(is_healthy(result.outcome))
+        permit.record(is_healthy(result.failure))
     # leaving without record() (stale message, cancellation) gives a probe slot back
 """
 
@@ -76,7 +78,7 @@ from typing import Final
 
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import BreakerConfig
-from nemesis.delivery.port import Outcome
+from nemesis.delivery.port import FailureKind
 from nemesis.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -91,9 +93,9 @@ _EPSILON_S: Final = 1e-9
 _floor: Final = math.floor
 
 
-def is_healthy(outcome: Outcome) -> bool:
-    """Whether a handler's answer shows a healthy handler (everything but ``retry``)."""
-    return outcome is not Outcome.RETRY
+def is_healthy(failure: FailureKind | None) -> bool:
+    """Whether an answer (its failure kind; None: delivered or dropped) shows a healthy handler."""
+    return failure is None or not failure.unwell
 
 
 class BreakerState(enum.Enum):

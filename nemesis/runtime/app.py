@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,11 +42,8 @@ from nemesis.aio import first_of
 from nemesis.broker.port import Broker, ConsumerSpec, TopicReader, TopicWriter
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config import overrides as live
-from nemesis.config.models import IntegrationConfig, TargetConfig
-from nemesis.delivery.http_clients import http_transport_for
+from nemesis.config.models import IntegrationConfig
 from nemesis.delivery.port import Transport
-from nemesis.delivery.signing import secrets_from_environment
-from nemesis.delivery.tls import ssl_context, tls_files
 from nemesis.dlq import DeadLetterStore
 from nemesis.errors import ConfigError, ConfigProblem, NemesisError, TopicNotFound
 from nemesis.metrics import Metrics
@@ -56,15 +52,14 @@ from nemesis.resilience.breaker import BreakerListener, CircuitBreaker, bind_bre
 from nemesis.resilience.limits import FlowLimits, wait_recorder
 from nemesis.runtime.internal import SharedReader
 from nemesis.runtime.lag import LagMonitor, LagTarget, PartitionLag, oldest_unfinished_from
-from nemesis.runtime.retries import FlowSpec, flows_of
+from nemesis.runtime.retries import FlowSpec, flows_of, tier_topics_of
 from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
 from nemesis.runtime.sizing import LiveSizing
 from nemesis.runtime.telemetry import IntegrationSnapshot, ProxySnapshot, metric_families
-from nemesis.topology import register_internal, tier_topic
+from nemesis.topology import register_internal
+from nemesis.transports import Transports, default_transports
 
 log = logging.getLogger(__name__)
-
-TransportFactory = Callable[[TargetConfig, str, int], Transport]
 
 # The connection pool of a transport is sized to the most workers an integration
 # may ever run (DeliveryConfig.workers' bound), not to the workers it starts with:
@@ -72,26 +67,6 @@ TransportFactory = Callable[[TargetConfig, str, int], Transport]
 # sized at start would become a second bound that a live resize cannot move.
 # Connections are opened on demand, so the ceiling costs nothing until used.
 MAX_CONNECTIONS: Final = 4096
-
-
-def _http(target: TargetConfig, integration: str, max_connections: int) -> Transport:
-    return http_transport_for(target, integration=integration, max_connections=max_connections)
-
-
-def _grpc(target: TargetConfig, integration: str, max_connections: int) -> Transport:
-    # Imported on first use: grpcio and the generated code load only for gRPC targets.
-    from nemesis.delivery.grpc import grpc_transport
-
-    return grpc_transport(target, integration, max_connections)
-
-
-# URL scheme -> transport factory. Tests and embedders pass their own mapping.
-DEFAULT_TRANSPORTS: Mapping[str, TransportFactory] = {
-    "http": _http,
-    "https": _http,
-    "grpc": _grpc,
-    "grpcs": _grpc,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +127,7 @@ class Proxy:
         pipelines_dir: Path | str = "pipelines",
         integration_files: Mapping[str, Path] | None = None,
         metrics: Metrics | None = None,
-        transports: Mapping[str, TransportFactory] = DEFAULT_TRANSPORTS,
+        transports: Transports | None = None,
         clock: Clock = SYSTEM_CLOCK,
         runner_options: RunnerOptions = RunnerOptions(),
         supervisor_options: SupervisorOptions = SupervisorOptions(),
@@ -162,7 +137,8 @@ class Proxy:
         self.metrics = metrics or Metrics()
         self._pipelines_dir = pipelines_dir
         self._integrations: dict[str, IntegrationConfig] = {}
-        self._transports = transports
+        # The kinds of transport, by URL scheme (nemesis.transports); tests pass fakes.
+        self._transports = transports or default_transports()
         self._clock = clock
         self._runner_options = runner_options
         self._supervisor = supervisor_options
@@ -232,8 +208,7 @@ class Proxy:
 
     def flows(self, config: IntegrationConfig) -> list[FlowSpec]:
         """The flows an integration runs here (retry tiers and replay need a DLQ store)."""
-        every = flows_of(config)
-        return every if self.dlq is not None else every[:1]
+        return flows_of(config, dead_letters=self.dlq is not None)
 
     def lag_targets(self) -> list[LagTarget]:
         """Every flow whose commit lag is watched."""
@@ -399,12 +374,12 @@ class Proxy:
         """
         old = self._groups[config.name]
         new = self._build_group(config, file, live.caught_up(config, old.overrides))
-        factory = self._transports.get(config.target.scheme)
-        if old.task is not None and factory is not None:
+        known = self._transports.kind_for(config.target.scheme) is not None
+        if old.task is not None and known:
             # Made now, not once the old one drained: what the transport alone checks (the
             # headers; TLS files changed during the drain) must not stop the running one.
             try:
-                new.transport = factory(new.config.target, config.name, MAX_CONNECTIONS)
+                new.transport = self._open_transport(new.config)
             except ConfigError as exc:
                 raise _in_file(exc, config.name, file) from None
         try:
@@ -478,8 +453,8 @@ class Proxy:
 
     async def _run_group(self, group: IntegrationGroup) -> None:
         config = group.config
-        factory = self._transports.get(config.target.scheme)
-        if factory is None and group.transport is None:
+        known = self._transports.kind_for(config.target.scheme) is not None
+        if not known and group.transport is None:
             group.issues["main"] = f"no transport for {config.target.scheme}:// targets"
             log.error(
                 "integration %s: no transport for %s:// targets; not started",
@@ -491,8 +466,7 @@ class Proxy:
         try:
             try:
                 if group.transport is None:  # replace_integration may have made it
-                    assert factory is not None
-                    group.transport = factory(config.target, config.name, MAX_CONNECTIONS)
+                    group.transport = self._open_transport(config)
             except ConfigError as exc:
                 # Its checks refused the target (headers; TLS files gone or changed since the
                 # group was built): this integration waits for a fix, the others run on.
@@ -689,13 +663,13 @@ class Proxy:
             await admin.add_consumer(flow.topic, ConsumerSpec(flow.consumer))
         else:
             await self._prepare_internal(flow.topic, group.name)
-        if self.dlq is None or group.config.delivery.ordering != "none":
+        topics = tier_topics_of(group.config, dead_letters=self.dlq is not None)
+        if not topics:
             return
         async with group.setup:  # the flows start together; one opens the tier writers
             if group.tier_writers:
                 return
-            for tier in range(1, len(group.config.retry.tiers) + 1):
-                topic = tier_topic(group.name, tier)
+            for topic in topics:
                 await self._prepare_internal(topic, group.name)
                 group.tier_writers.append(await self.broker.writer(topic))
 
@@ -775,13 +749,10 @@ class Proxy:
         name = file_config.name
         config = self._with_overrides(file_config, overrides or {}, file)
         where = str(file) if file is not None else f"integration {name}"
-        # Read again by the transport; checked here to refuse at once, naming the file.
-        if config.target.signing is not None:
-            secrets_from_environment(config.target.signing, os.environ, where=where)
         # Digested before they are loaded: a file replaced after this is seen as changed.
-        tls_sources = file_digests(tls_files(config.target.tls))
-        if config.target.tls is not None:
-            ssl_context(config.target.tls, where=where)
+        tls_sources = file_digests(self._transports.files(config.target))
+        # Read again by the transport; checked here to refuse at once, naming the file.
+        self._transports.preflight(config.target, where=where)
         pipeline = build_integration_pipeline(
             config,
             pipelines_dir=self._pipelines_dir,
@@ -807,6 +778,11 @@ class Proxy:
             file=file,
             overrides=dict(overrides or {}),
             tls_sources=tls_sources,
+        )
+
+    def _open_transport(self, config: IntegrationConfig) -> Transport:
+        return self._transports.open(
+            config.target, integration=config.name, max_connections=MAX_CONNECTIONS
         )
 
     def _with_overrides(

@@ -20,20 +20,22 @@ The table, in words:
   it.
 - **Exhausted** (the last tier failed, or an ordered message failed once per
   tier after its first try): ``retry.on_exhausted: dead_letter`` writes it to
-  the DLQ as ``retries_exhausted``; ``halt`` (ordered only) keeps it in place
-  at the last delay and counts its key (or partition) as halted until the
-  handler accepts it. Without a dead-letter store it stays in place at the
-  last delay.
-- **The handler may be down**: a health failure (every retry kind but the
-  verdict: 5xx, timeouts, refused connections, 429) is dead-lettered only
-  with evidence that the failure is the message's own: the breaker is
-  closed, the handler's recent answers (the last ``min_requests`` of them,
-  however old) fail at no more than the breaker's ``open_above``, and the
-  handler answered some other message without a health failure since this
-  one last failed. Where it would be exhausted without that evidence it
+  the DLQ as ``retries_exhausted``; ``halt`` (ordered only) answers **halt**:
+  it stays in place at the last delay and its key (or partition) counts as
+  halted until the handler accepts it. Without a dead-letter store it stays
+  in place at the last delay.
+- **The handler may be down**: a retry kind says the handler may be unwell
+  (``FailureKind.unwell``, the definition the circuit breaker counts by:
+  5xx, timeouts, refused connections, 429, a retry verdict). Such a failure
+  is dead-lettered only with evidence that it is the message's own: the
+  breaker is closed, the handler's recent answers (the last ``min_requests``
+  of them, however old) fail at no more than the breaker's ``open_above``,
+  and the handler answered some other message without such a failure since
+  this one last failed. Where it would be exhausted without that evidence it
   waits in place for the breaker's ``cooldown_s`` (or Retry-After) and is
-  tried again. The first time a health failure runs out it waits so once in
-  any case: an outage that has just begun may not show in the answers yet.
+  tried again; with ``halt`` it waits so halted, its key held back and
+  shown. The first time it runs out it waits so once in any case: an outage
+  that has just begun may not show in the answers yet.
   So during an outage messages wait in their topic or in place, never in the
   DLQ, whatever the tiers, the breaker's window and the traffic; a message
   the handler fails alone while others pass reaches the DLQ one cooldown
@@ -41,7 +43,8 @@ The table, in words:
   waits until something is.
 
 A delivered or dropped message never comes here: it is finished by the
-contract.
+contract. The failure's kind is the contract's (``DeliveryResult.failure``)
+or the pipeline's; nothing here reads a status to tell kinds apart.
 """
 
 from __future__ import annotations
@@ -52,50 +55,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nemesis.config.models import IntegrationConfig
-from nemesis.delivery.port import DeliveryResult, Outcome
+from nemesis.delivery.port import DeliveryResult, FailureKind
 from nemesis.dlq import Reason
 from nemesis.resilience.breaker import BreakerState
+from nemesis.runtime.retries import moves_to_tiers
 
 Ordering = Literal["none", "key", "partition"]
-
-_GRPC_OK = 0
-_GRPC_RESOURCE_EXHAUSTED = 8
-
-
-class FailureKind(enum.Enum):
-    """Why a message did not finish, as the policy tells failures apart."""
-
-    REJECTED = "rejected"  # 400, 409, 410, 413, 415, 422, or a gRPC contract violation
-    VERDICT_DEAD = "verdict_dead"  # nemesis-verdict: dead
-    PIPELINE_ERROR = "pipeline_error"  # a pipeline stage failed on this message
-    DECODE_ERROR = "decode_error"  # the payload does not decode (JSON, Protobuf)
-    SERVER_ERROR = "server_error"  # 5xx, 408, 425, the misconfigured 401/403/404/405, gRPC codes
-    NO_ANSWER = "no_answer"  # timeout, refused or broken connection
-    RATE_LIMITED = "rate_limited"  # 429 (gRPC RESOURCE_EXHAUSTED)
-    VERDICT_RETRY = "verdict_retry"  # nemesis-verdict: retry
-
-    @property
-    def dead(self) -> bool:
-        """Whether the message itself is at fault: dead-lettered at once."""
-        return self in _DEAD_KINDS
-
-    @property
-    def health(self) -> bool:
-        """Whether it says the handler is unwell (so it must not dead-letter during an outage)."""
-        return self in _HEALTH_KINDS
-
-
-_DEAD_KINDS = frozenset(
-    {
-        FailureKind.REJECTED,
-        FailureKind.VERDICT_DEAD,
-        FailureKind.PIPELINE_ERROR,
-        FailureKind.DECODE_ERROR,
-    }
-)
-_HEALTH_KINDS = frozenset(
-    {FailureKind.SERVER_ERROR, FailureKind.NO_ANSWER, FailureKind.RATE_LIMITED}
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,38 +102,16 @@ class Failure:
 
 
 def failure_of(result: DeliveryResult) -> Failure:
-    """The typed failure a handler's answer amounts to (only for outcomes that are not done)."""
-    status, protocol = result.status, result.protocol
-    dead = result.outcome is Outcome.DEAD
-    if protocol == "grpc":
-        if dead:
-            kind = FailureKind.VERDICT_DEAD if status == _GRPC_OK else FailureKind.REJECTED
-        elif status is None:
-            kind = FailureKind.NO_ANSWER
-        elif status == _GRPC_OK:
-            kind = FailureKind.VERDICT_RETRY
-        elif status == _GRPC_RESOURCE_EXHAUSTED:
-            kind = FailureKind.RATE_LIMITED
-        else:
-            kind = FailureKind.SERVER_ERROR
-    elif dead:
-        # A 2xx that is dead can only be the verdict header; 4xx statuses are the contract table.
-        verdict = status is not None and status < 300
-        kind = FailureKind.VERDICT_DEAD if verdict else FailureKind.REJECTED
-    elif status is None:
-        kind = FailureKind.NO_ANSWER
-    elif status < 300:
-        kind = FailureKind.VERDICT_RETRY
-    elif status == 429:
-        kind = FailureKind.RATE_LIMITED
-    else:
-        kind = FailureKind.SERVER_ERROR
+    """The failure a handler's answer amounts to, of the kind the contract named."""
+    kind = result.failure
+    if kind is None:
+        raise ValueError(f"a {result.outcome.value} result names no failure kind")
     return Failure(
         kind,
-        status=status,
+        status=result.status,
         error=result.error,
         retry_after_s=result.retry_after_s,
-        protocol=protocol,
+        protocol=result.protocol,
     )
 
 
@@ -202,7 +145,7 @@ class RetryPolicy:
             ordering=ordering,
             on_exhausted=config.retry.on_exhausted,
             dead_letters=dead_letters,
-            tier_topics=dead_letters and ordering == "none",
+            tier_topics=moves_to_tiers(config, dead_letters=dead_letters),
             open_above=config.breaker.open_above,
             cooldown_s=config.breaker.cooldown_s,
         )
@@ -211,6 +154,11 @@ class RetryPolicy:
     def in_place(self) -> bool:
         """Whether retries happen in place (ordered, or no tier topics to move to)."""
         return self.ordering != "none" or not self.tier_topics
+
+    @property
+    def halts(self) -> bool:
+        """Whether an exhausted message halts its key (``on_exhausted: halt``, ordered only)."""
+        return self.ordering != "none" and self.on_exhausted == "halt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +195,7 @@ class Decision:
     delay_s: float = 0.0
     tier: int = 0  # TO_TIER: the tier (1-based)
     reason: Reason | None = None  # DEAD_LETTER: why
-    waiting_out: bool = False  # RETRY_IN_PLACE: held back because the handler is down
+    waiting_out: bool = False  # RETRY_IN_PLACE or HALT: held back because the handler may be down
 
 
 def backoff_s(attempt: int, delays_s: Sequence[float], retry_after_s: float | None) -> float:
@@ -284,10 +232,10 @@ def decide(
         return Decision(Action.RETRY_IN_PLACE, backoff_s(attempt, delays, retry_after))
     # Exhausted.
     last_s = backoff_s(tiers, delays, retry_after)
-    halts = policy.ordering != "none" and policy.on_exhausted == "halt"
+    halts = policy.halts
     if not policy.dead_letters and not halts:
         return Decision(Action.RETRY_IN_PLACE, last_s)  # nowhere to go, and nothing may drop it
-    if failure.kind.health and (
+    if failure.kind.unwell and (
         attempt <= tiers + 1 or health.down(policy.open_above) or not health.answered_since_failure
     ):
         # Maybe not the message's fault: it waits for the handler, wherever the tiers end.
@@ -298,7 +246,10 @@ def decide(
         wait_s = policy.cooldown_s
         if retry_after is not None and retry_after > wait_s:
             wait_s = retry_after
-        return Decision(Action.RETRY_IN_PLACE, wait_s, waiting_out=True)
+        # Past its retries, a message of a halting integration holds its key back while it
+        # waits as when the handler rejects it alone: halted, and shown as halted.
+        action = Action.HALT if halts else Action.RETRY_IN_PLACE
+        return Decision(action, wait_s, waiting_out=True)
     if halts:
         return Decision(Action.HALT, last_s)
     return Decision(Action.DEAD_LETTER, reason=Reason.RETRIES_EXHAUSTED)

@@ -59,18 +59,39 @@ class FlowSpec:
         return self.tier > 0
 
 
-def flows_of(config: IntegrationConfig) -> list[FlowSpec]:
-    """Every flow an integration runs: main, one per retry tier (unordered only), replay."""
+def moves_to_tiers(config: IntegrationConfig, *, dead_letters: bool) -> bool:
+    """Whether a failed message moves up retry tier topics rather than retrying in place.
+
+    Only unordered integrations do (a retry topic would let later messages of
+    the key overtake), and only with a dead-letter store for the last tier to
+    end in (``dead_letters``). The one place this is decided: the flows
+    Nemesis runs, the topics it creates and the failure policy follow it.
+    """
+    return dead_letters and config.delivery.ordering == "none"
+
+
+def flows_of(config: IntegrationConfig, *, dead_letters: bool = True) -> list[FlowSpec]:
+    """Every flow an integration runs: main, one per retry tier, replay.
+
+    ``dead_letters``: whether a dead-letter store exists; without one there
+    is nothing to requeue from and nowhere for a tier to end, so main alone.
+    """
     name = config.name
     internal = internal_consumer(name)
     flows = [FlowSpec("main", config.source.topic, config.source.consumer)]
-    if config.delivery.ordering == "none":
+    if moves_to_tiers(config, dead_letters=dead_letters):
         flows += [
             FlowSpec(f"retry-{n}", tier_topic(name, n), internal, tier=n, limiter="retry")
             for n in range(1, len(config.retry.tiers) + 1)
         ]
-    flows.append(FlowSpec("replay", replay_topic(name), internal, limiter="replay"))
+    if dead_letters:
+        flows.append(FlowSpec("replay", replay_topic(name), internal, limiter="replay"))
     return flows
+
+
+def tier_topics_of(config: IntegrationConfig, *, dead_letters: bool) -> list[str]:
+    """The tier topics failed messages move to, tier 1 first; none when they retry in place."""
+    return [flow.topic for flow in flows_of(config, dead_letters=dead_letters) if flow.delayed]
 
 
 def origin(message: Message) -> Message:

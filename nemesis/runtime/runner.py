@@ -679,7 +679,7 @@ class IntegrationRunner:
                 if tracer is not None and spans is not None:
                     tracer.end(spans, answer)
             if permit is not None:
-                permit.record(is_healthy(result.outcome))
+                permit.record(is_healthy(result.failure))
         finally:
             if permit is not None:
                 permit.release()  # no answer (cancelled): give the probe slot back
@@ -694,7 +694,7 @@ class IntegrationRunner:
         # The breaker hears the answers in the order they came.
         self._settle_turn()
         if breaker is not None and permit is None:
-            breaker.record(is_healthy(outcome), _attempt_of(live))
+            breaker.record(is_healthy(result.failure), _attempt_of(live))
         self._observe(result, count)
         if outcome is Outcome.DELIVERED or outcome is Outcome.DROPPED:
             # Delivered or dropped: finished by the contract, nothing to decide.

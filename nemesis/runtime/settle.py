@@ -3,10 +3,12 @@
 A delivered or dropped message is finished by the runner at once. Every
 other one comes here: ``Settlement.settle`` asks ``policy.decide`` what to do
 and does it, publishing to a retry tier topic, writing the DLQ, scheduling a
-retry in place, and keeping the halted keys. Moves are acknowledged only
-after the tier write or the DLQ write returned, so a crash in between
-delivers the message again (at-least-once; the DLQ row is idempotent, a
-duplicate in a tier is delivered twice under the same ``ce-id``).
+retry in place, and keeping the keys the policy halted. It decides nothing
+itself: what becomes of a message is the decision's action alone. Moves are
+acknowledged only after the tier write or the DLQ write returned, so a crash
+in between delivers the message again (at-least-once; the DLQ row is
+idempotent, a duplicate in a tier is delivered twice under the same
+``ce-id``).
 
 A dead message the store cannot take waits, unacknowledged, and is written
 later (``nemesis.runtime.waiting``): the rest of the flow goes on.
@@ -97,8 +99,6 @@ class Settlement:
         self._breaker = breaker
         self.policy = RetryPolicy.of(config, dead_letters=dlq is not None)
         self._unit = "partition" if config.delivery.ordering == "partition" else "key"
-        self._halts = config.delivery.ordering != "none" and config.retry.on_exhausted == "halt"
-        self._tiers = len(config.retry.tiers)
         # Messages past their retries that hold their key (or partition) back, with
         # retry.on_exhausted: halt; each leaves when it finishes or its partition goes.
         self.halted: set[Work] = set()
@@ -160,11 +160,7 @@ class Settlement:
             self._retries.note(failure, decision, self._fields(work))
             self._finish(work)
         else:
-            if action is Action.HALT or (
-                decision.waiting_out and self._halts and work.attempt > self._tiers
-            ):
-                # Past its retries, it holds its key back: halted, whether the handler
-                # rejects it alone or may be down (the key waits the same, and is shown).
+            if action is Action.HALT:
                 self._halt(work)
             elif failure.kind.dead:
                 self._keep_dead(work, failure)

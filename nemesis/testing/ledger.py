@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from nemesis.delivery.contract import VERDICT_HEADER, outcome_for_response
+from nemesis.delivery.contract import VERDICT_HEADER, answer_for_response
 
 
 @dataclass(slots=True)
@@ -55,7 +55,7 @@ class LedgerEntry:
     def done(self) -> bool:
         """Whether the answer finishes the event for the sender (delivered or dropped)."""
         headers = None if self.verdict is None else {VERDICT_HEADER: self.verdict}
-        return outcome_for_response(self.status, headers).done
+        return answer_for_response(self.status, headers).outcome.done
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict: the body as text when it is UTF-8, else as ``body_base64``."""

@@ -19,58 +19,72 @@ from nemesis.delivery.contract import (
     Redactor,
     WireError,
     WireFailure,
+    answer_for_grpc_status,
+    answer_for_response,
     grpc_retry_after_s,
-    outcome_for_grpc_status,
-    outcome_for_response,
     parse_retry_after,
     timeout_after,
 )
-from nemesis.delivery.grpc import outcome_for_status
-from nemesis.delivery.port import Outcome
+from nemesis.delivery.grpc import answer_for_status
+from nemesis.delivery.port import FailureKind, Outcome
+
+K = FailureKind
 
 
 @pytest.mark.parametrize(
-    ("status", "verdict", "outcome"),
+    ("status", "verdict", "expected"),
     [
-        (None, None, Outcome.RETRY),  # timeout or connection error
-        (100, None, Outcome.RETRY),
-        (199, None, Outcome.RETRY),
+        (None, None, K.NO_ANSWER),  # timeout or connection error
+        (100, None, K.SERVER_ERROR),
+        (199, None, K.SERVER_ERROR),
         (200, None, Outcome.DELIVERED),
         (200, "drop", Outcome.DROPPED),
-        (200, "dead", Outcome.DEAD),
-        (200, "retry", Outcome.RETRY),
+        (200, "dead", K.VERDICT_DEAD),
+        (200, "retry", K.VERDICT_RETRY),
         (200, "nonsense", Outcome.DELIVERED),
         (503, "drop", Outcome.DROPPED),
-        (422, "retry", Outcome.RETRY),
-        (500, "dead", Outcome.DEAD),
-        (422, "nonsense", Outcome.DEAD),
-        (401, None, Outcome.RETRY),  # a refused signature: retried, never dead-lettered
-        (None, "dead", Outcome.DEAD),
+        (422, "retry", K.VERDICT_RETRY),
+        (500, "dead", K.VERDICT_DEAD),
+        (422, "nonsense", K.REJECTED),
+        (400, None, K.REJECTED),
+        (409, None, K.REJECTED),
+        (401, None, K.SERVER_ERROR),  # a refused signature: retried, never dead-lettered
+        (404, None, K.SERVER_ERROR),
+        (408, None, K.SERVER_ERROR),
+        (429, None, K.RATE_LIMITED),
+        (503, None, K.SERVER_ERROR),
+        (302, None, K.SERVER_ERROR),
+        (None, "dead", K.VERDICT_DEAD),
     ],
 )
-def test_http_table(status: int | None, verdict: str | None, outcome: Outcome) -> None:
+def test_http_table(status: int | None, verdict: str | None, expected: Outcome | K) -> None:
     headers = CIMultiDict[str]() if verdict is None else CIMultiDict({"Nemesis-Verdict": verdict})
-    assert outcome_for_response(status, headers) is outcome
+    outcome, failure = answer_for_response(status, headers)
+    if isinstance(expected, Outcome):
+        assert (outcome, failure) == (expected, None)
+    else:
+        # Each row names the kind; the outcome is the kind's (dead or retry).
+        assert (outcome, failure) == (expected.outcome, expected)
 
 
-GRPC_TABLE = {
-    GrpcCode.OK: Outcome.DELIVERED,
-    GrpcCode.INVALID_ARGUMENT: Outcome.DEAD,
-    GrpcCode.FAILED_PRECONDITION: Outcome.DEAD,
-    GrpcCode.OUT_OF_RANGE: Outcome.DEAD,
-    GrpcCode.ALREADY_EXISTS: Outcome.DEAD,
-    GrpcCode.UNAVAILABLE: Outcome.RETRY,
-    GrpcCode.RESOURCE_EXHAUSTED: Outcome.RETRY,
-    GrpcCode.DEADLINE_EXCEEDED: Outcome.RETRY,
-    GrpcCode.ABORTED: Outcome.RETRY,
-    GrpcCode.INTERNAL: Outcome.RETRY,
-    GrpcCode.UNKNOWN: Outcome.RETRY,
-    GrpcCode.CANCELLED: Outcome.RETRY,
-    GrpcCode.NOT_FOUND: Outcome.RETRY,
-    GrpcCode.PERMISSION_DENIED: Outcome.RETRY,
-    GrpcCode.UNAUTHENTICATED: Outcome.RETRY,
-    GrpcCode.UNIMPLEMENTED: Outcome.RETRY,
-    GrpcCode.DATA_LOSS: Outcome.RETRY,
+GRPC_TABLE: dict[GrpcCode, K | None] = {  # None: delivered
+    GrpcCode.OK: None,
+    GrpcCode.INVALID_ARGUMENT: K.REJECTED,
+    GrpcCode.FAILED_PRECONDITION: K.REJECTED,
+    GrpcCode.OUT_OF_RANGE: K.REJECTED,
+    GrpcCode.ALREADY_EXISTS: K.REJECTED,
+    GrpcCode.UNAVAILABLE: K.SERVER_ERROR,
+    GrpcCode.RESOURCE_EXHAUSTED: K.RATE_LIMITED,
+    GrpcCode.DEADLINE_EXCEEDED: K.SERVER_ERROR,
+    GrpcCode.ABORTED: K.SERVER_ERROR,
+    GrpcCode.INTERNAL: K.SERVER_ERROR,
+    GrpcCode.UNKNOWN: K.SERVER_ERROR,
+    GrpcCode.CANCELLED: K.SERVER_ERROR,
+    GrpcCode.NOT_FOUND: K.SERVER_ERROR,
+    GrpcCode.PERMISSION_DENIED: K.SERVER_ERROR,
+    GrpcCode.UNAUTHENTICATED: K.SERVER_ERROR,
+    GrpcCode.UNIMPLEMENTED: K.SERVER_ERROR,
+    GrpcCode.DATA_LOSS: K.SERVER_ERROR,
 }
 
 
@@ -79,14 +93,24 @@ def test_grpc_table_covers_every_status_code() -> None:
         (code.name, code.value) for code in GrpcCode
     }
     assert set(GRPC_TABLE) == set(GrpcCode)
-    for code, outcome in GRPC_TABLE.items():
-        assert outcome_for_grpc_status(code) is outcome, code
+    for code, kind in GRPC_TABLE.items():
+        outcome = Outcome.DELIVERED if kind is None else kind.outcome
+        assert answer_for_grpc_status(code) == (outcome, kind), code
     for status in grpc.StatusCode:
-        assert outcome_for_status(status) is GRPC_TABLE[GrpcCode(status.value[0])]
-    assert outcome_for_grpc_status(None) is Outcome.RETRY
-    assert outcome_for_grpc_status(99) is Outcome.RETRY
-    assert outcome_for_grpc_status(GrpcCode.UNAVAILABLE, {"nemesis-verdict": "drop"}) is (
-        Outcome.DROPPED
+        assert answer_for_status(status) == answer_for_grpc_status(status.value[0])
+    assert answer_for_grpc_status(None) == (Outcome.RETRY, K.NO_ANSWER)
+    assert answer_for_grpc_status(99) == (Outcome.RETRY, K.SERVER_ERROR)
+    assert answer_for_grpc_status(GrpcCode.UNAVAILABLE, {"nemesis-verdict": "drop"}) == (
+        Outcome.DROPPED,
+        None,
+    )
+    assert answer_for_grpc_status(GrpcCode.OK, {"nemesis-verdict": "retry"}) == (
+        Outcome.RETRY,
+        K.VERDICT_RETRY,
+    )
+    assert answer_for_grpc_status(GrpcCode.OK, {"nemesis-verdict": "dead"}) == (
+        Outcome.DEAD,
+        K.VERDICT_DEAD,
     )
 
 

@@ -11,9 +11,8 @@ from pydantic import ValidationError
 from nemesis.config.models import TargetConfig
 from nemesis.delivery.h1 import H1Transport
 from nemesis.delivery.http import HttpTransport
-from nemesis.delivery.http_clients import http_transport_for
 from nemesis.errors import ConfigError
-from nemesis.runtime.app import DEFAULT_TRANSPORTS
+from nemesis.transports import default_transports
 
 DELIVERY_DIR = Path(__file__).parents[2] / "nemesis" / "delivery"
 
@@ -31,14 +30,11 @@ DELIVERY_DIR = Path(__file__).parents[2] / "nemesis" / "delivery"
 async def test_target_transport_picks_the_client(settings: dict[str, str], expected: type) -> None:
     target = TargetConfig.model_validate({"url": "http://127.0.0.1:9/", **settings})
 
-    made = http_transport_for(target, integration="orders", max_connections=4)
-    runtime = DEFAULT_TRANSPORTS[target.scheme](target, "orders", 4)
+    made = default_transports().open(target, integration="orders", max_connections=4)
     try:
         assert type(made) is expected
-        assert type(runtime) is expected
     finally:
         await made.close()
-        await runtime.close()
 
 
 def test_an_unknown_transport_is_refused_at_load() -> None:
