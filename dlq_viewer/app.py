@@ -32,6 +32,8 @@ from dlq_viewer.actions import BULK_PAUSE_S, ROUND_SIZE, BulkJobs, JobsBusy, Req
 from dlq_viewer.api import SECURITY_SCHEMES
 from dlq_viewer.api import router as api_router
 from dlq_viewer.auth import Authenticator, IPNetwork, LoginStore, SessionRevocations
+from dlq_viewer.console import Console
+from dlq_viewer.console_pages import router as console_router
 from dlq_viewer.context import (
     CsrfRejected,
     NotFound,
@@ -47,6 +49,7 @@ from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import AuthConfig, IntegrationConfig
 from nemesis.dlq import DeadLetterStore
 from nemesis.errors import DlqError, InvalidQuery
+from nemesis.fleet.port import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +190,7 @@ def create_app(
     trusted_proxies: Sequence[IPNetwork] = (),
     session_revocations: SessionRevocations | None = None,
     login_store: LoginStore | None = None,
+    state: StateStore | None = None,
 ) -> FastAPI:
     """The DLQ viewer over ``store``; serve it with ``dlq_viewer.serve_viewer``.
 
@@ -201,6 +205,9 @@ def create_app(
     addresses sign-in throttling believes; ``session_revocations`` remembers
     ended sessions and ``login_store`` counts failed sign-ins and spends
     sign-in forms (each in this process's memory unless given one replicas share).
+    ``state`` is the fleet's state store: with it, ``/console`` shows each
+    team its integrations' live state and lets the owners pause and re-tune
+    them (``dlq_viewer.console``).
     The store stays the caller's: the app never closes it.
     """
     jobs = BulkJobs(store, requeue, clock=clock, round_size=bulk_round_size, pause_s=bulk_pause_s)
@@ -216,6 +223,7 @@ def create_app(
         secure_cookies=auth.secure_cookies,
         count_cap=count_cap,
         trusted_proxies=tuple(trusted_proxies),
+        console=None if state is None else Console(state, integrations, store, clock=clock),
     )
 
     @contextlib.asynccontextmanager
@@ -242,6 +250,7 @@ def create_app(
     app.mount("/static", StaticFiles(directory=PACKAGE / "static"), name="static")
     app.include_router(api_router)
     app.include_router(pages_router)
+    app.include_router(console_router)
     _add_error_handlers(app, viewer)
     return app
 

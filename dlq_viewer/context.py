@@ -15,6 +15,7 @@ from fastapi.templating import Jinja2Templates
 
 from dlq_viewer.actions import BulkJobs, Requeuer
 from dlq_viewer.auth import SESSION_COOKIE, Authenticator, IPNetwork, client_address
+from dlq_viewer.console import Console
 from dlq_viewer.render import PayloadDecoder
 from nemesis.clock import Clock
 from nemesis.config.models import IntegrationConfig
@@ -46,6 +47,7 @@ class Viewer:
     secure_cookies: bool
     count_cap: int  # the list page counts up to this many rows before answering
     trusted_proxies: tuple[IPNetwork, ...] = ()  # whose X-Forwarded-For / Forwarded to believe
+    console: Console | None = None  # the team console (None: no fleet state store given)
 
 
 class SignInRequired(Exception):

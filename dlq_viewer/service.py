@@ -38,7 +38,8 @@ def viewer_app(
 
     Sign-outs, failed sign-ins and spent sign-in forms go to the fleet's
     ``state`` store, so every replica (and every viewer of this configuration)
-    refuses a signed-out cookie, slows a guesser alike, and takes a form once.
+    refuses a signed-out cookie, slows a guesser alike, and takes a form once;
+    the team console reads the replicas' reports and writes live overrides there.
     """
     return create_app(
         dlq,
@@ -48,6 +49,7 @@ def viewer_app(
         trusted_proxies=config.viewer.trusted_proxies,
         session_revocations=SharedSessionRevocations(state),
         login_store=SharedLoginStore(state),
+        state=state,
     )
 
 

@@ -497,6 +497,7 @@ async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
     from nemesis.runtime.app import Proxy, SupervisorOptions
     from nemesis.runtime.housekeeping import enforce_dlq_retention
     from nemesis.runtime.reload import ConfigReloader
+    from nemesis.runtime.reports import StatusReporter
     from nemesis.runtime.runner import RunnerOptions
     from nemesis.runtime.tracing import delivery_tracing
 
@@ -572,7 +573,12 @@ async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
             await serve_beside(
                 proxy.run(),
                 services,
-                [reloader.run(), enforce_dlq_retention(dlq), fleet.run()],
+                [
+                    reloader.run(),
+                    enforce_dlq_retention(dlq),
+                    fleet.run(),
+                    StatusReporter(proxy, state, fleet.member_id).run(),
+                ],
                 required=[ADMIN_API],
                 failures=failures,
             )

@@ -353,6 +353,34 @@ class Metrics:
         with contextlib.suppress(KeyError):
             self.breaker_state.remove(integration)
 
+    def totals(self, integration: str) -> dict[str, float]:
+        """Counts since start of one integration's messages: delivered, filtered, retried, dead.
+
+        Filtered counts the pipelines' filters (messages of a disabled type are
+        the runner's, see ``RunnerStats.skipped``); retried counts retries in
+        place and writes to a retry tier.
+        """
+
+        def total(family: LoopFamily[LoopCounter], **match: str) -> float:
+            where = [(family.labelnames.index(label), value) for label, value in match.items()]
+            return sum(
+                child.value
+                for values, child in list(family._children.items())
+                if values[0] == integration and all(values[i] == v for i, v in where)
+            )
+
+        filtered = sum(
+            meter.filtered
+            for (name, _), meter in list(self._stage_meters.items())
+            if name == integration
+        )
+        return {
+            "delivered": total(self.deliveries, outcome="delivered"),
+            "filtered": float(filtered),
+            "retried": total(self.retries_in_place) + total(self.retry_publishes),
+            "dead_lettered": total(self.dlq_writes),
+        }
+
     def _collect_stages(self) -> Iterator[Metric]:
         messages = CounterMetricFamily(
             "nemesis_stage_messages",

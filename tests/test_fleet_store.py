@@ -421,3 +421,25 @@ async def test_a_state_file_another_process_holds_in_wal_stays_in_wal_until_open
     with closing(sqlite3.connect(path)) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal"  # only WAL persists
     assert not (tmp_path / "state.db-shm").exists()
+
+
+async def test_a_members_reports_replace_its_last_and_go_when_it_leaves(
+    stores: list[StateStore],
+) -> None:
+    one, two = stores
+    await one.heartbeat(A, now=1000.0, lease_s=10)
+    await two.heartbeat(B, now=1000.0, lease_s=10)
+    start = await one.generation()
+    await one.publish_reports(
+        A.member_id, {"orders": {"lag_messages": 3}, "refunds": {"state": "running"}}, now=1001.0
+    )
+    await two.publish_reports(B.member_id, {"orders": {"lag_messages": 4}}, now=1002.0)
+    await one.publish_reports(A.member_id, {"orders": {"lag_messages": 5}}, now=1003.0)
+    found = {(r.integration, r.member_id): (r.at, r.body) for r in await two.reports()}
+    assert found == {
+        ("orders", A.member_id): (1003.0, {"lag_messages": 5}),  # refunds no longer runs there
+        ("orders", B.member_id): (1002.0, {"lag_messages": 4}),
+    }
+    assert await one.generation() == start  # reports are not news the members wait for
+    await two.leave(B.member_id)
+    assert [(r.integration, r.member_id) for r in await one.reports()] == [("orders", A.member_id)]

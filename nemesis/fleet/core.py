@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from nemesis.fleet import logins, revocations
+from nemesis.fleet import logins, reports, revocations
 from nemesis.fleet.port import (
     MAX_LOGIN_ROWS,
     MAX_REVOKED_ROWS,
@@ -39,6 +39,7 @@ from nemesis.fleet.port import (
     Member,
     MemberInfo,
     StoredOverride,
+    StoredReport,
     Tx,
 )
 
@@ -75,6 +76,7 @@ class SqlStateStore(abc.ABC):
     queries: Queries
     revocation_queries: revocations.RevocationQueries  # the viewer's signed-out sessions
     login_queries: logins.LoginQueries  # the viewer's failed sign-ins and spent sign-in forms
+    report_queries: reports.ReportQueries  # what each member runs, for the team console
 
     @property
     @abc.abstractmethod
@@ -99,6 +101,7 @@ class SqlStateStore(abc.ABC):
             *self.queries.schema,
             *self.revocation_queries.schema,
             *self.login_queries.schema,
+            *self.report_queries.schema,
         )
 
     # --- the port -----------------------------------------------------------------
@@ -238,6 +241,7 @@ class SqlStateStore(abc.ABC):
         gone = 0
         for member_id in member_ids:
             tx.execute(q.delete_member_assignments, (member_id,))
+            reports.forget(tx, self.report_queries, member_id)
             gone += tx.execute(q.delete_member, (member_id,))
         return gone > 0
 
@@ -305,3 +309,23 @@ class SqlStateStore(abc.ABC):
             return logins.spend_nonce(tx, q, nonce, expires_at, now=now, max_rows=max_rows)
 
         return await self._transaction(job)
+
+    # --- the members' reports, for the team console (nemesis.fleet.reports) ---------
+
+    async def publish_reports(
+        self, member_id: str, reports_: Mapping[str, Mapping[str, Any]], *, now: float
+    ) -> None:
+        q = self.report_queries
+
+        def job(tx: Tx) -> None:
+            reports.publish(tx, q, member_id, reports_, now=now)
+
+        await self._transaction(job)
+
+    async def reports(self) -> tuple[StoredReport, ...]:
+        q = self.report_queries
+
+        def job(tx: Tx) -> tuple[StoredReport, ...]:
+            return reports.read(tx, q)
+
+        return await self._transaction(job, write=False)

@@ -109,6 +109,16 @@ class StoredOverride:
 
 
 @dataclass(frozen=True, slots=True)
+class StoredReport:
+    """What one member last said of one integration it runs (``nemesis.fleet.reports``)."""
+
+    integration: str
+    member_id: str
+    at: float  # when it wrote it (seconds since the epoch)
+    body: dict[str, Any]  # decoded from JSON (``nemesis.runtime.reports``)
+
+
+@dataclass(frozen=True, slots=True)
 class FleetView:
     """Everything the store holds, read in one transaction."""
 
@@ -186,6 +196,16 @@ class StateStore(Protocol):
 
     async def close(self) -> None:
         """Closes the connection."""
+        ...
+
+    async def publish_reports(
+        self, member_id: str, reports: Mapping[str, Mapping[str, Any]], *, now: float
+    ) -> None:
+        """Replaces the member's reports of the integrations it runs (the team console's)."""
+        ...
+
+    async def reports(self) -> tuple[StoredReport, ...]:
+        """Every member's last report of every integration it runs."""
         ...
 
     async def revoke_session(

@@ -29,6 +29,8 @@ from nemesis.errors import StateError
 from nemesis.fleet.core import Queries, SqlStateStore
 from nemesis.fleet.logins import FAILURES_TABLE, NONCES_TABLE, postgres_logins
 from nemesis.fleet.port import Tx
+from nemesis.fleet.reports import TABLE as REPORTS_TABLE
+from nemesis.fleet.reports import postgres_reports
 from nemesis.fleet.revocations import TABLE, postgres_revocations
 from nemesis.fleet.sqlite import QUERIES as SQLITE_QUERIES
 from nemesis.postgres import Translated, close_pool, describe, open_pool
@@ -79,6 +81,7 @@ TABLES: Final = (
     TABLE,  # the viewer's signed-out sessions (nemesis.fleet.revocations)
     FAILURES_TABLE,  # the viewer's failed sign-ins (nemesis.fleet.logins)
     NONCES_TABLE,  # the viewer's spent sign-in forms
+    REPORTS_TABLE,  # the members' reports for the team console (nemesis.fleet.reports)
 )
 
 
@@ -138,6 +141,7 @@ class PostgresStateStore(SqlStateStore):
     queries = QUERIES
     revocation_queries = postgres_revocations(numbered)
     login_queries = postgres_logins(numbered)
+    report_queries = postgres_reports(numbered)
 
     def __init__(
         self,

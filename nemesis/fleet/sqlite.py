@@ -23,6 +23,7 @@ from nemesis.errors import BrokerError, StateError
 from nemesis.fleet.core import Queries, SqlStateStore
 from nemesis.fleet.logins import SQLITE_LOGINS
 from nemesis.fleet.port import Tx
+from nemesis.fleet.reports import SQLITE_REPORTS
 from nemesis.fleet.revocations import SQLITE_REVOCATIONS
 from nemesis.sqlite_thread import SqliteThread, read_transaction, write_transaction
 
@@ -112,6 +113,7 @@ class SqliteStateStore(SqlStateStore):
     queries = QUERIES
     revocation_queries = SQLITE_REVOCATIONS
     login_queries = SQLITE_LOGINS
+    report_queries = SQLITE_REPORTS
 
     def __init__(self, path: Path, *, timeout_s: float = TIMEOUT_S) -> None:
         self.path = path

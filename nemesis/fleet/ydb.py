@@ -49,6 +49,7 @@ from nemesis.errors import BrokerError, DlqError, StateError
 from nemesis.fleet.core import Queries, SqlStateStore
 from nemesis.fleet.logins import ydb_logins
 from nemesis.fleet.port import Tx
+from nemesis.fleet.reports import ydb_reports
 from nemesis.fleet.revocations import ydb_revocations
 
 T = TypeVar("T")
@@ -251,6 +252,7 @@ class YdbStateStore(SqlStateStore):
         self.queries = queries(directory)
         self.revocation_queries = ydb_revocations(directory)
         self.login_queries = ydb_logins(directory)
+        self.report_queries = ydb_reports(directory)
         self._pool = pool
         self._directory = directory.strip("/")
         self._timeout_s = timeout_s
