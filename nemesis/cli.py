@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         " Without it (a pull request's CI has no production secrets) it is a warning that"
         " does not change the exit code",
     )
+    validate.add_argument(
+        "--online",
+        action="store_true",
+        help="also ask the process file's backend (read-only credentials are enough) that each"
+        " source topic exists and each consumer name is free or already the integration's,"
+        " and check that owners are teams auth: names (docs/limits.md, 'Online checks')",
+    )
     validate.set_defaults(handler=cmd_validate)
 
     publish = commands.add_parser("publish", help="write messages to a topic")
@@ -705,6 +712,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             PipelineChecker(pipelines_dirs=pipelines_dirs),
             IntegrationRulesChecker(paths),
             CapsChecker(),
+            *_online_checkers(args.online),
         ],
     )
     if report.warnings:
@@ -721,6 +729,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(f"all valid{warned}")
     print(f"{report.files} file(s) checked", file=sys.stderr)
     return EXIT_OK
+
+
+def _online_checkers(online: bool) -> list[Any]:
+    if not online:
+        return []
+    from nemesis.onboarding.online import OnlineChecker
+
+    return [OnlineChecker()]
 
 
 # --- publish ----------------------------------------------------------------------
