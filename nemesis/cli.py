@@ -143,6 +143,13 @@ def _build_validate(validate: argparse.ArgumentParser) -> None:
         " Without it (a pull request's CI has no production secrets) it is a warning that"
         " does not change the exit code",
     )
+    validate.add_argument(
+        "--online",
+        action="store_true",
+        help="also ask the process file's backend (read-only credentials are enough) that each"
+        " source topic exists and each consumer name is free or already the integration's,"
+        " and check that owners are teams auth: names (docs/limits.md, 'Online checks')",
+    )
     validate.set_defaults(handler=cmd_validate)
 
 
@@ -475,22 +482,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, latch) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         config = _process_config(args)
-        return run_async(_run(config, latch))
+        return run_async(_run(config, latch, _process_file(args)))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-async def _run(config: NemesisConfig, latch: _StopLatch | None = None) -> int:
+async def _run(
+    config: NemesisConfig, latch: _StopLatch | None = None, config_file: Path | None = None
+) -> int:
     latch = latch or _StopLatch()
     with _stop_on_signals(latch):
-        return await _run_proxy(config, latch)
+        return await _run_proxy(config, latch, config_file)
 
 
-async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
+def _process_file(args: argparse.Namespace) -> Path | None:
+    """The process configuration file ``_process_config`` reads (None: the defaults)."""
+    path: Path | None = args.config
+    if path is None and Path("nemesis.yaml").exists():
+        path = Path("nemesis.yaml")
+    return path
+
+
+async def _run_proxy(
+    config: NemesisConfig, latch: _StopLatch, config_file: Path | None = None
+) -> int:
     from nemesis import backends
     from nemesis.admin.server import ServiceFailures, plugin_services, serve_beside
+    from nemesis.config.limits import Caps, within_caps
     from nemesis.config.loader import load_integrations
+    from nemesis.config.problems import sort_problems
     from nemesis.fleet.member import FleetMember, FleetOptions
     from nemesis.heap import settle_heap
     from nemesis.metrics import Metrics
@@ -502,13 +523,18 @@ async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
     from nemesis.runtime.tracing import delivery_tracing
 
     integrations, problems = load_integrations(Path(config.integrations_dir))
+    directory = Path(config.integrations_dir)
+    files = {name: _integration_file(directory, name) for name in integrations}
+    # An integration over the platform's caps is refused like an invalid file.
+    caps = Caps.of(config, config_file)
+    integrations, over_caps = within_caps(caps, integrations, files)
+    problems = sort_problems([*problems, *over_caps])
     for problem in problems:
         log.error("%s (integration not started)", problem)
     if not integrations:
         log.error("no valid integration in %s; nothing to run", config.integrations_dir)
         return EXIT_INVALID
-    directory = Path(config.integrations_dir)
-    files = {name: _integration_file(directory, name) for name in integrations}
+    files = {name: files[name] for name in integrations}
     async with contextlib.AsyncExitStack() as opened:
         # Each part is closed however the ones after it fail (a DLQ that does not open,
         # a proxy that does not build), the last opened first.
@@ -548,6 +574,7 @@ async def _run_proxy(config: NemesisConfig, latch: _StopLatch) -> int:
             debounce_ms=config.reload.debounce_ms,
             force_polling=config.reload.force_polling,
             initial_problems=problems,
+            caps=caps,
         )
         if latch.requested:
             log.info("stopped while starting: nothing was read")
@@ -625,6 +652,7 @@ def _side_services(
             reloader=reloader,
             services=failures,
             fleet=fleet,
+            caps=reloader.caps,
         )
         services.append(
             UvicornService(
@@ -764,6 +792,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Exit 1 on any problem, and when there is nothing to validate (a wrong folder)."""
+    from nemesis.config.limits import CapsChecker
     from nemesis.config.loader import check_paths, format_problems
     from nemesis.config.problems import count_problems
     from nemesis.onboarding import IntegrationRulesChecker
@@ -778,7 +807,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     report = check_paths(
         paths,
         require_env=args.require_env,
-        checkers=[PipelineChecker(pipelines_dirs=pipelines_dirs), IntegrationRulesChecker(paths)],
+        checkers=[
+            PipelineChecker(pipelines_dirs=pipelines_dirs),
+            IntegrationRulesChecker(paths),
+            CapsChecker(),
+            *_online_checkers(args.online),
+        ],
     )
     if report.warnings:
         print(format_problems(report.warnings, style=args.format, severity="warning"))
@@ -794,6 +828,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(f"all valid{warned}")
     print(f"{report.files} file(s) checked", file=sys.stderr)
     return EXIT_OK
+
+
+def _online_checkers(online: bool) -> list[Any]:
+    if not online:
+        return []
+    from nemesis.onboarding.online import OnlineChecker
+
+    return [OnlineChecker()]
 
 
 # --- publish ----------------------------------------------------------------------

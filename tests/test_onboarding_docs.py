@@ -94,6 +94,21 @@ def integrations_repository(root: Path) -> Path:
     # What `nemesis schema integration -o ...` writes (test_schema.py checks the CLI).
     text = json.dumps(json_schema("integration"), indent=2) + "\n"
     (root / "schemas" / "integration.schema.json").write_text(text)
+    # The online check's process file, over an embedded broker where the source topic is.
+    (root / "nemesis.ci.yaml").write_text(
+        f"backend: {{kind: embedded, path: '{root / 'ci-broker.db'}'}}\n"
+        "auth: {admin_teams: [team-loyalty]}\n"
+        "limits: {integration: {workers: 64}}\n"
+    )
+    created = subprocess.run(
+        [sys.executable, "-m", "nemesis", "topics", "create", "orders", "-c", "nemesis.ci.yaml"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert created.returncode == 0, created.stdout + created.stderr
     return root
 
 
@@ -110,7 +125,7 @@ def test_the_workflow_passes_a_good_repository_and_annotates_a_broken_one(
     workflow = yaml.safe_load(WORKFLOW.read_text())
     assert workflow["permissions"] == {"contents": "read"}
     good = run_steps(repository, tmp_path)
-    assert [r.returncode for r in good] == [0, 0, 0], [r.stdout + r.stderr for r in good]
+    assert [r.returncode for r in good] == [0, 0, 0, 0], [r.stdout + r.stderr for r in good]
 
     example = (REPO / "integrations" / "orders-to-loyalty.yaml").read_text()
     line = next(n for n, text in enumerate(example.splitlines(), 1) if "workers: 32" in text)
@@ -119,8 +134,10 @@ def test_the_workflow_passes_a_good_repository_and_annotates_a_broken_one(
     )
     schema = repository / "schemas" / "integration.schema.json"
     schema.write_text(schema.read_text().replace('"minimum": 1', '"minimum": 0', 1))
-    validate, schemas = run_steps(repository, tmp_path, skip="test-pipelines")
+    validate, online, schemas = run_steps(repository, tmp_path, skip="test-pipelines")
     assert validate.returncode == 1
+    assert online.returncode == 1
+    assert online.stdout.startswith("::error file=integrations/orders-to-loyalty.yaml,")
     assert validate.stdout.startswith(
         f"::error file=integrations/orders-to-loyalty.yaml,line={line}::delivery.workers:"
     )

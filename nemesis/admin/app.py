@@ -47,8 +47,9 @@ from nemesis.admin.audit import AdminAudit, AuditStore, describe
 from nemesis.admin.docs import add_docs, secure_headers
 from nemesis.admin.server import ServiceFailures
 from nemesis.admin.status import dlq_unavailable, integration_status, reload_result
+from nemesis.config.limits import Breach, Caps, live_change_breaches
 from nemesis.config.models import NAME_PATTERN, AuthConfig
-from nemesis.config.overrides import LiveField
+from nemesis.config.overrides import LiveField, apply_overrides
 from nemesis.dlq.port import Action, PageRequest
 from nemesis.errors import BrokerError, DlqError, InvalidQuery, StateError
 from nemesis.fleet.member import FleetMember
@@ -107,6 +108,7 @@ def create_admin_app(
     reloader: ConfigReloader | None = None,
     services: ServiceFailures | None = None,
     fleet: FleetMember | None = None,
+    caps: Caps | None = None,
 ) -> FastAPI:
     """The admin API over a proxy; ``token`` is the platform's (None: no platform token).
 
@@ -116,6 +118,8 @@ def create_admin_app(
     viewer) that are not serving, a reason for ``/readyz`` to answer 503.
     With ``fleet``, live changes are stored for the whole fleet before they
     apply here (``nemesis.fleet.member``), and ``GET /fleet`` shows it.
+    ``caps``: the platform's limits a live change must stay within
+    (``nemesis.config.limits``).
     """
     app = FastAPI(
         title="Nemesis admin API",
@@ -178,6 +182,16 @@ def create_admin_app(
             except StateError as exc:
                 raise HTTPException(503, f"the change was not made: {exc}") from None
         await trail.record(identity, action, [name], describe(changes), count=len(changes))
+
+    def over_caps(name: str, changes: Mapping[str, Any]) -> list[Breach]:
+        """What a live change would set over the platform's caps (none: it may be made)."""
+        assert caps is not None
+        group = proxy.groups[name]
+        try:
+            changed = apply_overrides(group.yaml, {**group.overrides, **changes})
+        except ValidationError:
+            return []  # refused as a whole by the models, with their own message
+        return live_change_breaches(caps, group.config, changed, changes, proxy.integrations)
 
     async def clear_live(name: str, fields: list[str] | None, identity: Identity) -> None:
         if fleet is None:
@@ -275,6 +289,15 @@ def create_admin_app(
         """
         status_of(name, identity)
         changes = patch.changes()
+        if caps is not None:
+            over = over_caps(name, changes)
+            if over:
+                raise RequestValidationError(
+                    [
+                        {"loc": ["body", *b.field.split(".")], "msg": b.message, "type": "over_cap"}
+                        for b in over
+                    ]
+                )
         try:
             await set_live(name, changes, identity, Action.TUNE)
         except ValidationError as exc:

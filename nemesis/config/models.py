@@ -567,6 +567,52 @@ class AuthConfig(Model):
         return self
 
 
+# --- platform limits (nemesis.config.limits) -------------------------------------
+
+PositiveInt = Annotated[int, Field(ge=1)]
+PositiveRate = Annotated[float, Field(gt=0)]
+
+
+class RateCapsConfig(Model):
+    """The highest ``rate_limits`` (messages per second) per flow; unset: no cap."""
+
+    main: PositiveRate | None = None
+    retry: PositiveRate | None = None
+    replay: PositiveRate | None = None
+
+
+class IntegrationCapsConfig(Model):
+    """What one integration may set at most: the ``delivery`` sizes and its rate limits.
+
+    A capped rate must be set: an integration without one (unlimited) is over it.
+    """
+
+    workers: PositiveInt | None = None  # delivery.workers
+    buffer: PositiveInt | None = None  # delivery.buffer
+    batch_size: PositiveInt | None = None  # delivery.batch.size
+    rate_limits: RateCapsConfig = RateCapsConfig()
+
+
+class TeamCapsConfig(Model):
+    """What a team's integrations may take together (each counts for every team it lists)."""
+
+    workers: PositiveInt | None = None  # the sum of delivery.workers
+    buffer: PositiveInt | None = None  # the sum of delivery.buffer
+    rate_limits: RateCapsConfig = RateCapsConfig()  # the sum of each flow's rate_limits
+
+
+class LimitsConfig(Model):
+    """The platform's caps, which ``nemesis validate``, ``nemesis run`` and live changes enforce.
+
+    ``integration`` bounds each integration's own settings; ``team`` bounds
+    the totals over the integrations a team owns (``owners``). Unset caps
+    bound nothing.
+    """
+
+    integration: IntegrationCapsConfig = IntegrationCapsConfig()
+    team: TeamCapsConfig = TeamCapsConfig()
+
+
 def _stores_reach_every_replica(config: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
     """A broker that spans hosts needs ``state:`` and ``dlq:`` that span them too.
 
@@ -642,6 +688,8 @@ class NemesisConfig(Model):
     auth: AuthConfig = AuthConfig()
     reload: ReloadConfig = ReloadConfig()
     metrics: MetricsConfig = MetricsConfig()
+    # Caps per integration and per team (nemesis.config.limits).
+    limits: LimitsConfig = LimitsConfig()
     # Every replica of this configuration runs on one host (or there is one): the
     # sqlite state and DLQ files then serve a broker that spans hosts too.
     single_host: bool = False

@@ -56,6 +56,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config import overrides as live
+from nemesis.config.limits import Caps, within_caps
 from nemesis.config.loader import YAML_SUFFIXES, load_integrations
 from nemesis.config.models import IntegrationConfig
 from nemesis.config.problems import sort_problems
@@ -119,8 +120,10 @@ class ConfigReloader:
         debounce_ms: int = 500,
         force_polling: bool = False,
         initial_problems: Sequence[ConfigProblem] = (),
+        caps: Caps | None = None,
     ) -> None:
         self._proxy = proxy
+        self._caps = caps or Caps()
         self._directory = directory
         self._env = env
         self._clock = clock
@@ -148,6 +151,11 @@ class ConfigReloader:
     @property
     def directory(self) -> Path:
         return self._directory
+
+    @property
+    def caps(self) -> Caps:
+        """The platform's caps every reload holds the integrations to."""
+        return self._caps
 
     @property
     def watching(self) -> bool:
@@ -187,9 +195,18 @@ class ConfigReloader:
         loaded, problems = await asyncio.to_thread(load_integrations, directory, self._env)
         self._named_tls_files = _named_tls_files(loaded.values())
         present = await asyncio.to_thread(_file_names, directory)
-        problems = list(problems)
-        by_name = _problems_by_file(problems, directory)
         proxy = self._proxy
+        # Over a cap: refused like an invalid file (what runs keeps its share of a team's).
+        loaded, over_caps = await asyncio.to_thread(
+            within_caps,
+            self._caps,
+            loaded,
+            {name: _file_of(directory, name) for name in loaded},
+            {name: group.yaml for name, group in proxy.groups.items() if name in present},
+            self._env,
+        )
+        problems = sort_problems([*problems, *over_caps])
+        by_name = _problems_by_file(problems, directory)
         # Pipeline files, descriptor sets and TLS files that changed since their integration
         # was built.
         stale = await asyncio.to_thread(

@@ -85,6 +85,10 @@ from nemesis.runtime.workers import WorkerPool, WorkerSlot
 
 log = logging.getLogger(__name__)
 
+# Pipelines of payloads from this size on run in a thread, off the event loop every
+# integration of the process shares (tests/bench/isolation.py measures what it buys).
+OFFLOAD_PIPELINE_BYTES = 64 * 1024
+
 
 class RunnerState(enum.Enum):
     STARTING = "starting"
@@ -787,7 +791,12 @@ class IntegrationRunner:
         events = []
         for work in batch:
             message = work.message
-            result = pipeline.process(message)
+            if len(message.value) < OFFLOAD_PIPELINE_BYTES:
+                result = pipeline.process(message)
+            else:
+                # A large payload costs the pipeline milliseconds to parse and write again:
+                # run off the event loop, so the other integrations' deliveries go on.
+                result = await asyncio.to_thread(pipeline.process, message)
             if result.verdict is Verdict.PASS:
                 payload = None if result.payload is message.value else result.payload
                 event = make_event(
