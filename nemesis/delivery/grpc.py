@@ -243,8 +243,10 @@ class GrpcTransport:
         if self._contract.signs:
             metadata = (*metadata, *self._contract.sign_grpc([proto], batch=False))
         request = pb.DeliverRequest(event=proto)
+        # Before the call: grpc counts its deadline from the call's creation.
+        started = self._clock.monotonic()
         call = self._open().deliver(request, timeout=self._timeout_s, metadata=metadata)
-        return await self._call(call, (event.body,))
+        return await self._call(call, (event.body,), started)
 
     async def deliver_batch(self, events: Sequence[Event]) -> DeliveryResult:
         """Calls ``DeliverBatch`` with the events; the result applies to each."""
@@ -257,8 +259,9 @@ class GrpcTransport:
         if self._contract.signs:
             metadata = (*metadata, *self._contract.sign_grpc(protos, batch=True))
         request = pb.DeliverBatchRequest(events=protos)
+        started = self._clock.monotonic()
         call = self._open().deliver_batch(request, timeout=self._timeout_s, metadata=metadata)
-        return await self._call(call, [event.body for event in events])
+        return await self._call(call, [event.body for event in events], started)
 
     async def close(self) -> None:
         """Closes the channel; calls in flight end CANCELLED (retry), later ones answer RETRY."""
@@ -291,8 +294,8 @@ class GrpcTransport:
         call: aio.UnaryUnaryCall[pb.DeliverRequest, pb.DeliverResponse]
         | aio.UnaryUnaryCall[pb.DeliverBatchRequest, pb.DeliverBatchResponse],
         sent: Sequence[bytes],
+        started: float,
     ) -> DeliveryResult:
-        started = self._clock.monotonic()
         self._calls += 1
         self._in_flight += 1
         try:
