@@ -271,3 +271,69 @@ def test_config_names_one_queue() -> None:
         SqsSourceConfig.model_validate({"region": REGION})
     with pytest.raises(ValueError, match="queue"):
         SqsSourceConfig.model_validate({"queue": "bad name!"})
+
+
+async def test_close_hands_back_what_was_held_and_interrupt_ends_a_long_poll(
+    sqs_server: SqsServer,
+) -> None:
+    name = queue_name()
+    await send(sqs_server, await make_queue(sqs_server, name), ["held"])
+    first = await open_sqs_source(config(sqs_server, name, visibility_timeout_s=600))
+    [held] = await receive_all(first, 1)
+    await first.close()
+    assert not held.alive
+    assert first.sessions() == []
+    # Released at close: the next reader has it long before its 600 s would run out.
+    other = await open_sqs_source(config(sqs_server, name, wait_time_s=20))
+    try:
+        [again] = await receive_all(other, 1)
+        assert again.metadata[META_MESSAGE_ID] == held.metadata[META_MESSAGE_ID]
+        await other.commit([again])
+        waiting = asyncio.create_task(other.receive(10, 600))
+        await asyncio.sleep(0.2)
+        other.interrupt()
+        assert await asyncio.wait_for(waiting, 60) == []
+        [session] = other.sessions()
+        other.pause(session)
+        await send(sqs_server, other.queue_url, ["after pause"])
+        assert await other.receive(10, 1) == []  # paused: nothing handed out
+        other.resume(session)
+        [late] = await receive_all(other, 1)
+        assert late.value == b"after pause"
+        await other.commit([late])
+    finally:
+        await other.close()
+
+
+async def test_counts_and_the_queues_own_redrive_policy(sqs_server: SqsServer) -> None:
+    dead_name = queue_name("dead")
+    dead_url = await make_queue(sqs_server, dead_name)
+    async with admin(sqs_server) as client:
+        answer = await client.get_queue_attributes(QueueUrl=dead_url, AttributeNames=["QueueArn"])
+    arn = answer["Attributes"]["QueueArn"]
+    name = queue_name()
+    policy = f'{{"deadLetterTargetArn": "{arn}", "maxReceiveCount": "5"}}'
+    url = await make_queue(sqs_server, name, RedrivePolicy=policy)
+    await send(sqs_server, url, ["one", "two", "three"])
+    source = await open_sqs_source(config(sqs_server, name))
+    try:
+        assert source.redrive_policy is not None
+        assert int(source.redrive_policy["maxReceiveCount"]) == 5
+
+        async def three_visible() -> bool:
+            return await counts(source) == (3, 0)
+
+        await eventually(three_visible, "three visible messages counted")
+        messages = await receive_all(source, 3)
+
+        async def three_in_flight() -> bool:
+            return await counts(source) == (0, 3)
+
+        await eventually(three_in_flight, "three messages counted in flight")
+        stats = await source.stats()
+        assert stats.held_here == 3
+        assert stats.oldest_held_age_s is not None
+        assert stats.since_last_receive_s is not None
+        await source.commit(messages)
+    finally:
+        await source.close()
