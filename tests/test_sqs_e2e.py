@@ -116,6 +116,16 @@ def test_validate_accepts_an_sqs_source_and_names_bad_fields(tmp_path: Path) -> 
     assert "name the queue by `queue`" in neither.stdout + neither.stderr
 
 
+def test_the_example_in_docs_validates(tmp_path: Path) -> None:
+    text = (Path(__file__).parents[1] / "docs" / "sqs.md").read_text()
+    [example] = [b.split("```", 1)[0] for b in text.split("```yaml\n")[1:] if "kind: sqs" in b]
+    workspace = Workspace(tmp_path)
+    workspace.write_config()
+    workspace.write_integration("orders", example)
+    checked = workspace.cli("validate", "nemesis.yaml", "integrations")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
 async def test_run_delivers_a_queue_and_dead_letters_a_poison_message(
     workspace: Workspace, sqs_server: SqsServer
 ) -> None:
