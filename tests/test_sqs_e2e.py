@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from nemesis.testing import HandlerServer
-from tests.conftest import Workspace, stop_gracefully
+from tests.conftest import Workspace, kill_hard, stop_gracefully
 from tests.sqs_servers import REGION, SqsServer, aws_env, eventually, queue_name, sqs_server
 
 __all__ = ["aws_env", "sqs_server"]
@@ -165,3 +165,49 @@ async def test_run_delivers_a_queue_and_dead_letters_a_poison_message(
     assert rows[0]["http_status"] == 422
     assert json.loads(rows[0]["payload"]) == {"id": "poison"}
     assert await queue_counts(sqs_server, url) == (0, 0)
+
+
+async def test_a_proxy_killed_mid_run_loses_nothing_after_a_restart(
+    workspace: Workspace, sqs_server: SqsServer
+) -> None:
+    queue = queue_name("killed")
+    url = await make_queue(sqs_server, queue)
+    count = 300
+    await send(sqs_server, url, [json.dumps({"id": f"order-{n}"}) for n in range(count)])
+
+    async with HandlerServer(seed=5) as handler:
+        handler.delay(0.0, 0.02)
+        # The first try of every seventh message fails: some are in retry tiers at the kill.
+        failing = {f"order-{n}" for n in range(0, count, 7)}
+        handler.when(
+            lambda entry: entry.receipt == 1 and json.loads(entry.body)["id"] in failing,
+            status=503,
+        )
+        extra = "  visibility_timeout_s: 3\n"
+        workspace.write_integration(
+            "loyalty", sqs_integration("loyalty", queue, sqs_server.endpoint, handler.url, extra)
+        )
+        first = await workspace.start("run")
+        await handler.ledger.wait_for(50, timeout_s=120)
+        kill_hard(first)
+        await first.wait()
+
+        second = await workspace.start("run")
+
+        async def all_delivered() -> bool:
+            done = {json.loads(e.body)["id"] for e in handler.ledger if e.done}
+            return len(done) == count
+
+        await eventually(all_delivered, f"all {count} messages delivered", timeout_s=180)
+
+        async def drained() -> bool:
+            return await queue_counts(sqs_server, url) == (0, 0)
+
+        await eventually(drained, "the queue empty, every message deleted", timeout_s=120)
+        assert await stop_gracefully(second) == 0, workspace.logs()
+        delivered = {json.loads(e.body)["id"] for e in handler.ledger if e.done}
+
+    assert delivered == {f"order-{n}" for n in range(count)}
+    listed = workspace.cli("dlq", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.strip() == "", listed.stdout
