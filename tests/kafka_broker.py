@@ -1,8 +1,7 @@
 """Apache Kafka for the tests: KRaft brokers started from Maven Central's artifacts on 127.0.0.1.
 
 ``tests/kafka/pom.xml`` names the broker and its clients; Maven resolves them
-once and the classpath is cached under the user's cache directory, keyed by
-the pom's hash (``kafka_classpath``). A broker is one JVM in KRaft combined
+once and the classpath is cached (``tests/maven.py``). A broker is one JVM in KRaft combined
 mode (broker and controller in one process) on free ports, with a small heap,
 its data under the test's directory and its log in ``kafka.log`` beside it.
 
@@ -24,12 +23,7 @@ A test that stops or freezes a broker starts its own.
 from __future__ import annotations
 
 import base64
-import fcntl
-import hashlib
-import os
-import re
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -42,6 +36,7 @@ from typing import Any
 import pytest
 
 from nemesis.broker.kafka.config import KafkaBackendConfig
+from tests.maven import maven_classpath
 
 POM = Path(__file__).resolve().parent / "kafka" / "pom.xml"
 
@@ -69,64 +64,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "nemesis-tests"
-
-
 def kafka_classpath() -> str:
-    """The broker's classpath, resolved by Maven from ``tests/kafka/pom.xml`` once and cached.
-
-    Fails the test with Maven's own error lines when it cannot resolve. xdist
-    workers take a lock: one resolves, the others read what it cached.
-    """
-    digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:16]
-    cached = cache_dir() / f"kafka-classpath-{digest}.txt"
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    with (cached.parent / "kafka-classpath.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if cached.is_file():
-            classpath = cached.read_text().strip()
-            if classpath and all(Path(jar).is_file() for jar in classpath.split(os.pathsep)):
-                return classpath
-        resolve_classpath(cached)
-    return cached.read_text().strip()
-
-
-def resolve_classpath(into: Path) -> None:
-    for tool in ("mvn", "java"):
-        if shutil.which(tool) is None:
-            pytest.fail(
-                f"`{tool}` is not on PATH: the Kafka tests need Maven and a JDK >= 17"
-                " (`make system-packages` installs them)",
-                pytrace=False,
-            )
-    partial = into.with_suffix(f".{os.getpid()}.part")
-    result = subprocess.run(
-        [
-            "mvn",
-            "-B",
-            "-q",
-            "-Dstyle.color=never",
-            "-f",
-            str(POM),
-            "dependency:build-classpath",
-            f"-Dmdep.outputFile={partial}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if result.returncode != 0 or not partial.is_file():
-        output = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout + result.stderr).splitlines()
-        # Maven's error, without the advice it prints after it.
-        errors = [line for line in output if line.startswith("[ERROR]")][:1] or output[-20:]
-        pytest.fail(
-            f"Maven could not resolve Apache Kafka from {POM} (exit {result.returncode}):\n"
-            + "\n".join(errors),
-            pytrace=False,
-        )
-    os.replace(partial, into)
+    """The broker's classpath, resolved by Maven from ``tests/kafka/pom.xml`` once and cached."""
+    return maven_classpath(POM, "kafka", "Apache Kafka")
 
 
 def kafka_uuid() -> str:

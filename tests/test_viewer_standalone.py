@@ -52,7 +52,7 @@ TEAM_B_TOKEN = "nmsv_standalone-team-b-token-0123456"
 # The nemesis modules `import dlq_viewer` may load: the store, the broker port and the
 # embedded log the SQLite store shares its thread with, the configuration (with the
 # registry's module of each backend kind: models only, no client library), the topology.
-MAX_NEMESIS_MODULES = 34
+MAX_NEMESIS_MODULES = 35
 
 
 def integration_file(directory: Path, name: str, owners: list[str]) -> None:

@@ -57,6 +57,7 @@ from nemesis.backends.embedded import EMBEDDED
 from nemesis.backends.kafka import KAFKA
 from nemesis.backends.postgres import POSTGRES_DLQ, POSTGRES_STATE
 from nemesis.backends.sqlite import SQLITE, SQLITE_STATE
+from nemesis.backends.sqs import SQS
 from nemesis.backends.topic import TOPIC
 from nemesis.backends.ydb import YDB, YDB_DLQ, YDB_STATE
 from nemesis.clock import SYSTEM_CLOCK, Clock
@@ -101,6 +102,7 @@ def default_backends() -> Backends:
     registry.register_state(POSTGRES_STATE)
     registry.register_state(YDB_STATE)
     registry.register_source(TOPIC)
+    registry.register_source(SQS)
     return registry
 
 
