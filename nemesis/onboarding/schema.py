@@ -219,8 +219,13 @@ def _integration_rules(root: dict[str, Any], definitions: dict[str, Any]) -> Non
             },
         }
     ]
-    for kind in default_backends().sources.values():  # every source kind's source:
-        source = definitions[kind.config.__name__]["properties"]
+    sources = default_backends().sources
+    default_source = next(iter(sources))  # the kind a source without `kind` is
+    for name, kind in sources.items():  # every source kind's source:
+        definition = definitions[kind.config.__name__]
+        if name != default_source:  # any other kind is named, or the two would both match
+            definition["required"] = sorted({*definition.get("required", ()), "kind"})
+        source = definition["properties"]
         for field in ("topic", "consumer"):
             source[field]["pattern"] = SOURCE_NAME_PATTERN
             source[field]["description"] = (
