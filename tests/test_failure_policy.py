@@ -312,7 +312,7 @@ def test_a_health_failure_is_never_dead_lettered_while_the_handler_is_down(
 
 
 CONTRACT = Contract()
-GRPC = "grpc"
+GRPC: Literal["grpc"] = "grpc"
 
 
 def _http(status: int, verdict: str | None = None) -> DeliveryResult:

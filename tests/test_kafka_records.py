@@ -42,7 +42,8 @@ from nemesis.dlq import DeadLetterFilter, DeadLetterRow, PageRequest, open_sqlit
 from nemesis.runtime.retries import flows_of
 from nemesis.tracecontext import parse_traceparent
 from tests.conftest import Workspace, stop_gracefully
-from tests.kafka_broker import KafkaBroker, cache_dir, free_port, kafka_classpath
+from tests.kafka_broker import KafkaBroker, free_port, kafka_classpath
+from tests.maven import cache_dir
 from tests.operability import wait_until_true
 from tests.test_kafka_e2e import init, kafka_config
 
