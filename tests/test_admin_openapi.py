@@ -9,10 +9,7 @@ pauses, rate limits, reloads); the auth refusals have their own tests.
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -36,38 +33,13 @@ from nemesis.runtime.app import Proxy
 from nemesis.runtime.reload import ConfigReloader
 from nemesis.testing import HandlerServer
 from tests.operability import AUTH, FAST, TOKEN, integration_yaml, publish
+from tests.threaded import ServedInThread
 
 
-class _ServedProxy:
+class _ServedProxy(ServedInThread):
     """A proxy with its admin API in a thread of its own; ``url`` once it listens."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.url = ""
-        self.error: BaseException | None = None
-        self._ready = threading.Event()
-        self._stop: Callable[[], None] | None = None
-        self._thread = threading.Thread(target=self._main, name="admin-under-test")
-
-    def __enter__(self) -> _ServedProxy:
-        self._thread.start()
-        if not self._ready.wait(30) or self.error is not None:
-            raise RuntimeError("the admin API did not start") from self.error
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        if self._stop is not None:
-            self._stop()
-        self._thread.join(60)
-        assert not self._thread.is_alive(), "the proxy did not stop"
-
-    def _main(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException as exc:
-            self.error = exc
-            self._ready.set()
-            raise
+    what = "the admin API"
 
     async def _serve(self) -> None:
         broker = await open_embedded(EmbeddedBackendConfig(path=str(self.root / "log.db")))
@@ -91,14 +63,7 @@ class _ServedProxy:
                 app = create_admin_app(proxy, token=TOKEN, reloader=reloader)
                 service = UvicornService(app, host="127.0.0.1", port=0, name="admin API")
                 service.bind()
-                self.url = service.url
-                loop = asyncio.get_running_loop()
-
-                def stop() -> None:
-                    loop.call_soon_threadsafe(proxy.stop)
-
-                self._stop = stop
-                self._ready.set()
+                self.ready(service.url, proxy.stop)
                 await serve_beside(proxy.run(), [service])
         finally:
             await broker.close()

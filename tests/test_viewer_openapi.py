@@ -10,9 +10,7 @@ the OpenAPI document declares, with the body it declares.
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,6 +27,7 @@ from schemathesis.specs.openapi.checks import (
 
 from dlq_viewer.server import bound_port, viewer_server
 from dlq_viewer.testing import STANDARD_ACCESS, integration, letter, viewer_env
+from tests.threaded import ServedInThread
 
 _, BOT_ROOT = STANDARD_ACCESS.clients
 AUTH = {"Authorization": f"Bearer {BOT_ROOT.token}"}
@@ -38,36 +37,10 @@ INTEGRATIONS = {
 }
 
 
-class _ServedViewer:
+class _ServedViewer(ServedInThread):
     """The viewer in a thread of its own; ``url`` once it listens."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.url = ""
-        self.error: BaseException | None = None
-        self._ready = threading.Event()
-        self._stop: Callable[[], None] | None = None
-        self._thread = threading.Thread(target=self._main, name="viewer-under-test")
-
-    def __enter__(self) -> _ServedViewer:
-        self._thread.start()
-        if not self._ready.wait(30) or self.error is not None:
-            raise RuntimeError("the viewer did not start") from self.error
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        if self._stop is not None:
-            self._stop()
-        self._thread.join(60)
-        assert not self._thread.is_alive(), "the viewer did not stop"
-
-    def _main(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException as exc:
-            self.error = exc
-            self._ready.set()
-            raise
+    what = "the viewer"
 
     async def _serve(self) -> None:
         async with viewer_env(self.root, integrations=INTEGRATIONS, lifespan=False) as env:
@@ -81,14 +54,7 @@ class _ServedViewer:
                 if serving.done():
                     serving.result()
                 await asyncio.sleep(0.01)
-            self.url = f"http://127.0.0.1:{bound_port(server)}"
-            loop = asyncio.get_running_loop()
-
-            def stop() -> None:
-                loop.call_soon_threadsafe(server.stop)
-
-            self._stop = stop
-            self._ready.set()
+            self.ready(f"http://127.0.0.1:{bound_port(server)}", server.stop)
             await serving
 
 
