@@ -72,6 +72,8 @@ CHECKS = [
 ]
 
 
+# A few hundred real requests per mode: minutes on a loaded host, not a hang.
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_viewer_api_never_answers_with_a_server_error(
     viewer_url: str, mode: GenerationMode
