@@ -80,9 +80,7 @@ _CHILD = textwrap.dedent(
 
 
 @pytest.mark.parametrize("fault", ["shm-removed", "folder-removed"])
-def test_the_log_files_removed_under_a_process_leave_it_running(
-    tmp_path: Path, fault: str
-) -> None:
+def test_the_log_files_removed_under_a_process_leave_it_running(tmp_path: Path, fault: str) -> None:
     child = subprocess.run(
         [sys.executable, "-c", _CHILD, str(tmp_path / "log"), fault],
         capture_output=True,
