@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -48,6 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     _configure_logging(getattr(args, "log_level", "info"))
+    if not faulthandler.is_enabled():
+        # A signal SQLite cannot turn into an error (SIGBUS on a WAL index cut under
+        # the embedded log, docs/design.md) ends the process with the stack of every
+        # thread on stderr, not silently. A stderr without a file descriptor (main()
+        # called with it captured) goes without.
+        with contextlib.suppress(AttributeError, OSError, RuntimeError, ValueError):
+            faulthandler.enable()
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
