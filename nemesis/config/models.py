@@ -364,10 +364,10 @@ def _release_fits_the_source(integration: Any) -> Iterator[tuple[tuple[Hashable,
         if delay_s > most_s:
             yield (
                 ("retry", "tiers", index),
-                f"tier {index + 1} ({_seconds(delay_s)}) is longer than the {most_s / 3600:g} hours"
-                f" a {model.model_fields['kind'].default} source can hold a message back for"
-                " (retries by release: the queue's visibility timeout); shorten it, or keep"
-                " the tiers on the backend's topics with retry.via: topics",
+                f"tier {index + 1} ({_seconds(delay_s)}) is longer than {most_s / 3600:g} hours,"
+                f" the most a source of kind {model.model_fields['kind'].default} can hold a"
+                " message back (retries by release: the queue's visibility timeout); shorten"
+                " it, or keep the tiers on the backend's topics with retry.via: topics",
             )
 
 
