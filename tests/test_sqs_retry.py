@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import re
@@ -329,3 +330,85 @@ def test_validate_names_the_retry_mode_and_a_tier_longer_than_visibility(tmp_pat
     ), out
     assert "integrations/fine.yaml" not in out
     assert "integrations/topics.yaml" not in out
+
+
+async def test_a_fifo_dead_letter_goes_back_to_its_group_each_requeue_a_new_message(
+    sqs_server: SqsServer,
+) -> None:
+    from nemesis.broker.sqs import SqsSourceConfig, open_sqs_source
+    from nemesis.broker.sqs.requeue import send_back
+    from nemesis.dlq.port import DeadLetterRow, Reason, Status
+
+    name = queue_name("requeued", fifo=True)
+    url = await make_queue(sqs_server, name)  # content-based deduplication on
+    await send(sqs_server, url, [json.dumps({"id": "x"})], group="g")
+    source = await open_sqs_source(
+        SqsSourceConfig(queue=name, endpoint_url=sqs_server.endpoint, region=REGION, wait_time_s=1)
+    )
+    try:
+        [first] = await _receive(source, 1)
+        await source.commit([first])
+        address = dict(source.return_address())
+        assert address["sqs-queue-url"] == url
+        row = DeadLetterRow(
+            id="row-1",
+            integration="loyalty",
+            event_id=first.metadata["nemesis-event-id"],
+            status=Status.DEAD,
+            reason=Reason.RETRIES_EXHAUSTED,
+            http_status=503,
+            error="server_error (http 503)",
+            signature="s",
+            attempts=3,
+            first_failure_at=0.0,
+            dead_lettered_at=0.0,
+            requeue_count=0,
+            last_action=None,
+            last_action_by=None,
+            last_action_at=None,
+            source_topic=name,
+            source_partition=0,
+            source_offset=first.offset,
+            key=first.key,
+            stage="delivery",
+            metadata={**first.metadata, **address, "traceparent": TRACEPARENT},
+            payload=first.value,
+            payload_size=len(first.value),
+        )
+        # Twice: the same body within SQS's deduplication window, each a message of its own.
+        for _ in range(2):
+            sent, error = await send_back([row])
+            assert error is None
+            assert sent == ["row-1"]
+        again = await _receive(source, 2)
+        for message in again:
+            assert message.key == "g"
+            assert message.value == first.value
+            assert message.metadata["nemesis-event-id"] == row.event_id
+            assert message.metadata["sqs-receive-count"] == "1"
+            assert message.metadata["traceparent"] == TRACEPARENT
+            assert message.metadata["sqs-message-id"] != first.metadata["sqs-message-id"]
+            assert "sqs-queue-url" not in message.metadata  # never sent as an attribute
+        await source.commit(again)
+
+        gone = dataclasses.replace(row, metadata={**row.metadata, "sqs-queue-url": url + "-gone"})
+        sent, error = await send_back([gone])
+        assert sent == []
+        assert error is not None
+        assert "does not exist" in str(error)
+    finally:
+        await source.close()
+
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+async def _receive(source: Any, count: int) -> list[Any]:
+    got: list[Any] = []
+
+    async def more() -> bool:
+        got.extend(await source.receive(count - len(got), 1))
+        return len(got) >= count
+
+    await eventually(more, f"{count} messages received")
+    return got
