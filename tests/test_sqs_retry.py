@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from nemesis.dlq import DeadLetterFilter, Status
 from nemesis.testing import HandlerServer
 from nemesis.testing.ledger import LedgerEntry
 from tests.conftest import Workspace, stop_gracefully
@@ -412,3 +413,45 @@ async def _receive(source: Any, count: int) -> list[Any]:
 
     await eventually(more, f"{count} messages received")
     return got
+
+
+async def test_the_viewer_requeues_to_the_queue_and_says_when_it_cannot(
+    sqs_server: SqsServer, tmp_path: Path
+) -> None:
+    import httpx
+
+    from dlq_viewer.testing import STANDARD_ACCESS, integration, letter, sign_in, viewer_env
+
+    name = queue_name("viewed")
+    url = await make_queue(sqs_server, name)
+    address = {"sqs-region": REGION, "sqs-endpoint-url": sqs_server.endpoint}
+    alice = STANDARD_ACCESS.people[0]
+    async with viewer_env(
+        tmp_path, integrations={"orders-a": integration("orders-a", ["team-a"])}
+    ) as env:
+        here = letter("orders-a", 1, metadata={**address, "sqs-queue-url": url, "kind": "x"})
+        gone = letter("orders-a", 2, metadata={**address, "sqs-queue-url": url + "-gone"})
+        await env.store.put([here, gone])
+        [here_id] = await env.store.select_ids(DeadLetterFilter(text='ord-1"'), 10)
+        [gone_id] = await env.store.select_ids(DeadLetterFilter(text='ord-2"'), 10)
+        transport = httpx.ASGITransport(app=env.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://viewer.test") as client:
+            csrf = await sign_in(client, alice)
+            sent = await client.post(f"/messages/{here_id}/requeue", data={"csrf_token": csrf})
+            assert sent.status_code == 303, sent.text
+            refused = await client.post(f"/messages/{gone_id}/requeue", data={"csrf_token": csrf})
+            assert refused.status_code == 503, refused.text
+            assert "does not exist" in refused.text
+        rows = {row.id: row for row in await env.store.get_many([here_id, gone_id])}
+        assert rows[here_id].status is Status.REQUEUED
+        assert rows[gone_id].status is Status.DEAD
+
+    async with admin(sqs_server) as client:
+        answer = await client.receive_message(
+            QueueUrl=url, WaitTimeSeconds=5, MessageAttributeNames=["All"]
+        )
+    [message] = answer["Messages"]
+    assert json.loads(message["Body"]) == {"order_id": "ord-1", "n": 1}
+    attributes = {k: v["StringValue"] for k, v in message["MessageAttributes"].items()}
+    assert attributes["nemesis-event-id"] == here.event_id
+    assert attributes["kind"] == "x"
