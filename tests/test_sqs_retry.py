@@ -439,9 +439,13 @@ async def test_the_viewer_requeues_to_the_queue_and_says_when_it_cannot(
             csrf = await sign_in(client, alice)
             sent = await client.post(f"/messages/{here_id}/requeue", data={"csrf_token": csrf})
             assert sent.status_code == 303, sent.text
+            page = (await client.get(sent.headers["location"])).text
+            assert "Sent back to queue orders." in page
             refused = await client.post(f"/messages/{gone_id}/requeue", data={"csrf_token": csrf})
             assert refused.status_code == 503, refused.text
             assert "does not exist" in refused.text
+            still_dead = (await client.get(f"/messages/{gone_id}")).text
+            assert "Requeue this message to queue orders?" in still_dead
         rows = {row.id: row for row in await env.store.get_many([here_id, gone_id])}
         assert rows[here_id].status is Status.REQUEUED
         assert rows[gone_id].status is Status.DEAD
