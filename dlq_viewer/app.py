@@ -48,7 +48,7 @@ from dlq_viewer.pages import sign_in_redirect
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import AuthConfig, IntegrationConfig
 from nemesis.dlq import DeadLetterStore
-from nemesis.errors import DlqError, InvalidQuery
+from nemesis.errors import BrokerError, DlqError, InvalidQuery
 from nemesis.fleet.port import StateStore
 
 log = logging.getLogger(__name__)
@@ -321,6 +321,12 @@ def _add_error_handlers(app: FastAPI, viewer: Viewer) -> None:
             "It may be busy with a large action. Try again in a moment.",
         )
 
+    async def send_failed(request: Request, exc: Exception) -> Response:
+        # A requeue the broker or a queue refused (down, gone, the credentials): the rows
+        # sent before it are marked, the rest stay dead.
+        log.error("requeue failed on %s %s: %s", request.method, request.url.path, exc)
+        return await answer(request, 503, "The requeue could not send everything", str(exc))
+
     async def malformed(request: Request, exc: Exception) -> Response:
         if is_api(request) and isinstance(exc, RequestValidationError):
             # FastAPI's usual 422, minus the echo of the input (it may be huge or hostile).
@@ -354,5 +360,6 @@ def _add_error_handlers(app: FastAPI, viewer: Viewer) -> None:
     app.add_exception_handler(InvalidQuery, invalid_query)
     app.add_exception_handler(JobsBusy, jobs_busy)
     app.add_exception_handler(DlqError, store_failed)
+    app.add_exception_handler(BrokerError, send_failed)
     app.add_exception_handler(RequestValidationError, malformed)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -43,6 +43,7 @@ from dlq_viewer.context import (
     seal_flash,
 )
 from dlq_viewer.filters import RANGES, STATUS_ANY, ListFilter
+from nemesis.backends.sqs import META_QUEUE_URL
 from nemesis.dlq import (
     MAX_PAGE_ROWS,
     Action,
@@ -412,6 +413,8 @@ async def act_on_message(
     note: tuple[FlashKind, str]
     if not result.count:
         note = ("warn", f"Nothing to {VERBS[action][0]}: the message is not dead any more.")
+    elif action is Action.REQUEUE and META_QUEUE_URL in row.metadata:
+        note = ("ok", f"Sent back to queue {row.source_topic}.")  # nemesis.broker.sqs.requeue
     elif action is Action.REQUEUE:
         note = ("ok", f"Requeued to {row.integration}'s replay flow.")
     else:

@@ -474,3 +474,50 @@ def test_the_flows_the_topics_and_the_policy_agree_on_tier_topics(
         assert flows == (["main", "replay"] if dlq else ["main"])
         assert topics == []
         assert retry.in_place
+
+
+def _queue_integration(ordering: Ordering, via: str | None) -> IntegrationConfig:
+    retry: dict[str, object] = {"tiers": ["1s", "5s"]}
+    if via is not None:
+        retry["via"] = via
+    return IntegrationConfig.model_validate(
+        {
+            "name": "it",
+            "owners": ["team-it"],
+            "source": {"kind": "sqs", "queue": "orders", "consumer": "it"},
+            "target": {"url": "http://127.0.0.1:9/"},
+            "delivery": {"ordering": ordering},
+            "retry": retry,
+        }
+    )
+
+
+@pytest.mark.parametrize("via", [None, "release", "topics"])
+@pytest.mark.parametrize("ordering", ORDERINGS)
+def test_a_queue_retries_by_release_unless_ordered_or_told_topics(
+    ordering: Ordering, via: str | None
+) -> None:
+    config = _queue_integration(ordering, via)
+    flows = [flow.name for flow in flows_of(config, dead_letters=True)]
+    retry = RetryPolicy.of(config, dead_letters=True)
+    unwell = Failure(FailureKind.SERVER_ERROR, status=503)
+    decisions = [decide(unwell, attempt, 0, retry) for attempt in (1, 2, 3)]
+    if ordering != "none":
+        # Ordered: in place, its key held, whatever via says.
+        assert flows == ["main", "replay"]
+        assert [d.action for d in decisions[:2]] == [Action.RETRY_IN_PLACE] * 2
+    elif via == "topics":
+        assert flows == ["main", "retry-1", "retry-2", "replay"]
+        assert decisions[0] == Decision(Action.TO_TIER, 1.0, tier=1)
+    else:
+        # Released for the delay of its attempt (the queue's receive count): no tier flows.
+        assert flows == ["main", "replay"]
+        assert decisions[:2] == [
+            Decision(Action.RELEASE, 1.0, tier=1),
+            Decision(Action.RELEASE, 5.0, tier=2),
+        ]
+        # Past its tiers it waits once for the handler, as everywhere, then the DLQ.
+        assert decisions[2].waiting_out
+        assert decide(unwell, 4, 0, retry).action is Action.DEAD_LETTER
+        rejected = Failure(FailureKind.REJECTED, status=422)
+        assert decide(rejected, 1, 0, retry).action is Action.DEAD_LETTER

@@ -155,6 +155,10 @@ class SourceModel(Model):
     # Whether the source is a topic of the process's own log backend (``backend:``): its
     # consumer is registered there and its commit lag watched there.
     on_backend: ClassVar[bool] = False
+    # The longest delay for which the source can give a message back to come again
+    # (``nemesis.broker.source.Releases``); None: it cannot, and its retries go to tier
+    # topics. A source that can retries by release unless ``retry.via: topics``.
+    max_release_delay_s: ClassVar[float | None] = None
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,11 @@ MAX_BATCH = 10
 MAX_WAIT_S = 20
 MAX_VISIBILITY_S = 43_200
 ONE_QUEUE = "name the queue by `queue` (its name) or `queue_url`, one of them"
+# Where a dead letter of a queue came from, kept in its metadata for the requeue
+# (``nemesis.broker.sqs.requeue``) that sends it back there.
+META_QUEUE_URL = "sqs-queue-url"
+META_REGION = "sqs-region"
+META_ENDPOINT_URL = "sqs-endpoint-url"
 
 
 class SqsQueueConfig(Model):
@@ -70,6 +75,8 @@ class SqsSourceConfig(SourceModel, SqsQueueConfig):
     kind: Literal["sqs"] = "sqs"
 
     on_backend: ClassVar[bool] = False
+    # Released by its visibility timeout, which SQS caps at 12 hours.
+    max_release_delay_s: ClassVar[float | None] = float(MAX_VISIBILITY_S)
 
     @model_validator(mode="before")
     @classmethod

@@ -90,7 +90,10 @@ class Releases(Protocol):
     """A source that can give a message back to come again after a delay (SQS: visibility).
 
     With it, retries need no tier topics: a failed message is released for
-    its tier's delay and comes back with its receive count grown by one.
+    its tier's delay and comes back with its receive count grown by one, the
+    attempt it is (``attempt``). A released message is finished for its
+    reader: acknowledging it afterwards (``commit``) does nothing, so the
+    runner finishes it like any other and it is not deleted.
     """
 
     @property
@@ -101,3 +104,18 @@ class Releases(Protocol):
     async def release(self, messages: Sequence[Message], delay_s: float) -> None:
         """Hands ``messages`` back unacknowledged, to be received again after ``delay_s``."""
         ...
+
+    def attempt(self, message: Message) -> int:
+        """Which delivery of ``message`` this is, 1 the first time (SQS: its receive count)."""
+        ...
+
+
+@runtime_checkable
+class TakesRequeues(Protocol):
+    """A source a dead letter can be sent back to (``nemesis.dlq.requeue``), not a log's replay.
+
+    Its dead letters keep ``return_address`` in their metadata: what a
+    requeue needs to reach the source again, from any process with access.
+    """
+
+    def return_address(self) -> Mapping[str, str]: ...

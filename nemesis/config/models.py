@@ -260,6 +260,10 @@ class RetryConfig(Model):
     # Ordered integrations retry in place; when the tiers run out: dead-letter and
     # continue, or halt the key/partition and alert.
     on_exhausted: Literal["dead_letter", "halt"] = "dead_letter"
+    # Where an unordered integration's failed message waits out its tier: given back to a
+    # source that can release it (a queue: its visibility timeout, no extra queues), or
+    # on the tier topics of the process's backend. None: by release where the source can.
+    via: Literal["release", "topics"] | None = None
 
     @field_validator("tiers")
     @classmethod
@@ -320,6 +324,53 @@ def _halt_needs_ordering(integration: Any) -> Iterator[tuple[tuple[Hashable, ...
         )
 
 
+def _source_model(integration: Any) -> type[SourceModel] | None:
+    """The model of an integration's source kind, from raw input or a validated model."""
+    source = get_path(integration, "source", default=None)
+    if isinstance(source, SourceModel):
+        return type(source)
+    sources = default_backends().sources
+    kind = get_path(source, "kind", default=None) if isinstance(source, dict) else None
+    if kind is None:
+        kind = next(iter(sources), None)
+    found = sources.get(kind) if isinstance(kind, str) else None
+    return None if found is None else found.config
+
+
+def _release_fits_the_source(integration: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
+    model = _source_model(integration)
+    if model is None:
+        return  # an unknown kind: reported at source.kind
+    via = get_path(integration, "retry", "via", default=None)
+    most_s = model.max_release_delay_s
+    if most_s is None:
+        if via == "release":
+            yield (
+                ("retry", "via"),
+                "release needs a source that can give a message back to come again later"
+                " (kind: sqs); a topic's retries go to its tier topics: via: topics",
+            )
+        return
+    if via == "topics":
+        return
+    tiers = get_path(integration, "retry", "tiers", default=None)
+    if not isinstance(tiers, list):
+        return
+    for index, tier in enumerate(tiers):
+        try:
+            delay_s = parse_duration(tier)
+        except ValueError:
+            continue  # reported at the tier
+        if delay_s > most_s:
+            yield (
+                ("retry", "tiers", index),
+                f"tier {index + 1} ({_seconds(delay_s)}) is longer than {most_s / 3600:g} hours,"
+                f" the most a source of kind {model.model_fields['kind'].default} can hold a"
+                " message back (retries by release: the queue's visibility timeout); shorten"
+                " it, or keep the tiers on the backend's topics with retry.via: topics",
+            )
+
+
 def _forwarded_not_set_by_target(integration: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
     forwarded = get_path(
         integration,
@@ -355,7 +406,20 @@ class IntegrationConfig(Model):
     # the broker then spreads over every member.
     replicas: Annotated[int, Field(ge=1, le=1000)] | Literal["all"] = 1
 
-    cross_rules = (_halt_needs_ordering, _forwarded_not_set_by_target)
+    cross_rules = (_halt_needs_ordering, _forwarded_not_set_by_target, _release_fits_the_source)
+
+    @property
+    def retries_by_release(self) -> bool:
+        """Whether a failed message waits out its tier given back to its source (``retry.via``).
+
+        Unordered integrations only: an ordered one retries in place, holding its key.
+        """
+        if self.delivery.ordering != "none":
+            return False
+        via = self.retry.via
+        if via is None:
+            return self.source.max_release_delay_s is not None
+        return via == "release"
 
 
 # --- process ------------------------------------------------------------------

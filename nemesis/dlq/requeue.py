@@ -11,6 +11,12 @@ in between leaves rows marked dead whose messages are on their way already: a
 second requeue would send them twice, which the handler's idempotency by
 ``ce-id`` absorbs. The reverse order could lose messages.
 
+A dead letter of a queue (an ``sqs`` source) goes back to that queue
+instead (``nemesis.broker.sqs.requeue``: SendMessage, with the event id as an
+attribute), at the address the letter keeps in its metadata, with the AWS
+credentials of the process that requeues. When a send fails, the letters sent
+before it are marked requeued and the error is raised.
+
 This needs the state store, a broker and the topic names of
 ``nemesis.topology``, nothing of the running proxy: a viewer on another host
 requeues the same way. The replay topic is used as the broker describes it;
@@ -25,6 +31,7 @@ from collections import defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from nemesis.backends.sqs import META_QUEUE_URL
 from nemesis.broker.port import Broker, OutgoingMessage
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.dlq.port import (
@@ -35,7 +42,7 @@ from nemesis.dlq.port import (
     DeadLetterStore,
     Status,
 )
-from nemesis.errors import TopicNotFound
+from nemesis.errors import BrokerError, TopicNotFound
 from nemesis.topology import register_internal, replay_message, replay_topic
 
 _WRITE_BATCH = 500
@@ -77,7 +84,20 @@ async def requeue(
             by_integration[row.integration].append(row)
     moved: dict[str, int] = {}
     now = clock.time()
-    for integration, letters in sorted(by_integration.items()):
+    failed: BrokerError | None = None
+    for integration, rows_of in sorted(by_integration.items()):
+        queued = [row for row in rows_of if META_QUEUE_URL in row.metadata]
+        if queued:
+            sent, failed = await _to_queues(queued)
+            if sent:
+                moved[integration] = await store.mark_requeued(
+                    sent, by=by, at=now, integrations=frozenset({integration})
+                )
+            if failed is not None:
+                break
+        letters = [row for row in rows_of if META_QUEUE_URL not in row.metadata]
+        if not letters:
+            continue
         topic = await _replay_topic_of(broker, integration, letters[0].source_topic)
         writer = await broker.writer(topic)
         try:
@@ -86,11 +106,22 @@ async def requeue(
                 await writer.write([replay_of(row) for row in chunk])
         finally:
             await writer.close()
-        moved[integration] = await store.mark_requeued(
+        moved[integration] = moved.get(integration, 0) + await store.mark_requeued(
             [row.id for row in letters], by=by, at=now, integrations=frozenset({integration})
         )
     result = await _audited(store, Action.REQUEUE, moved, by=by, description=description, at=now)
+    if failed is not None:
+        raise failed
     return dataclasses.replace(result, payload_cut=cut)
+
+
+async def _to_queues(rows: list[DeadLetterRow]) -> tuple[list[str], BrokerError | None]:
+    """Sends a queue's dead letters back to it: the ids sent, and the error that stopped it."""
+    try:
+        from nemesis.broker.sqs.requeue import send_back
+    except ImportError:
+        return [], BrokerError("requeue to a queue needs aiobotocore: pip install 'nemesis[sqs]'")
+    return await send_back(rows)
 
 
 def replay_of(row: DeadLetterRow) -> OutgoingMessage:

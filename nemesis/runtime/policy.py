@@ -15,9 +15,11 @@ The table, in words:
   trouble, timeouts and refused connections, 429, ``nemesis-verdict:
   retry``): with ``ordering: none`` and retry tier topics it moves to the
   next tier after that tier's delay (main and replay go to tier 1, tier n to
-  tier n + 1); ordered flows, and flows without tier topics, retry in place
-  after the delay of the attempt. Retry-After raises any delay, never lowers
-  it.
+  tier n + 1); with ``ordering: none`` on a source that releases (a queue,
+  ``retry.via: release``) it is **released**: given back to the source for
+  the delay of its attempt, which is the source's receive count; ordered
+  flows, and flows without tier topics, retry in place after the delay of
+  the attempt. Retry-After raises any delay, never lowers it.
 - **Exhausted** (the last tier failed, or an ordered message failed once per
   tier after its first try): ``retry.on_exhausted: dead_letter`` writes it to
   the DLQ as ``retries_exhausted``; ``halt`` (ordered only) answers **halt**:
@@ -134,6 +136,7 @@ class RetryPolicy:
     on_exhausted: Literal["dead_letter", "halt"] = "dead_letter"
     dead_letters: bool = True  # a dead-letter store exists
     tier_topics: bool = True  # retry tier topics exist (unordered integrations with a DLQ)
+    releases: bool = False  # failed messages go back to the source for their delay (unordered)
     open_above: float = 0.5  # the breaker's: a recent failure rate above it means "down"
     cooldown_s: float = 30.0  # the breaker's: how long a message waits while the handler is down
 
@@ -146,14 +149,15 @@ class RetryPolicy:
             on_exhausted=config.retry.on_exhausted,
             dead_letters=dead_letters,
             tier_topics=moves_to_tiers(config, dead_letters=dead_letters),
+            releases=config.retries_by_release,
             open_above=config.breaker.open_above,
             cooldown_s=config.breaker.cooldown_s,
         )
 
     @property
     def in_place(self) -> bool:
-        """Whether retries happen in place (ordered, or no tier topics to move to)."""
-        return self.ordering != "none" or not self.tier_topics
+        """Whether retries happen in place (ordered, or neither tier topics nor release)."""
+        return self.ordering != "none" or not (self.tier_topics or self.releases)
 
     @property
     def halts(self) -> bool:
@@ -187,13 +191,14 @@ class Action(enum.Enum):
     TO_TIER = "to_tier"  # publish to retry tier `tier`, due after delay_s, then ack
     DEAD_LETTER = "dead_letter"  # write to the DLQ with `reason`, then ack
     HALT = "halt"  # retry in place after delay_s, its key (or partition) counted as halted
+    RELEASE = "release"  # give it back to the source to come again after delay_s
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     action: Action
     delay_s: float = 0.0
-    tier: int = 0  # TO_TIER: the tier (1-based)
+    tier: int = 0  # TO_TIER, RELEASE: the tier (1-based)
     reason: Reason | None = None  # DEAD_LETTER: why
     waiting_out: bool = False  # RETRY_IN_PLACE or HALT: held back because the handler may be down
 
@@ -222,7 +227,11 @@ def decide(
             return Decision(Action.DEAD_LETTER, reason=failure.reason)
         return Decision(Action.RETRY_IN_PLACE, backoff_s(attempt, delays, retry_after))
     tiers = len(delays)
-    if not policy.in_place:
+    if policy.releases and not policy.in_place:
+        # The source counts the attempts (a queue's receive count): attempt n waits tier n.
+        if attempt <= tiers:
+            return Decision(Action.RELEASE, backoff_s(attempt, delays, retry_after), tier=attempt)
+    elif not policy.in_place:
         next_tier = tier + 1
         if next_tier <= tiers:
             return Decision(

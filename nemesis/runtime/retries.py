@@ -15,7 +15,10 @@ below; every message of a tier has the same delay, so the tier's flow admits
 each one when its due time comes.
 
 Ordered integrations (``ordering: key|partition``) never use the tiers: a
-retry topic would let later messages of the key overtake. Where a failed
+retry topic would let later messages of the key overtake. Nor does a source
+that can give a message back to come again after a delay (a queue, unless
+``retry.via: topics``): its failed message is released for the tier's delay
+and its receive count is the attempt. Where a failed
 message goes is decided by ``nemesis.runtime.policy`` and carried out by
 ``nemesis.runtime.settle``; this module only names the topics and reads and
 writes the metadata they carry.
@@ -63,11 +66,14 @@ def moves_to_tiers(config: IntegrationConfig, *, dead_letters: bool) -> bool:
     """Whether a failed message moves up retry tier topics rather than retrying in place.
 
     Only unordered integrations do (a retry topic would let later messages of
-    the key overtake), and only with a dead-letter store for the last tier to
-    end in (``dead_letters``). The one place this is decided: the flows
-    Nemesis runs, the topics it creates and the failure policy follow it.
+    the key overtake), only with a dead-letter store for the last tier to end
+    in (``dead_letters``), and only those that do not retry by giving the
+    message back to its source (``IntegrationConfig.retries_by_release``: a
+    queue's visibility timeout holds it for the tier's delay). The one place
+    this is decided: the flows Nemesis runs, the topics it creates and the
+    failure policy follow it.
     """
-    return dead_letters and config.delivery.ordering == "none"
+    return dead_letters and config.delivery.ordering == "none" and not config.retries_by_release
 
 
 def flows_of(config: IntegrationConfig, *, dead_letters: bool = True) -> list[FlowSpec]:

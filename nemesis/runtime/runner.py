@@ -57,7 +57,7 @@ from nemesis import logs
 from nemesis.aio import first_of
 from nemesis.broker.logsource import SourceOpener
 from nemesis.broker.port import Message, PartitionSession, TopicWriter
-from nemesis.broker.source import AckOrder, Source
+from nemesis.broker.source import AckOrder, Releases, Source
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config.models import IntegrationConfig
 from nemesis.delivery.port import DeliveryResult, Event, Outcome, Transport
@@ -194,6 +194,9 @@ class IntegrationRunner:
         self._log = logs.bind(log, integration=config.name, flow=self.flow.name)
         self._tracker = AckTracker()  # takes the source's commit rule when it opens (run)
         self._any_order = False  # the source acknowledges each message on its own (a queue)
+        # The attempt a newly read message is, where the source counts them (retries by
+        # release); None: its first.
+        self._attempt_of: Callable[[Message], int] | None = None
         self._scheduler = Scheduler(config.delivery.ordering, clock)
         self._unordered = self._scheduler.unordered
         # Answers of the delivered path, settled together once per turn of the event loop
@@ -363,6 +366,10 @@ class IntegrationRunner:
         self._tracker.use(reader.ack_order)
         self._any_order = reader.ack_order is AckOrder.ANY
         self._source = reader
+        # Failed messages released to the source come back counted by it (its receive count).
+        self._settlement.use_source(reader)
+        if isinstance(reader, Releases) and self._settlement.policy.releases:
+            self._attempt_of = reader.attempt
         self._call_soon = asyncio.get_running_loop().call_soon
         if self._stopping.is_set():
             reader.interrupt()
@@ -532,8 +539,15 @@ class IntegrationRunner:
                 continue
             acks = self._tracker.extend(run)
             admitted += len(run)
-            if main:
+            attempt_of = self._attempt_of
+            if main and attempt_of is None:
                 self._scheduler.put_all(run, acks)
+                continue
+            if main and attempt_of is not None:
+                for message in run:
+                    work = Work(message, acks)
+                    work.attempt = attempt_of(message)
+                    self._scheduler.put(work)
                 continue
             for message in run:
                 work = Work(message, acks)

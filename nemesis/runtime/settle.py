@@ -2,8 +2,12 @@
 
 A delivered or dropped message is finished by the runner at once. Every
 other one comes here: ``Settlement.settle`` asks ``policy.decide`` what to do
-and does it, publishing to a retry tier topic, writing the DLQ, scheduling a
-retry in place, and keeping the keys the policy halted. It decides nothing
+and does it, publishing to a retry tier topic, releasing it to a source that
+takes it back for a delay (``broker.source.Releases``: a queue's visibility),
+writing the DLQ, scheduling a retry in place, and keeping the keys the policy
+halted. A flow whose source cannot release (the replay topic of a queue's
+integration, on the log) retries in place instead, and so does one whose
+release failed: the message is still held. It decides nothing
 itself: what becomes of a message is the decision's action alone. Moves are
 acknowledged only after the tier write or the DLQ write returned, so a crash
 in between delivers the message again (at-least-once; the DLQ row is
@@ -32,10 +36,11 @@ from typing import Final
 
 from nemesis import tracecontext
 from nemesis.broker.port import Message, OutgoingMessage, TopicWriter
+from nemesis.broker.source import Releases, Source, TakesRequeues
 from nemesis.clock import Clock
 from nemesis.config.models import IntegrationConfig
 from nemesis.dlq import DeadLetter, DeadLetterStore, Reason
-from nemesis.errors import DlqError
+from nemesis.errors import BrokerError, DlqError
 from nemesis.metrics import Metrics
 from nemesis.resilience.breaker import CircuitBreaker
 from nemesis.runtime.events import event_id
@@ -111,6 +116,10 @@ class Settlement:
             for n in range(1, len(config.retry.tiers) + 1)
         }
         self._retries = _RetryLog(config.name, flow.name, clock)
+        # The flow's source, once it is open (``use_source``): where releases go, and the
+        # address a dead letter keeps so that a requeue sends it back there.
+        self._releases: Releases | None = None
+        self._address: dict[str, str] = {}
         # Dead messages the store could not take yet; the runner runs its retries.
         self.waiting = (
             None
@@ -124,6 +133,11 @@ class Settlement:
                 let_go=scheduler.done,
             )
         )
+
+    def use_source(self, source: Source) -> None:
+        """Takes the flow's open source: releases go to it, dead letters keep its address."""
+        self._releases = source if isinstance(source, Releases) else None
+        self._address = dict(source.return_address()) if isinstance(source, TakesRequeues) else {}
 
     def health(self, work: Work) -> Health:
         """The handler's health as the breaker sees it now, and since ``work`` last failed."""
@@ -155,6 +169,8 @@ class Settlement:
         if action is Action.DEAD_LETTER:
             assert decision.reason is not None
             await self._dead_letter(work, failure, decision.reason)
+        elif action is Action.RELEASE:
+            await self._release(work, failure, decision)
         elif action is Action.TO_TIER:
             await self._publish(work, failure, decision.tier, decision.delay_s)
             self._retries.note(failure, decision, self._fields(work))
@@ -178,6 +194,30 @@ class Settlement:
         if work.trace is not None:
             fields["trace_id"] = work.trace.trace_id
         return fields
+
+    async def _release(self, work: Work, failure: Failure, decision: Decision) -> None:
+        """Gives the message back to its source for the tier's delay, and finishes it here."""
+        releases = self._releases
+        if releases is not None:
+            try:
+                await releases.release([work.message], decision.delay_s)
+            except BrokerError as exc:
+                message = origin(work.message)
+                log.warning(
+                    "integration %s: %s/%s@%s could not be released (%s); retried in place",
+                    self._name,
+                    message.topic,
+                    message.partition,
+                    message.offset,
+                    exc,
+                    extra=self._fields(work),
+                )
+            else:
+                self._m_published[decision.tier].inc()
+                self._retries.note(failure, decision, self._fields(work))
+                self._finish(work)  # its acknowledgement deletes nothing: it was released
+                return
+        self._retry_in_place(work, failure, decision)
 
     def _retry_in_place(self, work: Work, failure: Failure, decision: Decision) -> None:
         if work.first_failure_at is None:
@@ -268,7 +308,7 @@ class Settlement:
             attempts=work.attempt,
             http_status=failure.http_status,
             key=message.key,
-            metadata=source_metadata(message) | _trace_kept(work),
+            metadata=source_metadata(message) | self._address | _trace_kept(work),
             headers=message.headers,
             tombstone=message.tombstone,
             stage=failure.stage,

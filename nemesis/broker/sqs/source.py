@@ -21,6 +21,10 @@ Binary as base64) and the source's own, under these names:
 * ``sqs-receive-count``: ApproximateReceiveCount, 1 on the first receive.
 * ``sqs-sent-at``: SentTimestamp, Unix milliseconds.
 * ``sqs-message-group-id``, ``sqs-sequence-number``: a FIFO queue's.
+
+A dead letter of the queue keeps where it came from (``return_address``):
+``sqs-queue-url``, ``sqs-region`` and, where set, ``sqs-endpoint-url``, so
+that a requeue (``nemesis.broker.sqs.requeue``) sends it back to the queue.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nemesis.backends.sqs import META_ENDPOINT_URL, META_QUEUE_URL, META_REGION
 from nemesis.broker.port import Message, PartitionSession, build_message
 from nemesis.broker.source import AckOrder
 from nemesis.broker.sqs.config import MAX_BATCH, MAX_VISIBILITY_S, SqsSourceConfig
@@ -55,9 +60,23 @@ META_SENT_AT = "sqs-sent-at"
 META_GROUP_ID = "sqs-message-group-id"
 META_SEQUENCE_NUMBER = "sqs-sequence-number"
 META_EVENT_ID = "nemesis-event-id"  # nemesis.topology's name, which sits a layer above
+# What the source sets itself: never sent back to a queue as a message attribute.
+OWN_METADATA = frozenset(
+    {
+        META_MESSAGE_ID,
+        META_RECEIVE_COUNT,
+        META_SENT_AT,
+        META_GROUP_ID,
+        META_SEQUENCE_NUMBER,
+        META_QUEUE_URL,
+        META_REGION,
+        META_ENDPOINT_URL,
+    }
+)
 
-# SQS's limit on one message: body and attributes together.
+# SQS's limits on one message: body and attributes together, and attributes.
 MAX_MESSAGE_BYTES = 262_144
+MAX_ATTRIBUTES = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,13 +296,34 @@ class SqsSource:
     async def release(self, messages: Sequence[Message], delay_s: float) -> None:
         """Makes ``messages`` visible again after ``delay_s`` (0: now), unacknowledged."""
         visibility = min(MAX_VISIBILITY_S, max(0, math.ceil(delay_s)))
+        held = {m.offset: self._held[m.offset] for m in messages if m.offset in self._held}
         receipts = self._receipts(messages)
-        await asyncio.gather(
-            *(
-                self._change_visibility(receipts[i : i + MAX_BATCH], visibility)
-                for i in range(0, len(receipts), MAX_BATCH)
+        try:
+            await asyncio.gather(
+                *(
+                    self._change_visibility(receipts[i : i + MAX_BATCH], visibility)
+                    for i in range(0, len(receipts), MAX_BATCH)
+                )
             )
-        )
+        except BrokerError:
+            # Not released: still held, and extended until it finishes another way.
+            if not self.closed:
+                self._held.update(held)
+            raise
+
+    def attempt(self, message: Message) -> int:
+        """The message's receive count: 1 on its first receive, grown by each release."""
+        try:
+            return max(1, int(message.metadata.get(META_RECEIVE_COUNT, "1")))
+        except ValueError:
+            return 1
+
+    def return_address(self) -> Mapping[str, str]:
+        """Where a dead letter of this queue is sent back to (``nemesis.broker.sqs.requeue``)."""
+        address = {META_QUEUE_URL: self.queue_url, META_REGION: self.config.region}
+        if self.config.endpoint_url is not None:
+            address[META_ENDPOINT_URL] = self.config.endpoint_url
+        return address
 
     async def _change_visibility(self, chunk: list[tuple[int, str]], visibility_s: int) -> None:
         answer = await sqs_call(
@@ -385,6 +425,11 @@ class SqsSource:
                 f"queue {self.name}: an SQS message body is text, and this one is not UTF-8"
             ) from None
         attributes = dict(attributes or {})
+        if len(attributes) > MAX_ATTRIBUTES:
+            raise BrokerError(
+                f"queue {self.name}: a message with {len(attributes)} attributes is over"
+                f" SQS's limit of {MAX_ATTRIBUTES}"
+            )
         size = len(body) + sum(len(k.encode()) + len(v.encode()) for k, v in attributes.items())
         if size > MAX_MESSAGE_BYTES:
             raise BrokerError(
