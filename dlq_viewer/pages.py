@@ -57,7 +57,8 @@ from nemesis.dlq import (
 )
 from nemesis.errors import InvalidQuery
 from nemesis.identity import Identity
-from nemesis.tracecontext import record_context
+from nemesis.topology import META_LAST_SPAN
+from nemesis.tracecontext import parse_traceparent, record_context
 
 router = APIRouter(include_in_schema=False)
 
@@ -360,6 +361,8 @@ async def message(
             # The trace its attempts were in (the producer's, or one Nemesis started), and
             # that a requeue continues: docs/tracing.md.
             "trace": record_context(row.metadata, row.headers),
+            # (trace id, span id, flags) of the attempt that gave up, when it was recorded.
+            "last_span": parse_traceparent(row.metadata.get(META_LAST_SPAN)),
         },
         nav="messages",
     )

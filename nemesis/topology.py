@@ -35,8 +35,12 @@ META_REPLAY = "nemesis-replay"  # set on messages requeued from the DLQ
 # A trace context Nemesis started (the record carried none): nemesis.tracecontext.
 META_TRACEPARENT = "nemesis-traceparent"
 META_TRACESTATE = "nemesis-tracestate"
-# Bookkeeping a requeue keeps: the started trace goes on through the replay.
-_KEPT_BY_REPLAY = (META_TRACEPARENT, META_TRACESTATE)
+# The span of the attempt that dead-lettered a message (a traceparent; recorded spans
+# only): a requeued message's attempt spans link to it (nemesis.runtime.tracing).
+META_LAST_SPAN = "nemesis-last-span"
+# Bookkeeping a requeue keeps: the started trace goes on through the replay, linked to
+# the attempt that gave up.
+_KEPT_BY_REPLAY = (META_TRACEPARENT, META_TRACESTATE, META_LAST_SPAN)
 
 
 def tier_topic(integration: str, tier: int) -> str:

@@ -57,6 +57,7 @@ from nemesis.dlq.requeue import replay_of, requeue
 from nemesis.dlq.signature import MAX_PATTERN_CHARS, escape_like
 from nemesis.dlq.ydb import YdbDeadLetterStore
 from nemesis.errors import DlqError, InvalidCursor, InvalidQuery, NemesisError
+from nemesis.topology import META_LAST_SPAN
 from tests.postgres_server import PostgresServer
 from tests.ydb_fake import FAST_RETRY, FakeYdb
 
@@ -329,6 +330,34 @@ async def test_a_requeued_message_that_fails_again_is_the_same_row_dead_again(
     assert (row.last_action, row.last_action_by) == (Action.REQUEUE, "alice")
     assert len(row.history) == 1
     assert await store.count(DeadLetterFilter()) == 1
+
+
+async def test_a_requeue_keeps_the_span_of_the_attempt_that_gave_up_and_a_new_failure_its_own(
+    store: DeadLetterStore, clock: FakeClock
+) -> None:
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    first, second = f"00-{trace}-00f067aa0ba902b7-01", f"00-{trace}-b7ad6b7169203331-01"
+    await store.put([letter(1, metadata={"type": "order", META_LAST_SPAN: first})])
+    await store.put([letter(2, metadata={"type": "order"})])  # as older rows are: no span
+    row = await store.get(letter(1).id)
+    assert row is not None
+    assert replay_of(row).metadata[META_LAST_SPAN] == first
+    old = await store.get(letter(2).id)
+    assert old is not None
+    assert META_LAST_SPAN not in replay_of(old).metadata
+    assert await store.mark_requeued([row.id], by="alice") == 1
+    clock.advance(60)
+    # The replay fails again: the row now names that attempt's span.
+    await store.put([letter(1, attempts=2, metadata={"type": "order", META_LAST_SPAN: second})])
+    again = await store.get(letter(1).id)
+    assert again is not None
+    assert dict(again.metadata) == {"type": "order", META_LAST_SPAN: second}
+    assert replay_of(again).metadata[META_LAST_SPAN] == second
+    listed = (await store.query(DeadLetterFilter())).rows
+    assert {r.id: r.metadata.get(META_LAST_SPAN) for r in listed} == {
+        again.id: second,
+        old.id: None,
+    }
 
 
 async def test_a_discarded_message_that_comes_back_stays_discarded(
@@ -1343,6 +1372,7 @@ def test_a_failure_of_an_existing_row_updates_its_failure_columns() -> None:
             "signature": "0123456789abcdef",
             "error": "x" * 600,
             "history": json.dumps([[0, "http_4xx", 400, 1, "old"]] * 10),
+            "metadata": '{"type":"t"}',
         },
         letter(2).id: {
             "id": letter(2).id,
@@ -1355,10 +1385,15 @@ def test_a_failure_of_an_existing_row_updates_its_failure_columns() -> None:
             "signature": "0123456789abcdef",
             "error": "e",
             "history": None,
+            "metadata": "{}",
         },
     }
+    span = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     folded = dlq_core.fold_failures(
-        [letter(1, error="y" * (MAX_ERROR_CHARS + 5), at=START), letter(2, at=START)],
+        [
+            letter(1, error="y" * (MAX_ERROR_CHARS + 5), at=START, metadata={META_LAST_SPAN: span}),
+            letter(2, at=START),
+        ],
         existing,
         (),
         at,
@@ -1376,6 +1411,9 @@ def test_a_failure_of_an_existing_row_updates_its_failure_columns() -> None:
     history = json.loads(requeued["history"])
     assert len(history) == 10  # the oldest fell off
     assert history[-1] == [at - 10**6, "http_4xx", 422, 3, "x" * 499 + "…"]
+    # The message's metadata stays; the span of the attempt that gave up is the latest's.
+    assert json.loads(requeued["metadata"]) == {"type": "t", META_LAST_SPAN: span}
+    assert discarded["metadata"] == "{}"
 
 
 # --- the real CLI -----------------------------------------------------------------

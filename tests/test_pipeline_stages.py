@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Collection, Mapping
@@ -29,6 +30,7 @@ from nemesis.pipeline import (
     compile_stages,
     default_registry,
 )
+from nemesis.pipeline.compiled import StageMark
 from nemesis.pipeline.compiler import metrics_meters
 from tests.conftest import order_descriptor_set
 
@@ -565,3 +567,35 @@ def test_registries_are_values_tests_can_copy_or_start_empty() -> None:
     assert [p.message for p in problems] == [
         "unknown stage type 'filter' (no stage types are registered)"
     ]
+
+
+def test_marks_name_each_stage_that_ran_in_order_with_its_own_outcome() -> None:
+    pipeline = build(
+        [
+            {"transform": {"name": "trim", "drop": ["card"]}},
+            {"filter": {"name": "big", "match": {"amount": {"gt": 100}}}},
+            {"transform": {"name": "same", "drop": ["absent"]}},
+        ]
+    )
+    marks: list[StageMark] = []
+    result = pipeline.process(msg({"amount": 500, "card": "4111"}), marks)
+    # A stage after one that changed the document changed nothing itself...
+    assert [(m.stage, m.outcome) for m in marks] == [
+        (AUTO_DECODE, "passed"),
+        ("trim", "transformed"),
+        ("big", "passed"),
+        ("same", "passed"),
+    ]
+    assert all(m.started <= m.ended for m in marks)
+    assert all(a.ended <= b.started for a, b in itertools.pairwise(marks))
+    # ...and the document is still encoded again, as without marks.
+    assert result == pipeline.process(msg({"amount": 500, "card": "4111"}))
+    assert result.payload is not None
+    assert orjson.loads(result.payload) == {"amount": 500}
+    marks.clear()
+    assert pipeline.process(msg({"amount": 5}), marks).verdict is Verdict.FILTERED
+    assert [(m.stage, m.outcome) for m in marks][-1] == ("big", "filtered")
+    marks.clear()
+    refused = pipeline.process(Message("orders", 0, 1, b"{"), marks)
+    assert (refused.verdict, refused.stage) == (Verdict.DEAD, AUTO_DECODE)
+    assert [(m.stage, m.outcome) for m in marks] == [(AUTO_DECODE, "error")]

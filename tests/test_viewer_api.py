@@ -200,7 +200,10 @@ async def test_detail_shows_the_trace_a_requeue_continues(
             letter(
                 "orders-a",
                 1,
-                metadata={"nemesis-traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+                metadata={
+                    "nemesis-traceparent": f"00-{trace_id}-00f067aa0ba902b7-01",
+                    "nemesis-last-span": f"00-{trace_id}-b7ad6b7169203331-01",
+                },
             ),
             letter("orders-a", 2, metadata={"traceparent": "00-not-a-trace"}),
         ]
@@ -213,6 +216,9 @@ async def test_detail_shows_the_trace_a_requeue_continues(
     shown = [re.findall(r'<code id="trace-id">([0-9a-f]{32})</code>', page) for page in pages]
     assert sorted(shown) == [[], [trace_id]]
     assert "started by Nemesis" in "".join(pages)
+    # The span a requeue's attempts link to: the attempt that dead-lettered it.
+    spans = [re.findall(r'<code id="last-span">([0-9a-f]{16})</code>', page) for page in pages]
+    assert sorted(spans) == [[], ["b7ad6b7169203331"]]
 
 
 async def test_detail_decodes_protobuf_with_the_integration_schema(tmp_path: Path) -> None:

@@ -229,6 +229,7 @@ def test_every_row_the_store_writes_carries_the_not_null_columns_of_its_table() 
             "signature": "0123456789abcdef",
             "error": "e",
             "history": None,
+            "metadata": "{}",
         }
     }
     folded = fold_failures([letter(1, attempts=2), letter(2)], existing, (), START_US)

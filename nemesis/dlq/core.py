@@ -86,6 +86,7 @@ from nemesis.dlq.port import (
 )
 from nemesis.dlq.signature import normalise_error, pattern_signature
 from nemesis.errors import DlqError, InvalidQuery
+from nemesis.topology import META_LAST_SPAN
 
 T = TypeVar("T")
 Row = Mapping[str, Any]
@@ -156,6 +157,8 @@ FAILURE_COLUMNS = (
     "stage",
     "error",
     "history",
+    # The message's, but for the span of the attempt that gave up: the latest failure's.
+    "metadata",
 )
 # What a status change writes.
 ACTION_COLUMNS = (
@@ -248,6 +251,20 @@ def history(raw: str | None) -> tuple[PastFailure, ...]:
         PastFailure(to_s(at_us), Reason(reason), http_status, attempts, error)
         for at_us, reason, http_status, attempts, error in orjson.loads(raw)
     )
+
+
+def _with_last_span(stored: str, letter: DeadLetter) -> str:
+    """A row's ``metadata`` column naming the span of ``letter``'s attempt, when it has one.
+
+    A requeue's attempt spans link to the attempt that gave up last
+    (``nemesis.runtime.tracing``); the rest of the metadata is the message's.
+    """
+    last_span = letter.metadata.get(META_LAST_SPAN)
+    if last_span is None:
+        return stored
+    entries = orjson.loads(stored)
+    entries[META_LAST_SPAN] = no_nul(last_span)
+    return orjson.dumps(entries).decode()
 
 
 def metadata_json(letter: DeadLetter) -> str:
@@ -505,6 +522,7 @@ def fold_failures(
             "stage": _no_nul_or_none(letter.stage),
             "error": error,
             "history": orjson.dumps(past[-MAX_HISTORY:]).decode(),
+            "metadata": _with_last_span(previous["metadata"], letter),
         }
     for letter_id, row in rows.items():
         if letter_id in new:

@@ -3,10 +3,12 @@
 One row per source message per integration (``dead_letter_id``): a message
 dead-lettered again (a redelivery after a crash, or a requeue that failed
 again) updates its row instead of adding one. The row keeps its first
-failure time and requeue count; its last error, attempts and dead-letter
-time follow the latest failure, the earlier ones move to ``history``, and a
-``requeued`` row is ``dead`` again. A ``discarded`` row stays discarded: only
-a duplicate of a failure someone already chose to drop can reach it.
+failure time, requeue count and the message's metadata; its last error,
+attempts, dead-letter time and the span of the attempt that gave up
+(``nemesis-last-span``) follow the latest failure, the earlier ones move to
+``history``, and a ``requeued`` row is ``dead`` again. A
+``discarded`` row stays discarded: only a duplicate of a failure someone
+already chose to drop can reach it.
 
 Lists are ordered newest first by (dead-letter time, a per-store tie-breaker)
 and paged by keyset: a page's ``next_cursor`` is an opaque string that

@@ -14,7 +14,9 @@ The result of a message is a value (``PipelineResult``):
 
 Each stage is timed (one ``perf_counter`` call per stage boundary) and
 counted on a ``StageMeter``: plain numbers the Prometheus families and
-``statistics()`` read.
+``statistics()`` read. Given a list, ``process`` also appends a ``StageMark``
+per stage it ran (the span of a recorded attempt shows them,
+``nemesis.runtime.tracing``); without one it marks nothing.
 """
 
 from __future__ import annotations
@@ -71,6 +73,22 @@ class PipelineResult(NamedTuple):
     # DEAD: decode_error | type_error | pipeline_error, and a short text without payload values.
     reason: str | None = None
     error: str | None = None
+
+
+# A stage's outcome on one message, as a StageMark names it.
+STAGE_PASSED: Final = "passed"  # passed on unchanged
+STAGE_TRANSFORMED: Final = "transformed"  # passed on, its document changed
+STAGE_FILTERED: Final = "filtered"
+STAGE_ERROR: Final = "error"  # the message is dead-lettered by this stage
+
+
+class StageMark(NamedTuple):
+    """One stage's run over one message: its label, ``perf_counter`` bounds and outcome."""
+
+    stage: str
+    started: float
+    ended: float
+    outcome: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,30 +173,47 @@ class Pipeline:
     def labels(self) -> tuple[str, ...]:
         return tuple(compiled.label for compiled in self.stages)
 
-    def process(self, message: Message) -> PipelineResult:
-        """Runs every stage over ``message``; never raises for anything in the message."""
+    def process(self, message: Message, marks: list[StageMark] | None = None) -> PipelineResult:
+        """Runs every stage over ``message``; never raises for anything in the message.
+
+        ``marks``: where to append a ``StageMark`` for each stage that ran.
+        """
         steps = self._steps
         if not steps:
             return _new_result(PipelineResult, (_PASS, message.value, None, None, None, None))
         envelope = Envelope(message)
         clock = perf_counter
         bounds = STAGE_BUCKETS_S
+        changed = False
         # One clock read per stage boundary: a stage ends when the next starts.
         start = clock()
         for process, meter, label in steps:
+            if marks is not None:
+                # Whether this stage changed the document: the flag is made its own for it.
+                changed, envelope.changed = envelope.changed, False
             try:
                 keep = process(envelope)
             except StageFailure as failure:
-                return self._fail(meter, clock() - start, label, failure.reason, failure.text)
+                return self._fail(meter, start, label, failure.reason, failure.text, marks)
             except _DATA_ERRORS as exc:
                 # The exception text may quote payload values: keep only its class.
                 text = f"{label}: unexpected {type(exc).__name__}"
-                return self._fail(meter, clock() - start, label, PIPELINE_ERROR, text)
+                return self._fail(meter, start, label, PIPELINE_ERROR, text, marks)
             end = clock()
             elapsed = end - start
-            start = end
             meter.seconds += elapsed
             meter.buckets[bisect_left(bounds, elapsed)] += 1
+            if marks is not None:
+                outcome = (
+                    STAGE_FILTERED
+                    if not keep
+                    else STAGE_TRANSFORMED
+                    if envelope.changed
+                    else STAGE_PASSED
+                )
+                marks.append(StageMark(label, start, end, outcome))
+                envelope.changed = envelope.changed or changed
+            start = end
             if not keep:
                 meter.filtered += 1
                 return self._filtered[label]
@@ -196,8 +231,17 @@ class Pipeline:
 
     @staticmethod
     def _fail(
-        meter: StageMeter, elapsed: float, label: str, reason: str, text: str
+        meter: StageMeter,
+        start: float,
+        label: str,
+        reason: str,
+        text: str,
+        marks: list[StageMark] | None,
     ) -> PipelineResult:
+        end = perf_counter()
+        elapsed = end - start
+        if marks is not None:
+            marks.append(StageMark(label, start, end, STAGE_ERROR))
         meter.seconds += elapsed
         meter.buckets[bisect_left(STAGE_BUCKETS_S, elapsed)] += 1
         meter.failed += 1

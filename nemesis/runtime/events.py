@@ -5,7 +5,7 @@ from __future__ import annotations
 from nemesis import tracecontext
 from nemesis.broker.port import Message
 from nemesis.config.models import IntegrationConfig
-from nemesis.delivery.cloudevents import cloud_record, is_structured
+from nemesis.delivery.cloudevents import CloudRecord, cloud_record, is_structured
 from nemesis.delivery.port import Event
 from nemesis.topology import META_EVENT_ID
 from nemesis.tracecontext import TraceContext
@@ -29,6 +29,14 @@ def event_id(message: Message) -> str:
     if carried:
         return carried
     return f"{message.topic}:{message.partition}:{message.offset}"
+
+
+def _cloud_record(message: Message, media: str | None) -> CloudRecord | None:
+    """The CloudEvent a record is (binary or structured mode); None for any other record."""
+    metadata = message.metadata
+    if "ce_specversion" in metadata or (media is not None and is_structured(media)):
+        return cloud_record(metadata, message.value, message.tombstone)
+    return None
 
 
 class EventFactory:
@@ -72,11 +80,7 @@ class EventFactory:
             )
         forwarded = self._forwarded(message) if self._forward else ()
         media = metadata.get("content-type")
-        record = (
-            cloud_record(metadata, message.value, message.tombstone)
-            if "ce_specversion" in metadata or (media is not None and is_structured(media))
-            else None
-        )
+        record = _cloud_record(message, media)
         if record is not None:
             # A CloudEvent already: its own attributes, and its data (a structured
             # event's, unpacked) unless a pipeline made a payload of its own.
@@ -115,6 +119,19 @@ class EventFactory:
             trace=trace
             or tracecontext.record_context(metadata, message.headers)
             or tracecontext.start(),
+        )
+
+    def trace_of(self, message: Message) -> TraceContext:
+        """The trace the event of ``message`` continues: the record's own, or a new one."""
+        metadata = message.metadata
+        if not metadata and not message.headers:
+            return tracecontext.start()
+        media = metadata.get("content-type")
+        record = _cloud_record(message, media)
+        attributes = None if record is None else record.attributes
+        return (
+            tracecontext.record_context(metadata, message.headers, attributes)
+            or tracecontext.start()
         )
 
     def _forwarded(self, message: Message) -> tuple[tuple[str, bytes], ...]:

@@ -79,7 +79,7 @@ from nemesis.runtime.retries import (
 )
 from nemesis.runtime.scheduler import Scheduler, Work
 from nemesis.runtime.settle import Settlement
-from nemesis.runtime.tracing import DeliveryTracing
+from nemesis.runtime.tracing import DeliveryTracing, StageTrace, note_attempts
 from nemesis.runtime.waiting import NOT_WAITING, WaitingStatistics
 from nemesis.runtime.workers import WorkerPool, WorkerSlot
 
@@ -639,6 +639,7 @@ class IntegrationRunner:
         live = batch if _all_alive(batch) else self._drop_stale(batch)
         if not live:
             return
+        stages: list[StageTrace | None] | None = None
         if self._plain:
             make_event = self._events
             if len(live) == 1:
@@ -651,7 +652,7 @@ class IntegrationRunner:
                 for work, event in zip(live, events, strict=True):
                     work.trace = event.trace
         elif self._disabled or not self._pipeline.is_empty:
-            live, events = await self._prepare(live)
+            live, events, stages = await self._prepare(live)
             if not live:
                 return
         else:
@@ -673,7 +674,7 @@ class IntegrationRunner:
                 await limiter.acquire(count)
             self._in_flight += count
             tracer = self._tracer
-            spans = None if tracer is None else tracer.begin(events)
+            spans = None if tracer is None else tracer.begin(events, stages)
             answer: DeliveryResult | None = None
             try:
                 # A batch integration sends the batch form even for one message: its
@@ -711,6 +712,8 @@ class IntegrationRunner:
             self._finish_all(live)
             return
         failure = failure_of(result)
+        if spans:
+            note_attempts(live, events)  # a dead letter links the replay to its last attempt
         settle = self._settlement.settle
         for work in live:
             await settle(work, failure)
@@ -790,8 +793,12 @@ class IntegrationRunner:
                 self._halted.discard(work)
         return live
 
-    async def _prepare(self, batch: list[Work]) -> tuple[list[Work], list[Event]]:
-        """Runs the pipeline: filtered messages finish here, dead ones go to the settlement."""
+    async def _prepare(
+        self, batch: list[Work]
+    ) -> tuple[list[Work], list[Event], list[StageTrace | None] | None]:
+        """Runs the pipeline: filtered messages finish here, dead ones go to the settlement.
+
+        With tracing, also what the pipeline marked for each passed event's span."""
         if self._disabled:
             batch = self._skip_disabled(batch)
         pipeline, make_event, view = self._pipeline, self._events, self._view
@@ -800,17 +807,25 @@ class IntegrationRunner:
             events = [make_event(view(w.message), w.attempt, None, None, w.trace) for w in batch]
             for work, event in zip(batch, events, strict=True):
                 work.trace = event.trace
-            return batch, events
+            return batch, events, None
         passed: list[Work] = []
         events = []
+        tracer = self._tracer
+        stages: list[StageTrace | None] | None = None if tracer is None else []
+        marked: StageTrace | None = None
         for work in batch:
             message = work.message
+            if tracer is not None:
+                if work.trace is None:
+                    work.trace = make_event.trace_of(message)
+                marked = tracer.stages(work.trace)
+            marks = None if marked is None else marked.marks
             if len(message.value) < OFFLOAD_PIPELINE_BYTES:
-                result = pipeline.process(message)
+                result = pipeline.process(message, marks)
             else:
                 # A large payload costs the pipeline milliseconds to parse and write again:
                 # run off the event loop, so the other integrations' deliveries go on.
-                result = await asyncio.to_thread(pipeline.process, message)
+                result = await asyncio.to_thread(pipeline.process, message, marks)
             if result.verdict is Verdict.PASS:
                 payload = None if result.payload is message.value else result.payload
                 event = make_event(
@@ -819,7 +834,15 @@ class IntegrationRunner:
                 work.trace = event.trace
                 events.append(event)
                 passed.append(work)
-            elif result.verdict is Verdict.FILTERED:
+                if stages is not None:
+                    stages.append(marked)
+                continue
+            if tracer is not None and marked is not None:
+                # Its attempt ends here: the span says which stage ended it.
+                event = make_event(view(message), work.attempt, None, None, work.trace)
+                tracer.stopped(event, marked, result)
+                note_attempts([work], [event])
+            if result.verdict is Verdict.FILTERED:
                 # Acknowledged and committed like a delivered one, with this turn's answers.
                 if self._unordered:
                     self._filtered.append(work)
@@ -830,7 +853,7 @@ class IntegrationRunner:
             else:
                 failure = pipeline_failure(result.reason, result.error, result.stage)
                 await self._settlement.settle(work, failure)
-        return passed, events
+        return passed, events, stages
 
     def _skip_disabled(self, batch: list[Work]) -> list[Work]:
         """Acknowledges messages whose type (``ce-type``) is in ``flags.disabled_types`` now."""

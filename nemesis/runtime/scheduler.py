@@ -38,17 +38,20 @@ class Work:
     """
 
     # failed_at (monotonic, the last failure here) is set on the failure path only and
-    # read with getattr: a message that never fails does not pay for it.
+    # read with getattr: a message that never fails does not pay for it. So is last_span,
+    # the traceparent of its last recorded attempt span (nemesis.runtime.tracing).
     __slots__ = (
         "acks",
         "attempt",
         "failed_at",
         "first_failure_at",
         "last_error",
+        "last_span",
         "message",
         "trace",
     )
     failed_at: float
+    last_span: str
 
     def __init__(self, message: Message, acks: SessionAcks | None = None) -> None:
         self.message = message

@@ -67,6 +67,7 @@ from nemesis.topology import (
     META_DUE_AT,
     META_FIRST_FAILURE_AT,
     META_LAST_ERROR,
+    META_LAST_SPAN,
     META_LAST_STATUS,
     META_STAGE,
     META_TIER,
@@ -380,7 +381,8 @@ class _RetryLog:
 
 
 def _trace_kept(work: Work) -> dict[str, str]:
-    """A started trace context, kept with the dead letter so that a requeue continues it."""
+    """A started trace context, kept with the dead letter so that a requeue continues it;
+    and the span of the attempt that dead-lettered it, when that span was recorded."""
     trace = work.trace
     if trace is None:
         # Dead before any attempt (a pipeline stage refused it): its context, or a new one.
@@ -388,7 +390,11 @@ def _trace_kept(work: Work) -> dict[str, str]:
         trace = tracecontext.record_context(message.metadata, message.headers)
         if trace is None:
             trace = work.trace = tracecontext.start()
-    return tracecontext.carried(trace)
+    kept = tracecontext.carried(trace)
+    last_span: str | None = getattr(work, "last_span", None)
+    if last_span is not None:
+        kept[META_LAST_SPAN] = last_span
+    return kept
 
 
 def _where(message: Message) -> dict[str, object]:

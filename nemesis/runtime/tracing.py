@@ -7,6 +7,18 @@ attributes. The handler receives the attempt span as its parent in
 ``traceparent``, so a trace reads producer -> attempt -> handler, once per
 attempt, retries and requeues included.
 
+The pipeline's stages are span events on the attempt's span, one per stage
+that ran, named ``nemesis.stage`` with the stage's label, outcome
+(passed, transformed, filtered, error) and duration: the span then starts
+when the pipeline does. A message a stage filtered or refused still has its
+attempt span, which ends there with that outcome. Events rather than child
+spans: a stage takes microseconds, and a span of its own would cost the SDK
+more than the stage (docs/tracing.md, "What it costs").
+
+A requeued message's attempt spans link to the span of the attempt that
+dead-lettered it (``nemesis-last-span``, kept by the dead letter and the
+replay), beside being children of the producer's span as every attempt is.
+
 Sampling: a producer's trace follows the producer's sampled flag (the W3C
 way: the producer decided); a trace Nemesis started is recorded when its
 trace id falls under ``tracing.sample_ratio`` (the SDK's
@@ -22,21 +34,43 @@ start with the command that installs it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from time import perf_counter, time_ns
 from typing import TYPE_CHECKING, Final
 
 from nemesis.config.models import IntegrationConfig, TracingConfig
 from nemesis.delivery.port import DeliveryResult, Event
 from nemesis.errors import ConfigError, ConfigProblem
-from nemesis.tracecontext import SAMPLED, TraceContext, new_span_id
+from nemesis.pipeline.compiled import PipelineResult, StageMark, Verdict
+from nemesis.topology import META_LAST_SPAN
+from nemesis.tracecontext import SAMPLED, TraceContext, new_span_id, parse_traceparent
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.trace import Link, Span, Tracer
 
     from nemesis.runtime.retries import FlowSpec
+    from nemesis.runtime.scheduler import Work
 
 INSTALL_HINT: Final = "pip install 'nemesis[tracing]'"
 _LOW_64: Final = (1 << 64) - 1
+
+
+STAGE_EVENT: Final = "nemesis.stage"
+
+
+class StageTrace:
+    """The stages one recorded attempt's pipeline ran, and the wall clock it started at."""
+
+    __slots__ = ("marks", "started", "started_ns")
+
+    def __init__(self) -> None:
+        self.started_ns = time_ns()
+        self.started = perf_counter()  # the marks' clock
+        self.marks: list[StageMark] = []
+
+    def ns(self, moment: float) -> int:
+        """A ``perf_counter`` reading of the marks as wall-clock nanoseconds."""
+        return self.started_ns + round((moment - self.started) * 1e9)
 
 
 class DeliveryTracing:
@@ -102,6 +136,7 @@ class FlowTracer:
             otel.set_span_in_context,
             otel.Status,
             otel.StatusCode,
+            otel.Link,
         )
         self._integration = integration
         self._flow = flow
@@ -110,22 +145,37 @@ class FlowTracer:
         self._bound = bound
         self._offset_key = "messaging.kafka.offset" if system == "kafka" else "nemesis.offset"
 
-    def begin(self, events: Sequence[Event]) -> list[Span]:
-        """One span per event, each a child of its event's trace; the events then carry it."""
+    def _flags(self, trace: TraceContext) -> int:
+        """The attempt's trace flags: SAMPLED set exactly when its span is recorded."""
+        flags = trace.flags
+        if trace.started:
+            # Nemesis' own trace: sampled by its trace id, the same way on every attempt.
+            low = int(trace.trace_id, 16) & _LOW_64
+            flags = flags | SAMPLED if low < self._bound else flags & ~SAMPLED
+        return flags
+
+    def stages(self, trace: TraceContext) -> StageTrace | None:
+        """Where the pipeline marks its stages for an attempt in ``trace``; None: not recorded."""
+        return StageTrace() if self._flags(trace) & SAMPLED else None
+
+    def begin(
+        self, events: Sequence[Event], stages: Sequence[StageTrace | None] | None = None
+    ) -> list[Span]:
+        """One span per event, each a child of its event's trace; the events then carry it.
+
+        ``stages``: per event, what its pipeline marked (``stages``), shown as the
+        span's events; the span then starts when the pipeline did.
+        """
         otel = self._otel
         NonRecordingSpan, SpanContext, SpanKind, TraceFlags, TraceState = otel[:5]
         set_span_in_context = otel[5]
         spans: list[Span] = []
         batch = len(events)
-        for event in events:
+        for index, event in enumerate(events):
             trace = event.trace
             if trace is None:
                 continue
-            flags = trace.flags
-            if trace.started:
-                # Nemesis' own trace: sampled by its trace id, the same way on every attempt.
-                low = int(trace.trace_id, 16) & _LOW_64
-                flags = flags | SAMPLED if low < self._bound else flags & ~SAMPLED
+            flags = self._flags(trace)
             if not flags & SAMPLED:
                 # Not recorded (ParentBased would drop it): a span id of its own for the
                 # handler, without the SDK's span machinery.
@@ -157,12 +207,17 @@ class FlowTracer:
             }
             if batch > 1:
                 attributes["messaging.batch.message_count"] = batch
+            marked = None if stages is None else stages[index]
             span = self._tracer.start_span(
                 f"process {message.topic}",
                 context=set_span_in_context(NonRecordingSpan(parent)),
                 kind=SpanKind.CONSUMER,
                 attributes=attributes,
+                links=self._links(message.metadata.get(META_LAST_SPAN)),
+                start_time=None if marked is None else marked.started_ns,
             )
+            if marked is not None:
+                self._stage_events(span, marked)
             own = span.get_span_context()
             event.trace = TraceContext(
                 trace.trace_id,
@@ -173,6 +228,46 @@ class FlowTracer:
             )
             spans.append(span)
         return spans
+
+    def _links(self, last_span: str | None) -> list[Link] | None:
+        """A requeued message's link to the span of the attempt that dead-lettered it."""
+        if last_span is None:
+            return None
+        parsed = parse_traceparent(last_span)
+        if parsed is None:
+            return None
+        trace_id, span_id, flags = parsed
+        SpanContext, TraceFlags, Link = self._otel[1], self._otel[3], self._otel[8]
+        context = SpanContext(
+            int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=TraceFlags(flags)
+        )
+        return [Link(context, {"nemesis.link": "dead_lettered_attempt"})]
+
+    def _stage_events(self, span: Span, marked: StageTrace) -> None:
+        for mark in marked.marks:
+            span.add_event(
+                STAGE_EVENT,
+                {
+                    "nemesis.stage.name": mark.stage,
+                    "nemesis.stage.outcome": mark.outcome,
+                    "nemesis.stage.duration_s": mark.ended - mark.started,
+                },
+                timestamp=marked.ns(mark.started),
+            )
+
+    def stopped(self, event: Event, marked: StageTrace, result: PipelineResult) -> None:
+        """Records the span of an attempt its pipeline ended (a stage filtered or refused it)."""
+        spans = self.begin([event], [marked])
+        Status, StatusCode = self._otel[6:8]
+        for span in spans:
+            span.set_attribute("nemesis.stage", result.stage or "")
+            if result.verdict is Verdict.FILTERED:
+                span.set_attribute("nemesis.outcome", "filtered")
+            else:
+                span.set_attribute("nemesis.outcome", "dead")
+                span.set_attribute("error.type", result.reason or "pipeline_error")
+                span.set_status(Status(StatusCode.ERROR, result.error or result.reason))
+            span.end()
 
     def end(self, spans: Sequence[Span], result: DeliveryResult | None) -> None:
         """Ends the spans with the attempt's outcome (None: the attempt was cancelled)."""
@@ -200,6 +295,14 @@ class FlowTracer:
                 span.set_attribute("error.type", outcome.value)
                 span.set_status(Status(StatusCode.ERROR, result.error or outcome.value))
             span.end()
+
+
+def note_attempts(works: Sequence[Work], events: Sequence[Event]) -> None:
+    """Notes on each message the span of its recorded attempt, for a dead letter to keep."""
+    for work, event in zip(works, events, strict=True):
+        trace = event.trace
+        if trace is not None and trace.sampled:
+            work.last_span = trace.traceparent
 
 
 def delivery_tracing(config: TracingConfig, system: str) -> DeliveryTracing | None:

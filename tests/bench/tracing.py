@@ -11,9 +11,14 @@ process and as a ratio to tracing off, measured in the same run.
 
 With `--baseline-tree PATH` (a checkout of another commit, its protos
 generated), that tree's proxy runs as one more mode, tracing off: today's
-code against tracing off here, in the same run.
+code against tracing off here, in the same run. With `--pipeline city-filter`
+the integration runs pipelines/city-filter.yaml (a decode and a filter that
+drops 3 messages in 4): a recorded attempt then carries its stages as span
+events, and a filtered message has a span of its own; CPU is per message
+read.
 
-Usage: `python tests/bench/tracing.py [--messages N] [--rounds R] [--baseline-tree PATH]`.
+Usage: `python tests/bench/tracing.py [--messages N] [--rounds R] [--baseline-tree PATH]
+[--pipeline city-filter]`.
 """
 
 from __future__ import annotations
@@ -74,7 +79,11 @@ class Receiver:
 
 
 async def main(args: argparse.Namespace) -> None:
-    print(f"\nNemesis tracing benchmark ({os.cpu_count()} cores, {args.messages:,} messages a run)")
+    with_pipeline = f", pipeline {args.pipeline}" if args.pipeline else ""
+    print(
+        f"\nNemesis tracing benchmark ({os.cpu_count()} cores,"
+        f" {args.messages:,} messages a run{with_pipeline})"
+    )
     receiver = Receiver()
     handler = delivery.Handler()
     modes = dict(MODES)
@@ -96,7 +105,13 @@ async def main(args: argparse.Namespace) -> None:
                         os.environ["PYTHONPATH"] = str(args.baseline_tree)
                     try:
                         run = await delivery.through_proxy(
-                            space, handler, f"t{round_}m{number}", args.messages, args.workers, 1
+                            space,
+                            handler,
+                            f"t{round_}m{number}",
+                            args.messages,
+                            args.workers,
+                            1,
+                            pipeline=args.pipeline,
                         )
                     finally:
                         os.environ.pop("PYTHONPATH", None)
@@ -125,5 +140,11 @@ if __name__ == "__main__":
         "--baseline-tree",
         type=Path,
         help="a source tree (with generated protos) whose proxy runs as one more mode",
+    )
+    parser.add_argument(
+        "--pipeline",
+        default="",
+        choices=["", "city-filter"],
+        help="run the integration through this pipeline of pipelines/ (its messages fit it)",
     )
     asyncio.run(main(parser.parse_args()))

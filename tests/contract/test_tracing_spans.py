@@ -12,6 +12,8 @@ span tree back from it, through a retry tier, the DLQ and a requeue
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 from typing import Any
 
 import confluent_kafka
@@ -35,7 +37,7 @@ from nemesis.runtime.events import EventFactory
 from nemesis.runtime.retries import flows_of
 from nemesis.runtime.runner import RunnerOptions
 from nemesis.runtime.tracing import DeliveryTracing
-from tests.contract.conftest import Backend
+from tests.contract.conftest import Backend, embedded_config
 from tests.kafka_broker import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -161,6 +163,7 @@ async def test_each_attempt_is_a_child_of_the_producers_span_and_the_parent_of_t
     spans = exporter.get_finished_spans()
     attempts = by_name(spans, f"process {ns('orders')}")
     handled = by_name(spans, "handle")
+    assert all(not a.events for a in attempts)  # no pipeline: no stage events
     assert len(attempts) == 3, [s.name for s in spans]
     assert len(handled) == 3
     for number, attempt in enumerate(attempts, start=1):
@@ -202,6 +205,14 @@ async def test_each_attempt_is_a_child_of_the_producers_span_and_the_parent_of_t
     first = attempts[0].context
     assert first is not None
     assert trace.format_span_id(first.span_id) in handler.received[0]["traceparent"]
+    # The requeued attempt links to the attempt that dead-lettered the message.
+    assert [len(a.links) for a in attempts] == [0, 0, 1]
+    [link] = attempts[2].links
+    assert (link.context.trace_id, link.context.span_id) == (
+        producer_span.trace_id,
+        attempts[1].context.span_id if attempts[1].context else None,
+    )
+    assert dict(link.attributes or {}) == {"nemesis.link": "dead_lettered_attempt"}
 
 
 def test_sampling_follows_the_producer_and_the_ratio_for_traces_nemesis_starts(
@@ -242,3 +253,209 @@ def test_sampling_follows_the_producer_and_the_ratio_for_traces_nemesis_starts(
         assert event.trace.span_id != origin.span_id
     # ...and the handler hears whether it was recorded.
     assert [event.trace.sampled for event in batch if event.trace] == [False, True, False]
+
+
+def stage_events(span: ReadableSpan) -> list[tuple[str, str]]:
+    """(stage, outcome) of each stage event on an attempt span, in order."""
+    found = []
+    for event in span.events:
+        assert event.name == "nemesis.stage"
+        attributes = dict(event.attributes or {})
+        duration = attributes["nemesis.stage.duration_s"]
+        assert isinstance(duration, float)
+        assert duration >= 0
+        assert span.start_time is not None
+        assert event.timestamp >= span.start_time
+        found.append(
+            (str(attributes["nemesis.stage.name"]), str(attributes["nemesis.stage.outcome"]))
+        )
+    return found
+
+
+async def wait_for_spans(
+    exporter: InMemorySpanExporter, name: str, count: int
+) -> list[ReadableSpan]:
+    """The finished spans of that name once there are ``count`` (a generous deadline)."""
+    for _ in range(1200):
+        found = by_name(exporter.get_finished_spans(), name)
+        if len(found) >= count:
+            return found
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{len(found)} spans {name!r}, not {count}")
+
+
+async def test_the_pipelines_stages_are_events_on_the_attempt_span_and_name_the_one_that_ended_it(
+    backend: Backend, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    ns = backend.names
+    broker = await backend.broker()
+    dlq = await backend.dlq(broker)
+    await broker.admin.create_topic(
+        ns("orders"), partitions=1, consumers=[ConsumerSpec(ns("it"))], exist_ok=True
+    )
+    writer = await broker.writer(ns("orders"))
+    await writer.write(
+        [
+            OutgoingMessage(value=b'{"amount": 500, "card": "4111"}'),  # both stages
+            OutgoingMessage(value=b'{"amount": 5, "card": "4111"}'),  # the filter drops it
+            OutgoingMessage(value=b"not json"),  # the decoding before the filter refuses it
+        ]
+    )
+    await writer.close()
+    tracing = DeliveryTracing(provider, sample_ratio=1.0, system=backend.kind)
+    options = RunnerOptions(
+        receive_timeout_s=0.05, commit_interval_s=0.02, shutdown_grace_s=2, tracing=tracing
+    )
+    async with TracedHandler(provider, [200]) as handler:
+        config = IntegrationConfig.model_validate(
+            {
+                "name": ns("it"),
+                "owners": ["team-it"],
+                "source": {"topic": ns("orders"), "consumer": ns("it")},
+                "target": {"url": handler.url, "timeout_s": 2},
+                "pipeline": [
+                    {"filter": {"name": "big-orders", "match": {"amount": {"gt": 100}}}},
+                    {"transform": {"name": "no-card", "drop": ["card"]}},
+                ],
+                "breaker": {"min_requests": 100_000},
+            }
+        )
+        proxy = Proxy(broker, {ns("it"): config}, dlq=dlq, runner_options=options)
+        task = asyncio.create_task(proxy.run())
+        try:
+            attempts = await wait_for_spans(exporter, f"process {ns('orders')}", 3)
+        finally:
+            proxy.stop()
+            await task
+    assert len(attempts) == 3
+    by_offset = {dict(a.attributes or {})[offset_key(backend)]: a for a in attempts}
+    delivered, filtered, refused = by_offset[0], by_offset[1], by_offset[2]
+    # In order, each with its outcome; the delivered span covers them and the request.
+    # (The compiler puts a decode stage before the first stage that reads the document.)
+    assert stage_events(delivered) == [
+        ("auto-decode", "passed"),
+        ("big-orders", "passed"),
+        ("no-card", "transformed"),
+    ]
+    assert dict(delivered.attributes or {})["nemesis.outcome"] == "delivered"
+    [handled] = by_name(exporter.get_finished_spans(), "handle")
+    assert handled.parent is not None
+    assert delivered.context is not None
+    assert handled.parent.span_id == delivered.context.span_id
+    assert delivered.events[-1].timestamp <= (handled.start_time or 0)
+    # A filtered message: its span says which stage dropped it, and there was no request.
+    assert stage_events(filtered) == [("auto-decode", "passed"), ("big-orders", "filtered")]
+    attributes = dict(filtered.attributes or {})
+    assert (attributes["nemesis.outcome"], attributes["nemesis.stage"]) == (
+        "filtered",
+        "big-orders",
+    )
+    assert filtered.status.status_code is StatusCode.UNSET
+    # A refused one: which stage, why, and the stage's error text.
+    assert stage_events(refused) == [("auto-decode", "error")]
+    attributes = dict(refused.attributes or {})
+    assert (attributes["nemesis.outcome"], attributes["nemesis.stage"]) == ("dead", "auto-decode")
+    assert attributes["error.type"] == "decode_error"
+    assert refused.status.status_code is StatusCode.ERROR
+    assert len(handler.received) == 1
+
+
+def offset_key(backend: Backend) -> str:
+    return "messaging.kafka.offset" if backend.kind == "kafka" else "nemesis.offset"
+
+
+async def test_a_message_requeued_with_the_cli_links_to_the_attempt_that_dead_lettered_it(
+    tmp_path: Path, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    config = embedded_config(tmp_path)
+    (tmp_path / "nemesis.yaml").write_text(
+        f"backend: {{kind: embedded, path: {tmp_path / 'nemesis.db'}, lease_s: 30}}\n"
+        f"dlq: {{kind: sqlite, path: {tmp_path / 'dlq.db'}}}\n"
+        f"data_dir: {tmp_path}\n"
+    )
+    backend = Backend("embedded", config)
+    try:
+        broker = await backend.broker()
+        dlq = await backend.dlq(broker)
+        await broker.admin.create_topic(
+            "orders", partitions=1, consumers=[ConsumerSpec("it")], exist_ok=True
+        )
+        carrier: dict[str, str] = {}
+        with provider.get_tracer("shop").start_as_current_span("publish", kind=SpanKind.PRODUCER):
+            PROPAGATOR.inject(carrier)
+        [published] = by_name(exporter.get_finished_spans(), "publish")
+        assert published.context is not None
+        await write_traced_record(backend, "orders", carrier)
+        tracing = DeliveryTracing(provider, sample_ratio=1.0, system="embedded")
+        options = RunnerOptions(
+            receive_timeout_s=0.05, commit_interval_s=0.02, shutdown_grace_s=2, tracing=tracing
+        )
+        # 422: to the DLQ at once; after the requeue: taken.
+        async with TracedHandler(provider, [422, 200]) as handler:
+            integration = IntegrationConfig.model_validate(
+                {
+                    "name": "it",
+                    "owners": ["team-it"],
+                    "source": {"topic": "orders", "consumer": "it"},
+                    "target": {"url": handler.url, "timeout_s": 2},
+                    "breaker": {"min_requests": 100_000},
+                }
+            )
+            proxy = Proxy(broker, {"it": integration}, dlq=dlq, runner_options=options)
+            task = asyncio.create_task(proxy.run())
+            try:
+                for _ in range(1200):
+                    if await dlq.count(DeadLetterFilter()) >= 1:
+                        break
+                    await asyncio.sleep(0.05)
+                [row] = (await dlq.query(DeadLetterFilter())).rows
+                cli = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "nemesis",
+                    "dlq",
+                    "requeue",
+                    row.id,
+                    "--yes",
+                    "-c",
+                    str(tmp_path / "nemesis.yaml"),
+                    cwd=tmp_path,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                )
+                out, err = await cli.communicate()
+                assert cli.returncode == 0, err.decode()
+                assert "requeued 1 dead letter(s)" in out.decode()
+                attempts = await wait_for_spans(exporter, "process orders", 2)
+            finally:
+                proxy.stop()
+                await task
+    finally:
+        await backend.close()
+    dead, replayed = attempts
+    assert dead.context is not None
+    assert replayed.context is not None
+    # The dead letter kept the span of the attempt that gave up...
+    assert row.metadata["nemesis-last-span"] == (
+        f"00-{trace.format_trace_id(dead.context.trace_id)}"
+        f"-{trace.format_span_id(dead.context.span_id)}-{int(dead.context.trace_flags):02x}"
+    )
+    # ...and the replay, still a child of the producer's span, links to it.
+    for attempt in (dead, replayed):
+        assert attempt.parent is not None
+        assert attempt.parent.span_id == published.context.span_id
+        assert attempt.context is not None
+        assert attempt.context.trace_id == published.context.trace_id
+    assert dict(replayed.attributes or {})["nemesis.flow"] == "replay"
+    [link] = replayed.links
+    assert (link.context.trace_id, link.context.span_id) == (
+        dead.context.trace_id,
+        dead.context.span_id,
+    )
+    assert not dead.links
+    # The handler heard the same trace both times, under each attempt's span.
+    assert [h["traceparent"].split("-")[1:3] for h in handler.received] == [
+        [trace.format_trace_id(a.context.trace_id), trace.format_span_id(a.context.span_id)]
+        for a in (dead, replayed)
+        if a.context is not None
+    ]
