@@ -61,6 +61,7 @@ def has(found: dict[str, list[tuple[dict[str, str], float]]], name: str, **label
     )
 
 
+@pytest.mark.timeout(300)
 async def test_the_lag_of_a_queue_is_its_counts_and_its_oldest_message(
     workspace: Workspace, sqs_server: SqsServer
 ) -> None:
@@ -183,7 +184,8 @@ async def test_queues_describe_through_the_cli(workspace: Workspace, sqs_server:
     # A name no integration reads, and an integration whose queue is gone.
     unknown = workspace.cli("queues", "describe", "nothing-here")
     assert unknown.returncode == 1
-    assert "no integration" in unknown.stderr and "plain (" in unknown.stderr, unknown.stderr
+    assert "no integration" in unknown.stderr, unknown.stderr
+    assert "plain (" in unknown.stderr, unknown.stderr
     workspace.write_integration(
         "gone", sqs_integration("gone", queue_name("gone"), sqs_server.endpoint, "http://x/")
     )
@@ -227,6 +229,7 @@ async def test_validate_online_names_a_missing_queue_and_refused_credentials(
     assert "present.yaml" not in out, out
 
 
+@pytest.mark.timeout(300)
 async def test_run_names_a_bad_queue_and_keeps_its_other_integrations(
     workspace: Workspace, sqs_server: SqsServer, tmp_path: Path
 ) -> None:
@@ -270,10 +273,12 @@ async def test_run_names_a_bad_queue_and_keeps_its_other_integrations(
     assert await queue_counts(sqs_server, url) == (0, 0)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 async def test_two_replicas_share_a_queue(tmp_path: Path, sqs_server: SqsServer) -> None:
     queue = queue_name("shared")
     url = await make_queue(sqs_server, queue)
-    count, buffer = 2000, 100
+    count, buffer = 600, 50
     a, b = Workspace(tmp_path / "a"), Workspace(tmp_path / "b")
     ports = {}
     for space in (a, b):
@@ -333,5 +338,6 @@ async def test_two_replicas_share_a_queue(tmp_path: Path, sqs_server: SqsServer)
     duplicates = sum(n - 1 for n in delivered.values())
     assert duplicates <= 2 * buffer, duplicates
     shares = Counter(e.headers.get("x-proxy") for e in done)
-    assert shares["a"] > 0 and shares["b"] > 0, shares  # each replica took a share
+    assert shares["a"] > 0, shares  # each replica took a share
+    assert shares["b"] > 0, shares
     print(f"{sqs_server.name}: replicas' shares {dict(shares)}, {duplicates} duplicates")
