@@ -84,7 +84,7 @@ def cmd_queues_describe(args: argparse.Namespace, config: NemesisConfig) -> int:
             document = {"integration": integration, **description.as_dict()}
             sys.stdout.write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n")
         else:
-            sys.stdout.write(f"integration  {integration}\n" + format_description(description))
+            sys.stdout.write(format_description(description, integration))
         return EXIT_OK
 
     return run_async(describe())

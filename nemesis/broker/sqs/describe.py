@@ -122,7 +122,7 @@ async def describe_queue(config: SqsSourceConfig) -> QueueDescription:
     return description_of(name, url, attributes)
 
 
-def format_description(description: QueueDescription) -> str:
+def format_description(description: QueueDescription, integration: str | None = None) -> str:
     """The description as ``nemesis topics describe`` prints a topic: a few aligned lines."""
     policy = description.redrive_policy
     if policy is None:
@@ -148,5 +148,7 @@ def format_description(description: QueueDescription) -> str:
         ("receive wait", f"{description.receive_wait_s}s"),
         ("redrive policy", redrive),
     ]
+    if integration is not None:
+        rows.insert(0, ("integration", integration))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows) + "\n"
