@@ -14,7 +14,8 @@ Prints, on the host it runs on:
   (f) peak RSS of the proxy process,
   (s) with --only sqs: (a) from an SQS queue on moto's server mode (tests/sqs_servers.py,
       on the handler's core) beside (a) from the embedded log, round by round, and the
-      ratio sqs / embedded (no target: moto is a test server, not SQS),
+      ratio sqs / embedded (no target: moto is a test server, not SQS; its receive
+      takes longer the more messages wait, so the figure is mostly moto's),
   (k) with --only kafka: (a) and (c) on the embedded log and on Apache Kafka
       (tests/kafka_broker.py, started on 127.0.0.1, the backend's default
       configuration), side by side, and a bare aiokafka consume-and-deliver loop
@@ -859,8 +860,8 @@ async def sqs_part(root: Path, args: argparse.Namespace) -> None:
         )
     ratios = [q.rate / e.rate for e, q in zip(runs["embedded"], runs["sqs"], strict=True)]
     print(
-        f"      sqs (moto) / embedded, rates:          {statistics.median(ratios):>10.2f}"
-        f"   (round by round: {', '.join(f'{r:.2f}' for r in ratios)})"
+        f"      sqs (moto) / embedded, rates:          {statistics.median(ratios):>10.4f}"
+        f"   (round by round: {', '.join(f'{r:.4f}' for r in ratios)})"
     )
 
 
