@@ -246,6 +246,12 @@ def _build_offsets(offsets: argparse.ArgumentParser) -> None:
     add_offsets_commands(offsets, _config_option, _stores())
 
 
+def _build_queues(queues: argparse.ArgumentParser) -> None:
+    from nemesis.cli_queues import add_queue_commands
+
+    add_queue_commands(queues, _config_option, _process_config)
+
+
 def _build_ctl(ctl: argparse.ArgumentParser) -> None:
     from nemesis.cli_ctl import add_ctl_commands
 
@@ -343,6 +349,7 @@ _COMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = [
     ("validate", "validate integration and process YAML (exit 1 on any error)", _build_validate),
     ("publish", "write messages to a topic", _build_publish),
     ("topics", "topic admin on the configured backend", _build_topics),
+    ("queues", "the queues that queue sources (sqs) read: describe", _build_queues),
     (
         "test-pipelines",
         "run pipeline YAML tests; with --sample, per-stage shares",

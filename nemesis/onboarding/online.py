@@ -4,7 +4,9 @@ With read-only credentials for the process file's backend (list topics,
 describe them and their consumers' committed offsets; nothing is created or
 committed), each loaded integration is checked for:
 
-- its source topic exists (``source.topic``);
+- its source topic exists (``source.topic``); a queue source (``kind: sqs``)
+  instead has its queue looked up where ``source:`` says, with the AWS
+  chain's credentials (a queue that does not exist, credentials refused);
 - its consumer name is free or already this integration's
   (``source.consumer``): taken when the broker knows it on a topic other
   than the integration's source (committed offsets there), or it has live
@@ -29,7 +31,7 @@ from pathlib import Path
 from nemesis.broker.port import Broker, DescribesMany, TopicDescription
 from nemesis.config.loader import ValidationContext, read_yaml
 from nemesis.config.models import AuthConfig, IntegrationConfig, NemesisConfig
-from nemesis.errors import ConfigProblem, NemesisError
+from nemesis.errors import BrokerAccessDenied, ConfigProblem, NemesisError, TopicNotFound
 from nemesis.onboarding.rules import INTERNAL_PREFIX
 
 
@@ -88,7 +90,10 @@ class OnlineChecker:
         try:
             described = await _describe_all(broker)
             for name, integration in sorted(integrations.items()):
-                await checks.source(broker, name, integration, described)
+                if integration.source.on_backend:
+                    await checks.source(broker, name, integration, described)
+                else:
+                    await checks.queue(name, integration)
         except NemesisError as exc:
             checks.problems.append(
                 ConfigProblem(
@@ -179,6 +184,33 @@ class _Checks:
                 f"consumer {consumer!r} is taken: it has live readers on the broker that do not"
                 f" read {topic!r}; give the integration a consumer name of its own",
             )
+
+    async def queue(self, name: str, integration: IntegrationConfig) -> None:
+        """A queue source's queue exists and the AWS chain's credentials may read it."""
+        from nemesis.backends.sqs import SqsSourceConfig
+
+        source = integration.source
+        if not isinstance(source, SqsSourceConfig):
+            return  # a kind with no online check of its own
+        field = "queue" if source.queue is not None else "queue_url"
+        try:
+            from nemesis.broker.sqs import describe_queue
+        except ImportError:
+            self.report(name, ("source",), "checking a queue needs aiobotocore: pip install"
+                        " 'nemesis[sqs]'")  # fmt: skip
+            return
+        try:
+            await describe_queue(source)
+        except TopicNotFound as exc:
+            self.report(name, ("source", field), f"{exc}: create it first, or check the name")
+        except BrokerAccessDenied as exc:
+            self.report(
+                name,
+                ("source",),
+                f"{exc} (the credentials need sqs:GetQueueUrl and sqs:GetQueueAttributes)",
+            )
+        except NemesisError as exc:
+            self.report(name, ("source", "endpoint_url"), f"cannot reach the queue: {exc}")
 
     def _line(self, name: str, path: tuple[str | int, ...]) -> int | None:
         if name not in self._lines:

@@ -48,15 +48,16 @@ from nemesis.config import overrides as live
 from nemesis.config.models import IntegrationConfig
 from nemesis.delivery.port import Transport
 from nemesis.dlq import DeadLetterStore
-from nemesis.errors import ConfigError, ConfigProblem, NemesisError, TopicNotFound
+from nemesis.errors import BrokerError, ConfigError, ConfigProblem, NemesisError, TopicNotFound
 from nemesis.metrics import Metrics
 from nemesis.pipeline import Pipeline, build_integration_pipeline, file_digests
 from nemesis.resilience.breaker import BreakerListener, CircuitBreaker, bind_breaker_metrics
 from nemesis.resilience.limits import FlowLimits, wait_recorder
 from nemesis.runtime.internal import SharedReader
 from nemesis.runtime.lag import LagMonitor, LagTarget, PartitionLag, oldest_unfinished_from
+from nemesis.runtime.queues import QueueCounts, QueueMonitor, last_receive_at
 from nemesis.runtime.retries import FlowSpec, flows_of, tier_topics_of
-from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState
+from nemesis.runtime.runner import IntegrationRunner, RunnerOptions, RunnerState, RunnerStats
 from nemesis.runtime.sizing import LiveSizing
 from nemesis.runtime.telemetry import IntegrationSnapshot, ProxySnapshot, metric_families
 from nemesis.topology import register_internal
@@ -158,6 +159,7 @@ class Proxy:
         self._lag = LagMonitor(
             broker, self.lag_targets, clock=clock, interval_s=supervisor_options.lag_refresh_s
         )
+        self._queues = QueueMonitor(clock=clock)  # the lag of queue sources (their counts)
         files = integration_files or {}
         for name, config in integrations.items():
             try:
@@ -241,6 +243,11 @@ class Proxy:
         lags: dict[str, list[PartitionLag]] = {}
         for lag in self._lag.lags(targets, oldest_unfinished_from(oldest)):
             lags.setdefault(lag.integration, []).append(lag)
+        for group in groups:
+            queue_lag = self._queue_lag(group.name, oldest)
+            if queue_lag is not None:
+                lags.setdefault(group.name, []).insert(0, queue_lag)
+            flows[group.name] = [self._with_receives(group, stats) for stats in flows[group.name]]
         return ProxySnapshot(
             monotonic=self._clock.monotonic(),
             time=self._clock.time(),
@@ -261,11 +268,48 @@ class Proxy:
                     lags=lags.get(group.name, []),
                     sizing=group.sizing.estimate(),
                     problems=list(group.problems),
+                    queue=self._queue_counts(group.name),
                 )
                 for group in groups
             ],
             lag=self._lag.statistics(),
         )
+
+    def _queue_lag(
+        self, name: str, oldest: Mapping[tuple[str, str, str, int], float]
+    ) -> PartitionLag | None:
+        """The main flow's lag on a queue source, from its counts (``runtime.queues``)."""
+        reading = self._queues.reading(name)
+        if reading is None:
+            return None
+        counts = reading.counts
+        messages = counts.visible + counts.in_flight
+        seconds: float | None = 0.0
+        written_at = oldest.get((name, "main", counts.queue, 0))
+        if not messages:
+            pass
+        elif written_at is not None:
+            seconds = max(self._clock.time() - written_at, 0.0)
+        elif counts.oldest_held_age_s is not None:
+            seconds = counts.oldest_held_age_s + self._clock.monotonic() - reading.read_at
+        else:
+            seconds = None  # nobody here holds one: SQS does not tell a message's age
+        # No offsets on a queue: "end" is what it holds, nothing counts as committed.
+        return PartitionLag(name, "main", counts.queue, 0, messages, 0, messages, seconds, True)
+
+    def _queue_counts(self, name: str) -> QueueCounts | None:
+        reading = self._queues.reading(name)
+        return None if reading is None else reading.counts
+
+    def _with_receives(self, group: IntegrationGroup, stats: RunnerStats) -> RunnerStats:
+        """A queue's main flow reads at every receive, an empty long poll included."""
+        runner = group.runners.get(stats.flow)
+        if stats.flow != "main" or runner is None:
+            return stats
+        received = last_receive_at(runner.source, self._clock)
+        if received is None or (stats.last_read_at or 0.0) >= received:
+            return stats
+        return dataclasses.replace(stats, last_read_at=received)
 
     # --- live changes -------------------------------------------------------------
 
@@ -557,6 +601,20 @@ class Proxy:
                 if self._halted(group):
                     runner.stop()
                 await runner.run()
+            except* BrokerError as refusals:
+                # The source's broker (a queue's server) refused or did not answer: its error
+                # names the queue or topic and the call; a traceback would add only noise.
+                for refusal in refusals.exceptions:
+                    log.error(  # noqa: TRY400 - a broker's answer, retried; not a bug
+                        "integration %s, flow %s failed: %s; restarting in %.1fs",
+                        name,
+                        flow.name,
+                        refusal,
+                        delay_s,
+                        extra=where,
+                    )
+                group.issues[flow.name] = f"failed: {refusals.exceptions[0]}; restarting"
+                restarts.inc()
             except* Exception as failures:
                 for failure in failures.exceptions:
                     log.error(  # noqa: TRY400 - exc_info names the member of the group
@@ -751,11 +809,21 @@ class Proxy:
         while True:
             try:
                 await self._lag.refresh()
+                await self._queues.refresh(self._main_sources())
                 self._sample_sizing()
             except Exception:
                 # A supervisor boundary: a bug here must cost metrics, not deliveries.
                 log.exception("refreshing commit lag failed; trying again")
             await self._clock.sleep(self._supervisor.lag_refresh_s)
+
+    def _main_sources(self) -> dict[str, Source]:
+        """The open source of each integration's main flow, by integration."""
+        sources = {}
+        for name, group in self._groups.items():
+            runner = group.runners.get("main")
+            if runner is not None and runner.source is not None:
+                sources[name] = runner.source
+        return sources
 
     def _sample_sizing(self) -> None:
         now = self._clock.monotonic()

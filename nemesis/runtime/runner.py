@@ -319,6 +319,11 @@ class IntegrationRunner:
         # messages shown as they were read (the main flow).
         self._plain = not self._disabled and self._pipeline.is_empty and self._view is _same
 
+    @property
+    def source(self) -> Source | None:
+        """What the runner reads now (None before it opened and after it closed its source)."""
+        return self._source
+
     def statistics(self) -> RunnerStats:
         """A snapshot of the queues, the workers and the counters."""
         self._settle_turn()

@@ -27,6 +27,7 @@ from nemesis.errors import ConfigProblem
 from nemesis.resilience.breaker import BreakerStatistics
 from nemesis.resilience.limits import Flow, LimiterStatistics
 from nemesis.runtime.lag import LagStatistics, PartitionLag
+from nemesis.runtime.queues import QueueCounts
 from nemesis.runtime.runner import RunnerState, RunnerStats
 from nemesis.runtime.sizing import LiveEstimate
 
@@ -48,6 +49,7 @@ class IntegrationSnapshot:
     lags: Sequence[PartitionLag]
     sizing: LiveEstimate | None
     problems: Sequence[ConfigProblem]  # of its file at the last reload (it runs the last good)
+    queue: QueueCounts | None = None  # a queue source's counts at the last refresh
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,7 @@ def metric_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
     """The live-state gauges (and the lag monitor's failure counter) of a snapshot."""
     yield from _runner_families(snapshot)
     yield from _lag_families(snapshot)
+    yield from _queue_families(snapshot)
     yield from _integration_families(snapshot)
 
 
@@ -232,6 +235,34 @@ def _lag_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
     )
     failures.add_metric([], float(stats.failures))
     yield failures
+
+
+def _queue_families(snapshot: ProxySnapshot) -> Iterator[Metric]:
+    labels = ["integration", "queue"]
+    visible = _gauge(
+        "nemesis_queue_visible_messages",
+        "Messages a queue source's queue holds ready to receive (SQS's approximate count).",
+        labels,
+    )
+    in_flight = _gauge(
+        "nemesis_queue_in_flight_messages",
+        "Messages of a queue received by a reader (any replica) and not deleted yet.",
+        labels,
+    )
+    delayed = _gauge(
+        "nemesis_queue_delayed_messages",
+        "Messages of a queue sent with a delay that has not run out yet.",
+        labels,
+    )
+    for integration in snapshot.integrations:
+        counts = integration.queue
+        if counts is None:
+            continue
+        values = [integration.name, counts.queue]
+        visible.add_metric(values, float(counts.visible))
+        in_flight.add_metric(values, float(counts.in_flight))
+        delayed.add_metric(values, float(counts.delayed))
+    yield from (visible, in_flight, delayed)
 
 
 def _integration_families(snapshot: ProxySnapshot) -> Iterator[Metric]:

@@ -12,6 +12,10 @@ Prints, on the host it runs on:
   (d) embedded log append and read rates,
   (e) p50/p99 latency added by the proxy at 1,000 msg/s (target p99 <= 1.2 ms),
   (f) peak RSS of the proxy process,
+  (s) with --only sqs: (a) from an SQS queue on moto's server mode (tests/sqs_servers.py,
+      on the handler's core) beside (a) from the embedded log, round by round, and the
+      ratio sqs / embedded (no target: moto is a test server, not SQS; its receive
+      takes longer the more messages wait, so the figure is mostly moto's),
   (k) with --only kafka: (a) and (c) on the embedded log and on Apache Kafka
       (tests/kafka_broker.py, started on 127.0.0.1, the backend's default
       configuration), side by side, and a bare aiokafka consume-and-deliver loop
@@ -171,6 +175,17 @@ class Workspace:
             + (f"pipeline: {pipeline}\n" if pipeline else "")
         )
 
+    def sqs_integration(self, name: str, queue: str, endpoint: str, url: str, workers: int) -> None:
+        for old in (self.root / "integrations").glob("*.yaml"):
+            old.unlink()
+        (self.root / "integrations" / f"{name}.yaml").write_text(
+            f"name: {name}\nowners: [bench]\n"
+            f"source: {{kind: sqs, queue: {queue}, consumer: {name}, endpoint_url: '{endpoint}',"
+            " region: eu-central-1, wait_time_s: 1}\n"
+            f"target: {{url: '{url}', timeout_s: 10}}\n"
+            f"delivery: {{workers: {workers}, buffer: 2000}}\n"
+        )
+
     def start_proxy(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [*pin(0), sys.executable, "-m", "nemesis", "--log-level", "warning", "run"],
@@ -241,22 +256,28 @@ async def through_proxy(
     batch: int,
     pipeline: str = "",
     transport: str = "h1",
+    sqs_endpoint: str | None = None,
 ) -> ProxyRun:
     """Rate, peak RSS and CPU per message of `nemesis run` delivering `count` pre-published messages.
 
     With a pipeline that filters, the rate counts every message read (filtered
     ones included): the proxy is done when the handler has the passing quarter.
+    With ``sqs_endpoint`` the messages wait in a queue named ``topic`` there.
     """
-    await fill(space.db, topic, count, make=city_order if pipeline else None, kafka=space.kafka)
-    space.integration(
-        topic,
-        handler.url,
-        workers,
-        batch,
-        max_wait_ms=5 if batch > 1 else 0,
-        pipeline=pipeline,
-        transport=transport,
-    )
+    if sqs_endpoint is not None:
+        await fill_queue(sqs_endpoint, topic, count)
+        space.sqs_integration(topic, topic, sqs_endpoint, handler.url, workers)
+    else:
+        await fill(space.db, topic, count, make=city_order if pipeline else None, kafka=space.kafka)
+        space.integration(
+            topic,
+            handler.url,
+            workers,
+            batch,
+            max_wait_ms=5 if batch > 1 else 0,
+            pipeline=pipeline,
+            transport=transport,
+        )
     expected = count // 4 if pipeline else count
     async with aiohttp.ClientSession() as session:
         await handler.reset(session)
@@ -284,6 +305,27 @@ async def through_proxy(
     assert first_at is not None and first_count is not None
     read = (expected - first_count) * count / expected
     return ProxyRun(read / (now - first_at), rss, cpu / read * 1e6)
+
+
+async def fill_queue(endpoint: str, queue: str, count: int) -> None:
+    """Creates ``queue`` on the SQS-API server at ``endpoint`` and sends it ``count`` messages."""
+    from aiobotocore.session import get_session
+
+    body = PAYLOAD.decode()
+    async with get_session().create_client(
+        "sqs", region_name="eu-central-1", endpoint_url=endpoint
+    ) as client:
+        url = (await client.create_queue(QueueName=queue))["QueueUrl"]
+        starts = iter(range(0, count, 10))
+
+        async def sender() -> None:
+            for start in starts:
+                entries = [
+                    {"Id": str(i), "MessageBody": body} for i in range(min(10, count - start))
+                ]
+                await client.send_message_batch(QueueUrl=url, Entries=entries)
+
+        await asyncio.gather(*(sender() for _ in range(8)))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -740,8 +782,9 @@ def percentile(values: Sequence[float], pct: float) -> float:
 
 
 PARTS = ("delivery", "log", "latency")
-# Not in the default run: it starts Apache Kafka (Maven and a JDK; see tests/kafka_broker.py).
-OPTIONAL_PARTS = ("kafka",)
+# Not in the default run: kafka starts Apache Kafka (Maven and a JDK; see tests/kafka_broker.py),
+# sqs moto's server (the dev extra).
+OPTIONAL_PARTS = ("kafka", "sqs")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -766,6 +809,60 @@ async def main(args: argparse.Namespace) -> None:
             )
         if "kafka" in parts:
             await kafka_part(Path(tmp), args)
+        if "sqs" in parts:
+            await sqs_part(Path(tmp), args)
+
+
+async def sqs_part(root: Path, args: argparse.Namespace) -> None:
+    """(s): (a) from a queue on moto beside (a) from the embedded log, in alternating rounds."""
+    sys.path.insert(0, str(REPO))  # the test servers' starters live in tests/
+    from tests.sqs_servers import start_moto
+
+    # moto checks no keys, but the AWS chain needs some; never a real account's.
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench-secret")
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+    moto = start_moto(root / "moto")
+    handler = Handler()
+    cores = os.sched_getaffinity(0)
+    if (os.cpu_count() or 1) >= 2:
+        # moto and this process beside the handler: the proxy has core 0 alone.
+        os.sched_setaffinity(moto.process.pid, {1})
+        os.sched_setaffinity(0, {1})
+    space = Workspace(root / "s-embedded")
+    runs: dict[str, list[ProxyRun]] = {"embedded": [], "sqs": []}
+    try:
+        for n in range(args.repeat):
+            runs["embedded"].append(
+                await through_proxy(space, handler, f"e{n}", args.sqs_messages, args.workers, 1)
+            )
+            runs["sqs"].append(
+                await through_proxy(
+                    space,
+                    handler,
+                    f"q{n}",
+                    args.sqs_messages,
+                    args.workers,
+                    1,
+                    sqs_endpoint=moto.endpoint,
+                )
+            )
+    finally:
+        handler.close()
+        moto.stop()
+        os.sched_setaffinity(0, cores)
+    print(f"  (s) {args.sqs_messages:,} messages from a queue on moto and from the embedded log:")
+    for kind, kind_runs in runs.items():
+        rates = [run.rate for run in kind_runs]
+        cpu = statistics.median(run.cpu_us for run in kind_runs)
+        print(
+            f"      {kind:<9} (a) 1 msg/request: {statistics.median(rates):>10,.0f} msg/s"
+            f"  ({cpu:.0f} us CPU each)  {fmt(rates)}"
+        )
+    ratios = [q.rate / e.rate for e, q in zip(runs["embedded"], runs["sqs"], strict=True)]
+    print(
+        f"      sqs (moto) / embedded, rates:          {statistics.median(ratios):>10.4f}"
+        f"   (round by round: {', '.join(f'{r:.4f}' for r in ratios)})"
+    )
 
 
 async def kafka_part(root: Path, args: argparse.Namespace) -> None:
@@ -1000,6 +1097,8 @@ if __name__ == "__main__":
     # flows' members joining beside it) would otherwise fall inside the timed part.
     parser.add_argument("--kafka-messages", type=int, default=60_000)
     parser.add_argument("--log-messages", type=int, default=100_000)
+    # moto answers each call in Python: a few thousand messages take it tens of seconds.
+    parser.add_argument("--sqs-messages", type=int, default=5_000)
     # Long enough that the p99 is not decided by one slow moment of a shared machine.
     parser.add_argument("--latency-seconds", type=float, default=20.0)
     parser.add_argument(
@@ -1013,6 +1112,6 @@ if __name__ == "__main__":
         action="append",
         choices=PARTS + OPTIONAL_PARTS,
         help="run only this part (repeatable): delivery = (a)-(c), (f), (g); log = (d);"
-        " latency = (e); kafka = (k). Default: all but kafka, in that order",
+        " latency = (e); kafka = (k); sqs = (s). Default: all but kafka and sqs, in that order",
     )
     _run(main(parser.parse_args()))

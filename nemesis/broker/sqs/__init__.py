@@ -7,6 +7,7 @@ thread. aiobotocore is imported only when a source is opened.
 """
 
 from nemesis.broker.sqs.config import SqsSourceConfig
+from nemesis.broker.sqs.describe import QueueDescription, describe_queue, format_description
 from nemesis.broker.sqs.source import (
     META_MESSAGE_ID,
     META_RECEIVE_COUNT,
@@ -20,8 +21,11 @@ __all__ = [
     "META_MESSAGE_ID",
     "META_RECEIVE_COUNT",
     "META_SENT_AT",
+    "QueueDescription",
     "QueueStats",
     "SqsSource",
     "SqsSourceConfig",
+    "describe_queue",
+    "format_description",
     "open_sqs_source",
 ]

@@ -389,6 +389,11 @@ class SqsSource:
     def stalled(self) -> Mapping[tuple[str, int], str]:
         return {}
 
+    @property
+    def last_receive_at(self) -> float | None:
+        """When a receive last came back (``time.monotonic``), empty long polls included."""
+        return self._last_receive
+
     async def stats(self) -> QueueStats:
         """The queue's visible, in-flight and delayed counts (GetQueueAttributes)."""
         attributes = await queue_attributes(
