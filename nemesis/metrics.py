@@ -264,7 +264,8 @@ class Metrics:
         )
         self.retry_publishes = self._loop_counter(
             "nemesis_retry_publishes",
-            "Messages sent to a retry tier, by tier (1-based): written to its topic, or released to the queue for its delay.",
+            "Messages sent to a retry tier, by tier (1-based): written to its topic,"
+            " or released to the queue for its delay.",
             ["integration", "tier"],
         )
         self.dlq_writes = self._loop_counter(
