@@ -4,7 +4,7 @@ uvicorn writes an answer's headers and its body in two sends. With Nagle's
 algorithm on, the body waits for the client's ACK of the headers, which a
 Linux client delays by about 40 ms: every small answer would take that long.
 asyncio turns Nagle off on the connections it accepts, but only on sockets
-that say they are TCP, so the listening socket must be made as one.
+that say they are TCP, so a listening socket must be made as one.
 """
 
 from __future__ import annotations
@@ -13,32 +13,54 @@ import asyncio
 import socket
 
 import httpx
-from starlette.types import Receive, Scope, Send
+import uvicorn
+from fastapi import FastAPI
 
+from dlq_viewer.server import bound_port, viewer_server
 from nemesis.admin import UvicornService
 from tests.operability import wait_until_true
 
 
-async def ok(scope: Scope, receive: Receive, send: Send) -> None:
-    await send({"type": "http.response.start", "status": 200, "headers": []})
-    await send({"type": "http.response.body", "body": b"ok"})
+def app() -> FastAPI:
+    made = FastAPI()
+
+    @made.get("/")
+    async def ok() -> str:
+        return "ok"
+
+    return made
 
 
-async def test_an_accepted_connection_has_nagle_off() -> None:
-    service = UvicornService(ok, host="127.0.0.1", port=0, name="test", proxy_headers=False)
+async def nagle_off_on_a_connection(server: uvicorn.Server, url: str) -> bool:
+    """Whether the connection ``server`` accepted for a request to ``url`` has TCP_NODELAY."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        answer = await client.get("/")
+        assert answer.json() == "ok"
+        # The connection is kept alive: uvicorn still holds it.
+        (connection,) = server.server_state.connections
+        accepted: socket.socket = connection.transport.get_extra_info("socket")
+        return accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+async def test_the_admin_api_s_connections_have_nagle_off() -> None:
+    service = UvicornService(app(), host="127.0.0.1", port=0, name="test", proxy_headers=False)
     service.bind()
     task = asyncio.create_task(service.serve())
     try:
         await wait_until_true(lambda: service.started)
-        async with httpx.AsyncClient(base_url=service.url, timeout=30) as client:
-            answer = await client.get("/")
-            assert answer.text == "ok"
-            # The connection is kept alive: uvicorn still holds it.
-            connections = service._server.server_state.connections
-            assert len(connections) == 1
-            (connection,) = connections
-            accepted = connection.transport.get_extra_info("socket")
-            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        assert await nagle_off_on_a_connection(service._server, service.url)
     finally:
         service.stop()
+        await task
+
+
+async def test_the_standalone_viewer_s_connections_have_nagle_off() -> None:
+    server = viewer_server(app(), "127.0.0.1", 0)
+    task = asyncio.create_task(server.serve())
+    try:
+        await wait_until_true(lambda: server.started)
+        url = f"http://127.0.0.1:{bound_port(server)}"
+        assert await nagle_off_on_a_connection(server, url)
+    finally:
+        server.stop()
         await task
