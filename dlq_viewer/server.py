@@ -58,7 +58,9 @@ class ViewerServer(uvicorn.Server):
 def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
     """A socket bound and listening on ``host:port``: from then on a connection waits."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio turns Nagle off only on sockets that say they are TCP
+    # (uvicorn sends an answer's headers and body apart; see nemesis.admin.server).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

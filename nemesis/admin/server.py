@@ -144,7 +144,10 @@ class UvicornService:
         if self._socket is not None:
             return
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
+        # they are TCP, and uvicorn writes an answer's headers and body apart, so with Nagle
+        # on the body waits for the client's delayed ACK (about 40 ms on Linux).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self._host, self._port))
