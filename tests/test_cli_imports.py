@@ -43,6 +43,7 @@ print(json.dumps({
     "modules": sorted({m.split(".")[0] for m in sys.modules}),
     "plugins_looked_up": getattr(loader, "_plugins", None) is not None,
     "built_models": sorted(set(built)),
+    "frozen": __import__("gc").get_freeze_count(),
 }))
 """
 
@@ -165,3 +166,31 @@ def test_validating_a_process_file_builds_its_models() -> None:
     report = probe("validate", "nemesis.example.yaml")
     assert report["code"] == 0
     assert "NemesisConfig" in report["built_models"]
+
+
+FROM_THE_SHELL = """
+import gc, sys
+from nemesis.cli import main
+sys.argv = ["nemesis", *sys.argv[1:]]
+code = main()
+print(code, gc.get_freeze_count() > 0)
+"""
+
+
+def test_validate_run_as_the_command_skips_the_garbage_collection_at_exit() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FROM_THE_SHELL, "validate", "integrations", "pipelines"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.split()[-2:] == ["0", "True"]
+
+
+def test_validate_called_by_a_program_leaves_its_heap_alone() -> None:
+    # A test or a tool that calls main() goes on running: its objects stay collectable.
+    report = probe("validate", "integrations", "pipelines")
+    assert report["code"] == 0
+    assert report["frozen"] == 0
