@@ -28,8 +28,6 @@ import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Final, Literal, TextIO
 
-import orjson
-
 LogFormat = Literal["text", "json"]
 
 # Bounded, payload-free fields a record may carry into a JSON line.
@@ -81,6 +79,8 @@ class JsonFormatter(logging.Formatter):
             document["exc"] = self.formatException(record.exc_info)
         if record.stack_info:
             document["stack"] = self.formatStack(record.stack_info)
+        import orjson  # here: `nemesis --help` and text logs never load it
+
         return orjson.dumps(document, default=str).decode()
 
 

@@ -19,7 +19,7 @@ from nemesis.backends.base import (
     StateKind,
     StateModel,
 )
-from nemesis.config_base import DurationS, Model
+from nemesis.config_base import DurationS, Model, defaults
 
 if TYPE_CHECKING:
     from nemesis.broker.port import Broker
@@ -59,7 +59,7 @@ class YdbConnectionConfig(Model):
 
     endpoint: Annotated[str, Field(pattern=r"^grpcs?://[^/\s]+$")]  # grpcs:// for TLS
     database: Annotated[str, Field(pattern=r"^/\S+$")]  # /local, /ru-central1/b1g.../etn...
-    credentials: YdbCredentialsConfig = YdbCredentialsConfig()
+    credentials: YdbCredentialsConfig = defaults(YdbCredentialsConfig)
     # PEM file with the CA certificates for grpcs:// (None: the SDK's bundled roots).
     root_certificates: str | None = None
     connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 10.0

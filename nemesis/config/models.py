@@ -41,7 +41,7 @@ from nemesis.config_base import CROSS_FIELD_ERROR as CROSS_FIELD_ERROR
 from nemesis.config_base import CrossRule as CrossRule
 from nemesis.config_base import DurationS as DurationS
 from nemesis.config_base import Model as Model
-from nemesis.config_base import get_path
+from nemesis.config_base import defaults, get_path
 from nemesis.config_base import parse_duration as parse_duration
 from nemesis.transports import default_transports
 
@@ -243,7 +243,7 @@ def _buffer_holds_a_batch(delivery: Any) -> Iterator[tuple[tuple[Hashable, ...],
 class DeliveryConfig(Model):
     workers: Annotated[int, Field(ge=1, le=4096)] = 32
     buffer: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
-    batch: BatchConfig = BatchConfig()
+    batch: BatchConfig = defaults(BatchConfig)
     ordering: Literal["none", "key", "partition"] = "none"
 
     cross_rules = (_buffer_holds_a_batch,)
@@ -396,11 +396,11 @@ class IntegrationConfig(Model):
     # A name from pipelines/, or an inline list of stages (compiled by nemesis.pipeline).
     pipeline: str | list[dict[str, Any]] | None = None
     target: TargetConfig
-    delivery: DeliveryConfig = DeliveryConfig()
-    retry: RetryConfig = RetryConfig()
-    breaker: BreakerConfig = BreakerConfig()
-    rate_limits: RateLimitsConfig = RateLimitsConfig()
-    flags: FlagsConfig = FlagsConfig()
+    delivery: DeliveryConfig = defaults(DeliveryConfig)
+    retry: RetryConfig = defaults(RetryConfig)
+    breaker: BreakerConfig = defaults(BreakerConfig)
+    rate_limits: RateLimitsConfig = defaults(RateLimitsConfig)
+    flags: FlagsConfig = defaults(FlagsConfig)
     paused: bool = False
     # How many members of the fleet run it; "all" for a heavy one, whose partitions
     # the broker then spreads over every member.
@@ -654,7 +654,7 @@ class IntegrationCapsConfig(Model):
     workers: PositiveInt | None = None  # delivery.workers
     buffer: PositiveInt | None = None  # delivery.buffer
     batch_size: PositiveInt | None = None  # delivery.batch.size
-    rate_limits: RateCapsConfig = RateCapsConfig()
+    rate_limits: RateCapsConfig = defaults(RateCapsConfig)
 
 
 class TeamCapsConfig(Model):
@@ -662,7 +662,7 @@ class TeamCapsConfig(Model):
 
     workers: PositiveInt | None = None  # the sum of delivery.workers
     buffer: PositiveInt | None = None  # the sum of delivery.buffer
-    rate_limits: RateCapsConfig = RateCapsConfig()  # the sum of each flow's rate_limits
+    rate_limits: RateCapsConfig = defaults(RateCapsConfig)  # the sum of each flow's rate_limits
 
 
 class LimitsConfig(Model):
@@ -673,8 +673,8 @@ class LimitsConfig(Model):
     bound nothing.
     """
 
-    integration: IntegrationCapsConfig = IntegrationCapsConfig()
-    team: TeamCapsConfig = TeamCapsConfig()
+    integration: IntegrationCapsConfig = defaults(IntegrationCapsConfig)
+    team: TeamCapsConfig = defaults(TeamCapsConfig)
 
 
 def _stores_reach_every_replica(config: Any) -> Iterator[tuple[tuple[Hashable, ...], str]]:
@@ -734,26 +734,26 @@ def _written(config: Any, section: str) -> bool:
 
 
 class NemesisConfig(Model):
-    backend: BackendConfig = EmbeddedBackendConfig()
-    dlq: DlqConfig = SqliteDlqConfig()
+    backend: BackendConfig = defaults(EmbeddedBackendConfig)
+    dlq: DlqConfig = defaults(SqliteDlqConfig)
     # Where the replicas of this configuration meet (nemesis.fleet).
-    state: StateConfig = SqliteStateConfig()
+    state: StateConfig = defaults(SqliteStateConfig)
     data_dir: str = "data"
     integrations_dir: str = "integrations"
     pipelines_dir: str = "pipelines"
-    admin: AdminConfig = AdminConfig()
-    viewer: ViewerConfig = ViewerConfig()
+    admin: AdminConfig = defaults(AdminConfig)
+    viewer: ViewerConfig = defaults(ViewerConfig)
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     log_format: Literal["text", "json"] = "text"
     # The level of other libraries' records (aiokafka, ydb, uvicorn, ...); Nemesis' own
     # follow --log-level.
     library_log_level: Literal["debug", "info", "warning", "error"] = "warning"
-    tracing: TracingConfig = TracingConfig()
-    auth: AuthConfig = AuthConfig()
-    reload: ReloadConfig = ReloadConfig()
-    metrics: MetricsConfig = MetricsConfig()
+    tracing: TracingConfig = defaults(TracingConfig)
+    auth: AuthConfig = defaults(AuthConfig)
+    reload: ReloadConfig = defaults(ReloadConfig)
+    metrics: MetricsConfig = defaults(MetricsConfig)
     # Caps per integration and per team (nemesis.config.limits).
-    limits: LimitsConfig = LimitsConfig()
+    limits: LimitsConfig = defaults(LimitsConfig)
     # Every replica of this configuration runs on one host (or there is one): the
     # sqlite state and DLQ files then serve a broker that spans hosts too.
     single_host: bool = False

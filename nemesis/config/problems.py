@@ -9,7 +9,6 @@ message names it while the line points at its parent.
 
 from __future__ import annotations
 
-import difflib
 import re
 import types
 import typing
@@ -216,6 +215,8 @@ def _unknown_field(path: DataPath, model: type[BaseModel]) -> str:
         places = " or ".join(format_path(p[:-1]) or "the top level" for p in homes)
         return f"unknown field ({key} belongs under {places})"
     fields = _fields_at(model, path[:-1])
+    import difflib  # here: only a misspelt key needs it
+
     close = difflib.get_close_matches(key, fields, n=1)
     if close:
         return f"unknown field (did you mean {close[0]}?)"

@@ -23,7 +23,6 @@ are tests (``nemesis.pipeline.testing``), not pipelines.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import re
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from pathlib import Path
@@ -239,6 +238,8 @@ def _at(data: object, path: DataPath) -> object:
 
 
 def _unknown_stage(kind: Hashable, known: list[str]) -> str:
+    import difflib  # here: only a misspelt name needs it
+
     close = difflib.get_close_matches(str(kind), known, n=1)
     hint = f"did you mean {close[0]}?" if close else f"expected one of: {', '.join(known)}"
     if not known:
@@ -305,6 +306,8 @@ def missing_pipeline(name: str, directories: Sequence[Path]) -> str:
         return problem
     places = ", ".join(str(directory) for directory in directories)
     known = sorted({file.stem for directory in directories for file in pipeline_files(directory)})
+    import difflib  # here: only a misspelt name needs it
+
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     return f"no pipeline {name!r} in {places}{hint}"

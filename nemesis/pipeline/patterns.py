@@ -30,7 +30,6 @@ source holds only generated names, operators and small integers.
 
 from __future__ import annotations
 
-import difflib
 import math
 import types
 from collections.abc import Callable, Hashable, Sequence
@@ -445,6 +444,8 @@ def _required_kinds(tests: Sequence[_Test]) -> frozenset[str] | None:
 
 def _unknown_operator(operator: Hashable, path: FieldPath) -> str:
     name = str(operator)
+    import difflib  # here: only a misspelt name needs it
+
     close = difflib.get_close_matches(name, OPERATORS, n=1)
     if close:
         return f"unknown operator {name!r} (did you mean {close[0]}?)"

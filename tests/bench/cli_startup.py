@@ -5,8 +5,11 @@ installed script does), several rounds interleaved. Printed per command: the
 median wall time and the median CPU time (user + system of the child, what a
 busy host disturbs least), each with its ratio to the bare interpreter
 measured in the same run. Target: both commands start within 0.3 s.
+``--compare DIR`` times the same commands from another checkout too (say
+``git worktree add /tmp/nemesis-main main``), interleaved with this one's, with
+this virtualenv's interpreter: a change's before and after under one load.
 
-    .venv/bin/python tests/bench/cli_startup.py [--rounds 15]
+    .venv/bin/python tests/bench/cli_startup.py [--rounds 15] [--compare DIR]
 """
 
 from __future__ import annotations
@@ -36,12 +39,20 @@ def main() -> None:
     parser.add_argument(
         "--file", default="integrations/orders-to-loyalty.yaml", help="what validate checks"
     )
+    parser.add_argument(
+        "--compare", type=Path, help="another checkout whose commands are timed in the same run"
+    )
     args = parser.parse_args()
-    commands = {
-        "python -c pass": [sys.executable, "-c", "pass"],
-        "nemesis --help": [sys.executable, "-m", "nemesis", "--help"],
-        f"nemesis validate {args.file}": [sys.executable, "-m", "nemesis", "validate", args.file],
+    nemesis = {
+        "nemesis --help": ["--help"],
+        f"nemesis validate {args.file}": ["validate", args.file],
     }
+    # name -> (folder it runs in, which decides the nemesis it imports; argv)
+    commands = {"python -c pass": (REPO, [sys.executable, "-c", "pass"])}
+    for tree, suffix in ((args.compare, " (--compare)"), (REPO, "")):
+        if tree is not None:
+            for name, argv in nemesis.items():
+                commands[name + suffix] = (tree, [sys.executable, "-m", "nemesis", *argv])
     wall: dict[str, list[float]] = {name: [] for name in commands}
     cpu: dict[str, list[float]] = {name: [] for name in commands}
     # An installed package loads compiled .pyc files (pip writes them); a shell with
@@ -50,12 +61,12 @@ def main() -> None:
     cache = tempfile.mkdtemp(prefix="nemesis-pyc-")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPYCACHEPREFIX"] = cache
-    for argv in commands.values():  # warm the page cache and the .pyc files
-        subprocess.run(argv, cwd=REPO, capture_output=True, check=True, env=env)
+    for cwd, argv in commands.values():  # warm the page cache and the .pyc files
+        subprocess.run(argv, cwd=cwd, capture_output=True, check=True, env=env)
     for _ in range(args.rounds):
-        for name, argv in commands.items():
+        for name, (cwd, argv) in commands.items():
             cpu_before, started = children_cpu_s(), time.perf_counter()
-            subprocess.run(argv, cwd=REPO, capture_output=True, check=True, env=env)
+            subprocess.run(argv, cwd=cwd, capture_output=True, check=True, env=env)
             wall[name].append(time.perf_counter() - started)
             cpu[name].append(children_cpu_s() - cpu_before)
     base_wall = statistics.median(wall["python -c pass"])
@@ -68,7 +79,7 @@ def main() -> None:
             verdict = "  within" if median_wall <= TARGET_S else "  above"
             verdict += f" the {TARGET_S} s target"
         print(
-            f"  {name:<52} wall {median_wall * 1000:7.1f} ms x{median_wall / base_wall:5.1f}"
+            f"  {name:<64} wall {median_wall * 1000:7.1f} ms x{median_wall / base_wall:5.1f}"
             f"   cpu {median_cpu * 1000:7.1f} ms x{median_cpu / base_cpu:5.1f}{verdict}"
         )
 
