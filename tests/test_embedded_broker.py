@@ -23,10 +23,10 @@ from nemesis.broker.embedded import (
     Wakeups,
     db,
     fair_share,
+    log,
     open_embedded,
 )
 from nemesis.broker.embedded import broker as embedded_broker
-from nemesis.broker.embedded import log
 from nemesis.broker.embedded.db import BACKGROUND_NICENESS
 from nemesis.broker.port import (
     Broker,
@@ -784,7 +784,7 @@ async def test_a_read_of_large_messages_ends_at_its_byte_budget(tmp_path: Path) 
             [OutgoingMessage(value=bytes([n]) * size) for n, size in enumerate(sizes)]
         )
         reader = await reading.reader("t", "c")
-        batches = []
+        batches: list[Sequence[Message]] = []
         while sum(len(b) for b in batches) < len(sizes):
             # NO_POLL: a read cut short by bytes must not wait for an append to go on.
             batch = await reader.receive(500, 30.0)
