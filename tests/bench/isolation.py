@@ -124,13 +124,14 @@ async def heavy_load(db: Path, kinds: str, cpu_url: str, big_url: str) -> None:
                     missing = HEAVY_LAG[name] - (written[name] - delivered)
                     if missing <= 0:
                         continue
-                    try:
-                        await writers[name].write(
-                            [OutgoingMessage(value=values[name]) for _ in range(missing)]
-                        )
-                        written[name] += missing
-                    except NemesisError as exc:  # the log's file is locked: next turn
-                        print(f"feeder: {exc}", file=sys.stderr)
+                    # One message an append: the log's write lock is held for one at a time.
+                    for _ in range(missing):
+                        try:
+                            await writers[name].write([OutgoingMessage(value=values[name])])
+                            written[name] += 1
+                        except NemesisError as exc:  # the log's file is locked: next turn
+                            print(f"feeder: {exc}", file=sys.stderr)
+                            break
                 await asyncio.sleep(0.05)
         for writer in writers.values():
             await writer.close()
@@ -218,7 +219,7 @@ async def phase(
 
 
 async def main(args: argparse.Namespace) -> None:
-    with tempfile.TemporaryDirectory(prefix="nemesis-isolation-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="nemesis-isolation-", dir=args.dir) as tmp:
         root = Path(tmp)
         db = root / "bench.db"
         handlers = {
@@ -292,6 +293,9 @@ if __name__ == "__main__":
     parser.add_argument("--backlog", type=int, default=500, help="messages per ordinary topic")
     parser.add_argument(
         "--heavy", choices=["both", "cpu", "big"], default="both", help="which heavy ones get load"
+    )
+    parser.add_argument(
+        "--dir", help="where the log's file goes (default: the system's temporary folder)"
     )
     # The heavy feeder's child: the log's file and the heavy handlers' URLs.
     parser.add_argument("--feed", type=Path, help=argparse.SUPPRESS)
