@@ -297,6 +297,8 @@ async def main(args: argparse.Namespace) -> None:
             f" p99 {percentile(added[heavy], 99):.1f} ms; end to end"
             f" p99 {percentile(end_to_end[heavy], 99):.1f} ms"
         )
+    q50, h50 = percentile(added[False], 50), percentile(added[True], 50)
+    print(f"added p50 heavy/quiet: {h50 / q50:.2f}x")
     print(f"added p99 heavy/quiet: {h99 / q99:.2f}x (target <= 2)")
     print(f"ordinary drain quiet {qr:,.0f} msg/s, heavy {hr:,.0f} msg/s")
     print(f"throughput heavy/quiet: {hr / qr:.2f} (target >= 0.8)")
