@@ -589,6 +589,7 @@ async def _run_proxy(
                 handover_wait_s=config.shutdown_grace_s + config.state.lease_s,
             ),
             metrics=proxy.metrics,
+            caps=caps,
         )
         reloader = ConfigReloader(
             proxy,

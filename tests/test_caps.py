@@ -220,3 +220,81 @@ async def test_live_changes_over_a_cap_are_refused_by_the_api_and_ctl(
             url, TOKENS["alpha"], "set", "alpha", "delivery.buffer=400", cwd=tmp_path
         )
         assert code == 0, err
+
+
+def _team_config(name: str, workers: int, replicas: int | str = 1) -> IntegrationConfig:
+    return IntegrationConfig.model_validate(
+        {
+            "name": name,
+            "owners": ["team-a"],
+            "source": {"topic": "orders", "consumer": name},
+            "target": {"url": "http://127.0.0.1:9/"},
+            "delivery": {"workers": workers, "buffer": 100},
+            "replicas": replicas,
+        }
+    )
+
+
+def test_team_totals_count_workers_and_buffers_once_per_replica() -> None:
+    caps = Caps(LimitsConfig.model_validate({"team": {"workers": 100, "buffer": 350}}))
+    spread = _team_config("spread", 30, replicas=3)
+    small = _team_config("small", 20)
+    # 30 workers on each of 3 replicas and 20 on one: 110, over 100 (not 50, as per replica).
+    workers, buffer = caps.check(small, {"spread": spread})
+    assert workers.field == "delivery.workers"
+    assert "would take 110 together (small 20, spread 30x3)" in workers.message
+    # Buffers too: 100 x 3 + 100.
+    assert buffer.field == "delivery.buffer"
+    assert "would take 400 together (small 100, spread 100x3)" in buffer.message
+    # On one replica each, the same two fit.
+    assert caps.check(small, {"spread": _team_config("spread", 30)}) == []
+
+    everywhere = _team_config("everywhere", 30, replicas="all")
+    unknown = caps.check(everywhere, {})
+    assert [b.field for b in unknown] == ["delivery.workers", "delivery.buffer"]
+    assert "set replicas to a number, or limits.team.all_replicas" in unknown[0].message
+    sized = Caps(
+        LimitsConfig.model_validate({"team": {"workers": 100, "all_replicas": 4}}),
+    )
+    [counted] = sized.check(everywhere, {})
+    assert "would take 120 together (everywhere 30x4)" in counted.message
+    assert sized.check(_team_config("everywhere", 25, replicas="all"), {}) == []
+
+
+async def test_a_stored_fleet_override_over_this_replicas_caps_is_not_applied(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """A live value another replica stored (an older one, without these caps) is checked here."""
+    from nemesis.fleet.member import FleetMember, FleetOptions
+    from nemesis.fleet.sqlite import open_sqlite_state
+    from nemesis.runtime.app import Proxy
+    from nemesis.testing.clock import FakeClock
+    from tests.operability import integration
+
+    clock = FakeClock()
+    options = FleetOptions(lease_s=10, poll_s=1, handover_wait_s=60)
+    caps = Caps(LimitsConfig.model_validate({"integration": {"workers": 32}}))
+    stores = [await open_sqlite_state(tmp_path / "state.db") for _ in range(2)]
+    try:
+        proxies = [
+            Proxy(broker, {"it": integration("it", "http://127.0.0.1:9/")}, clock=clock)
+            for _ in range(2)
+        ]
+        old = FleetMember(stores[0], proxies[0], options=options, clock=clock, member_id="a")
+        capped = FleetMember(
+            stores[1], proxies[1], options=options, clock=clock, member_id="b", caps=caps
+        )
+        await old.join()
+        await capped.join()
+        await old.set_overrides("it", {"delivery.workers": 64}, set_by="test")
+        await capped.tick()
+        assert proxies[1].groups["it"].config.delivery.workers == 8  # the YAML's, not 64
+        assert proxies[1].groups["it"].overrides == {}
+        # Within the caps (a lower value, or a field no cap bounds), it applies.
+        await old.set_overrides("it", {"delivery.workers": 16, "paused": True}, set_by="test")
+        await capped.tick()
+        assert proxies[1].groups["it"].config.delivery.workers == 16
+        assert proxies[1].groups["it"].config.paused
+    finally:
+        for store in stores:
+            await store.close()

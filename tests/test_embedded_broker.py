@@ -23,6 +23,7 @@ from nemesis.broker.embedded import (
     Wakeups,
     db,
     fair_share,
+    log,
     open_embedded,
 )
 from nemesis.broker.embedded import broker as embedded_broker
@@ -766,6 +767,39 @@ async def test_pause_and_resume_a_partition(unpolled: EmbeddedBroker) -> None:
     reader.resume(paused)
     resumed = await waiting
     assert [(m.partition, m.offset) for m in resumed] == [(0, 0), (0, 1)]
+
+
+async def test_a_read_of_large_messages_ends_at_its_byte_budget(tmp_path: Path) -> None:
+    """One read takes at most READ_MAX_BYTES (a larger first message alone); the rest follows."""
+    path = tmp_path / "n.db"
+    writing = await open_embedded(backend(path))
+    # Another broker object reads: the writer's rows are not in its tail cache, only in the file.
+    reading = await open_embedded(backend(path), wakeups=NO_POLL)
+    try:
+        await writing.admin.create_topic("t", partitions=1, consumers=[ConsumerSpec("c")])
+        writer = await writing.writer("t")
+        chunk = log.READ_MAX_BYTES // 3 + 1
+        sizes = [chunk] * 6 + [log.READ_MAX_BYTES * 2, 10, 10]
+        await writer.write(
+            [OutgoingMessage(value=bytes([n]) * size) for n, size in enumerate(sizes)]
+        )
+        reader = await reading.reader("t", "c")
+        batches: list[Sequence[Message]] = []
+        while sum(len(b) for b in batches) < len(sizes):
+            # NO_POLL: a read cut short by bytes must not wait for an append to go on.
+            batch = await reader.receive(500, 30.0)
+            assert batch
+            batches.append(batch)
+        assert [[len(m.value) for m in batch] for batch in batches] == [
+            [chunk] * 3,
+            [chunk] * 3,
+            [log.READ_MAX_BYTES * 2],
+            [10, 10],
+        ]
+        assert [m.offset for batch in batches for m in batch] == list(range(len(sizes)))
+    finally:
+        await reading.close()
+        await writing.close()
 
 
 async def test_an_append_wakes_a_waiting_reader(unpolled: EmbeddedBroker) -> None:

@@ -5,7 +5,10 @@ integration sets (``delivery.workers``, ``delivery.buffer``,
 ``delivery.batch.size``, each flow's ``rate_limits``) and what a team's
 integrations take together (the sums of workers, buffers and rates over the
 integrations that list the team in ``owners``; an integration owned by two
-teams counts in full for each). A capped rate must be set: no rate is an
+teams counts in full for each). Workers and buffers are per replica, so in a
+team's total an integration counts with them times its ``replicas``
+(``replicas: all`` as ``limits.team.all_replicas``); rates are the fleet's
+already (its replicas share them). A capped rate must be set: no rate is an
 unlimited one, over any cap.
 
 The same check runs everywhere a value is decided:
@@ -20,7 +23,9 @@ The same check runs everywhere a value is decided:
   its share, then the rest by name, so a new integration can never stop
   one that runs;
 - the admin API's live changes (and so ``nemesis ctl set``): a change over a
-  cap is refused with a 422 naming the field, the cap and where it is set.
+  cap is refused with a 422 naming the field, the cap and where it is set;
+- live values another replica stored for the fleet (``FleetMember``): those
+  over a cap of this replica's are not applied, and the log says why.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ TEAM_CAPS: Final = (
     ("rate_limits.retry", "rate_limits.retry"),
     ("rate_limits.replay", "rate_limits.replay"),
 )
+# Team totals of these fields count an integration once per replica running it.
+PER_REPLICA: Final = frozenset({"delivery.workers", "delivery.buffer"})
 # A team total's message names this many of the integrations in it.
 _NAMED_IN_TOTAL: Final = 5
 
@@ -165,7 +172,19 @@ class Caps:
             rate = integration_field.startswith("rate_limits.")
             unit = "/s" if rate else ""
             where = self.where("team", cap_path)
+            per_replica = integration_field in PER_REPLICA
             own = get_field(config, integration_field)
+            replicas = self._replicas(config) if per_replica else 1
+            if own is not None and replicas is None:
+                yield Breach(
+                    config.name,
+                    integration_field,
+                    f"replicas: all runs it on every replica, each with its own"
+                    f" {integration_field}, and the platform caps a team's total at"
+                    f" {_number(cap)} ({where}): set replicas to a number, or"
+                    f" limits.team.all_replicas to the fleet's size",
+                )
+                continue
             for team in dict.fromkeys(config.owners):
                 if own is None:
                     yield Breach(
@@ -175,19 +194,24 @@ class Caps:
                         f" {_number(cap)}/s together ({where}): set {integration_field}",
                     )
                     break  # one message for the unset rate, whatever the teams
-                # An unlimited one of the others is reported at its own file.
+                # An unlimited one of the others, or one of replicas it cannot count, is
+                # reported at its own file.
                 shares = {
-                    name: value
+                    name: (value, count)
                     for name, other in sorted(others.items())
                     if team in other.owners
                     and (value := get_field(other, integration_field)) is not None
+                    and (count := self._replicas(other) if per_replica else 1) is not None
                 }
-                total = own + sum(shares.values())
+                assert replicas is not None
+                total = own * replicas + sum(v * n for v, n in shares.values())
                 if total <= cap or math.isclose(total, cap):
                     continue
-                parts = [f"{config.name} {_number(own)}"] + [
-                    f"{name} {_number(value)}"
-                    for name, value in sorted(shares.items(), key=lambda item: -item[1])
+                parts = [_share(config.name, own, replicas)] + [
+                    _share(name, value, count)
+                    for name, (value, count) in sorted(
+                        shares.items(), key=lambda item: -item[1][0] * item[1][1]
+                    )
                 ]
                 named = ", ".join(parts[:_NAMED_IN_TOTAL])
                 if len(parts) > _NAMED_IN_TOTAL:
@@ -198,6 +222,17 @@ class Caps:
                     f"{team}'s integrations would take {_number(total)}{unit} together"
                     f" ({named}), over the team cap of {_number(cap)}{unit} ({where})",
                 )
+
+    def _replicas(self, config: IntegrationConfig) -> int | None:
+        """How many replicas run ``config``; None: every one, and the fleet's size is not set."""
+        if config.replicas == "all":
+            return self.limits.team.all_replicas
+        return config.replicas
+
+
+def _share(name: str, value: float, replicas: int) -> str:
+    """``fair 60``, or ``fair 60x3`` for an integration on three replicas."""
+    return f"{name} {_number(value)}" + (f"x{replicas}" if replicas != 1 else "")
 
 
 def breach_problems(

@@ -660,9 +660,13 @@ class IntegrationCapsConfig(Model):
 class TeamCapsConfig(Model):
     """What a team's integrations may take together (each counts for every team it lists)."""
 
-    workers: PositiveInt | None = None  # the sum of delivery.workers
-    buffer: PositiveInt | None = None  # the sum of delivery.buffer
+    # Workers and buffers are per replica: an integration counts with them times its replicas.
+    workers: PositiveInt | None = None  # the sum of delivery.workers x replicas
+    buffer: PositiveInt | None = None  # the sum of delivery.buffer x replicas
     rate_limits: RateCapsConfig = defaults(RateCapsConfig)  # the sum of each flow's rate_limits
+    # How many replicas ``replicas: all`` counts for (the fleet's size); None: such an
+    # integration cannot be counted, and is refused where a workers or buffer cap is set.
+    all_replicas: PositiveInt | None = None
 
 
 class LimitsConfig(Model):

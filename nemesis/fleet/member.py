@@ -70,6 +70,7 @@ from pydantic import ValidationError
 from nemesis import processes
 from nemesis.clock import SYSTEM_CLOCK, Clock
 from nemesis.config import overrides as live
+from nemesis.config.limits import Breach, Caps, live_change_breaches
 from nemesis.config.models import IntegrationConfig
 from nemesis.errors import StateError
 from nemesis.fleet.plan import Plan, Situation, live_ids, plan, runners_of
@@ -167,9 +168,12 @@ class FleetMember:
         pid: int | None = None,
         member_id: str | None = None,
         metrics: Metrics | None = None,
+        caps: Caps | None = None,
     ) -> None:
         self.store = store
         self._proxy = proxy
+        # The platform's caps: stored live values over them are not applied here.
+        self._caps = caps or Caps()
         self._options = options
         self._clock = clock
         host = host or socket.gethostname()
@@ -486,17 +490,40 @@ class FleetMember:
             if wanted == group.overrides:
                 continue
             try:
-                self._proxy.replace_overrides(name, wanted)
+                breaches = self._over_caps(name, wanted)
+                if not breaches:
+                    self._proxy.replace_overrides(name, wanted)
+                    continue
+                why = "; ".join(f"{b.field}: {b.message}" for b in breaches)
+                problem = f"the stored overrides of {name} are over the platform's caps: {why}"
             except (ValidationError, KeyError) as exc:
-                key = (name, view.generation)
-                if key not in self._refused:
-                    self._refused[key] = str(exc)
-                    log.error(  # noqa: TRY400 - a configuration disagreement, not a bug
-                        "fleet: the stored overrides of %s do not fit this member's YAML: %s",
-                        name,
-                        exc,
-                        extra={"integration": name},
-                    )
+                problem = f"the stored overrides of {name} do not fit this member's YAML: {exc}"
+            key = (name, view.generation)
+            if key not in self._refused:
+                self._refused[key] = problem
+                log.error("fleet: %s", problem, extra={"integration": name})
+
+    def _over_caps(self, name: str, wanted: Mapping[str, Any]) -> list[Breach]:
+        """What applying the stored ``wanted`` here would set over a cap (as a live change).
+
+        Raises pydantic's ValidationError when they do not fit the YAML.
+        """
+        if not self._caps.any:
+            return []
+        groups = self._proxy.groups
+        current = {
+            n: live.apply_overrides(g.yaml, live.caught_up(g.yaml, g.overrides))
+            for n, g in groups.items()
+        }
+        group = groups[name]
+        changed = live.apply_overrides(group.yaml, live.caught_up(group.yaml, wanted))
+        running = current[name]
+        changes = {
+            path: value
+            for path, value in wanted.items()
+            if live.get_field(running, path) != live.get_field(changed, path)
+        }
+        return live_change_breaches(self._caps, running, changed, changes, current)
 
     async def _stored(self, operation: str, call: Awaitable[T]) -> T:
         """Awaits one call of the state store; a failure is counted by its operation."""

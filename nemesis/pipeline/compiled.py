@@ -27,11 +27,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
-from typing import Final, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import orjson
 
 from nemesis.broker.port import Message
+
+if TYPE_CHECKING:
+    from nemesis.pipeline.offload import PipelineRecipe
 from nemesis.pipeline.stage import PIPELINE_ERROR, Envelope, Stage, StageFailure
 from nemesis.stage_meter import STAGE_BUCKETS_S, StageMeter
 
@@ -143,7 +146,7 @@ _new_result = tuple.__new__
 class Pipeline:
     """Stages compiled once, run per message by ``process``."""
 
-    __slots__ = ("_filtered", "_steps", "name", "sources", "stages")
+    __slots__ = ("_filtered", "_steps", "name", "recipe", "sources", "stages")
 
     def __init__(self, stages: Sequence[CompiledStage] = (), *, name: str = "") -> None:
         self.name = name
@@ -151,6 +154,9 @@ class Pipeline:
         # The files it was built from (its pipeline file, descriptor sets) and the digest
         # of each as read: see BuildContext.sources. Set by build_integration_pipeline.
         self.sources: Mapping[Path, str] = {}
+        # How to build it again in a worker process (nemesis.pipeline.offload); None: it
+        # cannot be (built from a registry of one's own). Set by build_integration_pipeline.
+        self.recipe: PipelineRecipe | None = None
         self._steps = tuple(
             (compiled.stage.process, compiled.meter, compiled.label) for compiled in self.stages
         )

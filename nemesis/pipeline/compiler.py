@@ -373,8 +373,38 @@ def build_integration_pipeline(
     ``flags.disabled_types`` (it is called per message by ``route_by_type``);
     without it, the set in ``integration`` is used and never changes. With
     ``metrics``, the stages are counted on it under the integration's name.
-    ``integration_file`` gives inline stages' problems their lines.
+    ``integration_file`` gives inline stages' problems their lines. Built
+    from the default registry without ``env``, it carries the recipe that
+    builds it again in a worker process (``nemesis.pipeline.offload``).
     """
+    pipeline = _build_integration_pipeline(
+        integration,
+        pipelines_dir=pipelines_dir,
+        disabled_types=disabled_types,
+        metrics=metrics,
+        registry=registry,
+        integration_file=integration_file,
+        env=env,
+    )
+    if registry is None and env is None and not pipeline.is_empty:
+        from nemesis.pipeline.offload import PipelineRecipe
+
+        files = "".join(f"{path}={sha}\n" for path, sha in sorted(pipeline.sources.items()))
+        key = digest(f"{integration.model_dump_json()}\n{pipelines_dir}\n{files}".encode())
+        pipeline.recipe = PipelineRecipe(key, integration, Path(pipelines_dir), integration_file)
+    return pipeline
+
+
+def _build_integration_pipeline(
+    integration: IntegrationConfig,
+    *,
+    pipelines_dir: Path | str,
+    disabled_types: Callable[[], Collection[str]] | None,
+    metrics: Metrics | None,
+    registry: StageRegistry | None,
+    integration_file: Path | None,
+    env: Mapping[str, str] | None,
+) -> Pipeline:
     name = integration.name
     reference = integration.pipeline
     if reference is None or reference == []:

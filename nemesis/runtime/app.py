@@ -51,6 +51,7 @@ from nemesis.dlq import DeadLetterStore
 from nemesis.errors import BrokerError, ConfigError, ConfigProblem, NemesisError, TopicNotFound
 from nemesis.metrics import Metrics
 from nemesis.pipeline import Pipeline, build_integration_pipeline, file_digests
+from nemesis.pipeline.offload import PipelineProcesses
 from nemesis.resilience.breaker import BreakerListener, CircuitBreaker, bind_breaker_metrics
 from nemesis.resilience.limits import FlowLimits, wait_recorder
 from nemesis.runtime.internal import SharedReader
@@ -147,6 +148,14 @@ class Proxy:
         # The kinds of transport, by URL scheme (nemesis.transports); tests pass fakes.
         self._transports = transports or default_transports()
         self._clock = clock
+        # Costly pipelines run in worker processes of the proxy's own, unless the caller
+        # gave it some to share (or none at all: see nemesis.pipeline.offload).
+        self._own_processes: PipelineProcesses | None = None
+        if runner_options.pipeline_processes is None:
+            self._own_processes = PipelineProcesses()
+            runner_options = dataclasses.replace(
+                runner_options, pipeline_processes=self._own_processes
+            )
         self._runner_options = runner_options
         self._supervisor = supervisor_options
         self._stopping = asyncio.Event()
@@ -484,6 +493,8 @@ class Proxy:
             self._tasks = None
             for group in list(self._groups.values()):
                 await self._close_group(group)
+            if self._own_processes is not None:
+                self._own_processes.close()
 
     def _start_group(self, group: IntegrationGroup) -> None:
         if self._tasks is None or not self._running or group.task is not None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -64,7 +65,9 @@ from nemesis.delivery.port import DeliveryResult, Event, Outcome, Transport
 from nemesis.dlq import DeadLetterStore
 from nemesis.errors import BrokerError
 from nemesis.metrics import LoopCounter, LoopHistogram, Metrics, status_class
-from nemesis.pipeline import Pipeline, Verdict
+from nemesis.pipeline import Pipeline, PipelineResult, Verdict
+from nemesis.pipeline.compiled import StageMark
+from nemesis.pipeline.offload import PipelineCost, PipelineProcesses
 from nemesis.resilience.breaker import BreakerState, CircuitBreaker, is_healthy
 from nemesis.resilience.limits import Flow, FlowLimits
 from nemesis.runtime.acks import AckTracker, PartitionStats, SessionKey, session_key
@@ -84,10 +87,6 @@ from nemesis.runtime.waiting import NOT_WAITING, WaitingStatistics
 from nemesis.runtime.workers import WorkerPool, WorkerSlot
 
 log = logging.getLogger(__name__)
-
-# Pipelines of payloads from this size on run in a thread, off the event loop every
-# integration of the process shares (tests/bench/isolation.py measures what it buys).
-OFFLOAD_PIPELINE_BYTES = 64 * 1024
 
 
 class RunnerState(enum.Enum):
@@ -111,6 +110,8 @@ class RunnerOptions:
     shutdown_grace_s: float = 10.0
     # Spans of delivery attempts (the tracing extra); None: none recorded.
     tracing: DeliveryTracing | None = None
+    # Where messages costly to the pipeline run (nemesis.pipeline.offload); None: in a thread.
+    pipeline_processes: PipelineProcesses | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +183,7 @@ class IntegrationRunner:
         self._transport = transport
         self._owns_transport = owns_transport
         self._pipeline = pipeline or Pipeline.empty(config.name)
+        self._pipeline_cost = PipelineCost()
         self._metrics = metrics or Metrics()
         self._clock = clock
         self._options = options
@@ -818,6 +820,7 @@ class IntegrationRunner:
         tracer = self._tracer
         stages: list[StageTrace | None] | None = None if tracer is None else []
         marked: StageTrace | None = None
+        cost, clock = self._pipeline_cost, time.perf_counter
         for work in batch:
             message = work.message
             if tracer is not None:
@@ -825,12 +828,16 @@ class IntegrationRunner:
                     work.trace = make_event.trace_of(message)
                 marked = tracer.stages(work.trace)
             marks = None if marked is None else marked.marks
-            if len(message.value) < OFFLOAD_PIPELINE_BYTES:
+            size = len(message.value)
+            if not cost.costly(size):
+                started = clock()
                 result = pipeline.process(message, marks)
+                cost.record(size, clock() - started)
             else:
-                # A large payload costs the pipeline milliseconds to parse and write again:
-                # run off the event loop, so the other integrations' deliveries go on.
-                result = await asyncio.to_thread(pipeline.process, message, marks)
+                # Milliseconds of pipeline: off the event loop, so the other integrations'
+                # deliveries go on (nemesis.pipeline.offload).
+                result, seconds = await self._offload(pipeline, message, marks)
+                cost.record(size, seconds)
             if result.verdict is Verdict.PASS:
                 payload = None if result.payload is message.value else result.payload
                 event = make_event(
@@ -859,6 +866,16 @@ class IntegrationRunner:
                 failure = pipeline_failure(result.reason, result.error, result.stage)
                 await self._settlement.settle(work, failure)
         return passed, events, stages
+
+    async def _offload(
+        self, pipeline: Pipeline, message: Message, marks: list[StageMark] | None
+    ) -> tuple[PipelineResult, float]:
+        processes = self._options.pipeline_processes
+        if processes is None:
+            started = time.perf_counter()
+            result = await asyncio.to_thread(pipeline.process, message, marks)
+            return result, time.perf_counter() - started
+        return await processes.process(pipeline, message, self._disabled, marks)
 
     def _skip_disabled(self, batch: list[Work]) -> list[Work]:
         """Acknowledges messages whose type (``ce-type``) is in ``flags.disabled_types`` now."""

@@ -403,8 +403,19 @@ _READ_SQL = (
 )
 
 
+# What one read takes from the file at most, in value bytes (a first message is
+# taken whatever its size). Every reader of the process shares one read
+# connection: a read of a topic of megabyte messages must not hold the others'
+# reads up for the time of copying a whole batch of them.
+READ_MAX_BYTES = 4 * 1024 * 1024
+
+
 def read(
-    conn: sqlite3.Connection, topic: Topic, requests: Sequence[ReadRequest], max_messages: int
+    conn: sqlite3.Connection,
+    topic: Topic,
+    requests: Sequence[ReadRequest],
+    max_messages: int,
+    max_bytes: int = READ_MAX_BYTES,
 ) -> None:
     """Fills each request's ``messages`` from the file, up to ``max_messages`` in all, fairly.
 
@@ -413,34 +424,46 @@ def read(
     partition, or polling an idle topic, spends one statement, not one per
     partition (each costs about as much as the end offsets of all of them).
     A row appended after that first look is found by the next read, which
-    the append's ring or the reader's poll causes.
+    the append's ring or the reader's poll causes. Rows are taken one at a
+    time and the read ends once ``max_bytes`` of values are in (see ``fill``).
     """
     ends: dict[int, int] = dict(conn.execute(_ENDS_SQL, (topic.id,)).fetchall())
 
-    def fetch(partition: int, position: int, limit: int) -> Sequence[ReadRow]:
+    def fetch(partition: int, position: int, limit: int, max_bytes: int) -> Sequence[ReadRow]:
         if ends.get(partition, 0) <= position:
             return []
-        rows: list[ReadRow] = conn.execute(
-            _READ_SQL, (topic.id, partition, position, limit)
-        ).fetchall()
+        rows: list[ReadRow] = []
+        size = 0
+        for row in conn.execute(_READ_SQL, (topic.id, partition, position, limit)):
+            rows.append(row)
+            size += len(row[1])
+            if size >= max_bytes:
+                break
         return rows
 
-    fill(topic.name, requests, max_messages, fetch)
+    fill(topic.name, requests, max_messages, fetch, max_bytes)
 
 
 def fill(
     topic: str,
     requests: Sequence[ReadRequest],
     max_messages: int,
-    fetch: Callable[[int, int, int], Sequence[ReadRow]],
+    fetch: Callable[[int, int, int, int], Sequence[ReadRow]],
+    max_bytes: int | None = None,
 ) -> None:
-    """Fills each request's ``messages`` with ``fetch(partition, position, limit)``, fairly.
+    """Fills each request's ``messages`` with ``fetch(partition, position, limit, bytes)``, fairly.
 
     Each pass gives every partition that still has messages an equal share
     of what is left of the budget, so one busy partition cannot starve the
-    others and a lone busy partition still fills the whole batch.
+    others and a lone busy partition still fills the whole batch. With
+    ``max_bytes``, the fill also ends once that many value bytes are in: a
+    fetch returns rows until the bytes left are reached, the one that
+    reaches them included, so a message larger than the whole budget is
+    still read (alone). A partition cut short by bytes is not exhausted:
+    the next read goes on from there at once.
     """
     budget = max_messages
+    bytes_left = (1 << 62) if max_bytes is None else max_bytes
     pending = [(r, r.position) for r in requests]
     build = build_message
     while pending and budget > 0:
@@ -450,8 +473,10 @@ def fill(
             limit = min(share, budget)
             if limit <= 0:
                 break
-            rows = fetch(request.session.partition, position, limit)
-            if len(rows) < limit:
+            rows = fetch(request.session.partition, position, limit, bytes_left)
+            if rows and max_bytes is not None:
+                bytes_left -= sum(len(row[1]) for row in rows)
+            if len(rows) < limit and bytes_left > 0:
                 request.exhausted = True
             if not rows:
                 continue
@@ -476,6 +501,8 @@ def fill(
                 ]
             )
             budget -= len(rows)
+            if bytes_left <= 0:
+                return
             if len(rows) == limit:
                 still_full.append((request, rows[-1][0] + 1))
         pending = still_full

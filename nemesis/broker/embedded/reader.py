@@ -15,7 +15,7 @@ from nemesis.aio import TaskScope, first_of
 from nemesis.broker.embedded import leases, log
 from nemesis.broker.embedded.beats import BeatJob, SharedHeartbeat
 from nemesis.broker.embedded.db import Database
-from nemesis.broker.embedded.tail import TailCache
+from nemesis.broker.embedded.tail import ReadRow, TailCache
 from nemesis.broker.port import EARLIEST, Message, PartitionSession, StartFrom, run_session
 from nemesis.clock import Clock
 from nemesis.errors import BrokerError, TopicNotFound
@@ -447,7 +447,7 @@ class EmbeddedReader:
         elif self._tail_since is None:
             self._tail_since = now
         requests = [log.ReadRequest(s, s.position) for s in covered]
-        log.fill(self._topic.name, requests, max_messages, partial(tail.get, topic_id))
+        log.fill(self._topic.name, requests, max_messages, partial(_from_tail, tail, topic_id))
         # The sessions left out are caught up with the file.
         self._drained = all(r.exhausted for r in requests)
         return self._advance(requests)
@@ -909,3 +909,10 @@ def _heartbeat_job(
 def _resolve(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+def _from_tail(
+    tail: TailCache, topic_id: int, partition: int, position: int, limit: int, _bytes: int
+) -> list[ReadRow]:
+    # Rows the cache holds are in memory already: a read of them is not held to a byte budget.
+    return tail.get(topic_id, partition, position, limit)
