@@ -62,6 +62,7 @@ LAYERS: list[list[str]] = [
         "nemesis.cli_ctl",
         "nemesis.cli_dlq",
         "nemesis.cli_offsets",
+        "nemesis.cli_queues",
         "nemesis.demo",
     ],
 ]

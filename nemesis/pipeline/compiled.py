@@ -34,7 +34,7 @@ import orjson
 from nemesis.broker.port import Message
 
 if TYPE_CHECKING:
-    from nemesis.pipeline.offload import PipelineRecipe
+    from nemesis.config.models import IntegrationConfig
 from nemesis.pipeline.stage import PIPELINE_ERROR, Envelope, Stage, StageFailure
 from nemesis.stage_meter import STAGE_BUCKETS_S, StageMeter
 
@@ -83,6 +83,19 @@ STAGE_PASSED: Final = "passed"  # passed on unchanged
 STAGE_TRANSFORMED: Final = "transformed"  # passed on, its document changed
 STAGE_FILTERED: Final = "filtered"
 STAGE_ERROR: Final = "error"  # the message is dead-lettered by this stage
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineRecipe:
+    """How to build an integration's pipeline again, in another process.
+
+    ``key`` tells builds apart: a digest of the config and of the files read.
+    """
+
+    key: str
+    integration: IntegrationConfig
+    pipelines_dir: Path
+    integration_file: Path | None = None
 
 
 class StageMark(NamedTuple):

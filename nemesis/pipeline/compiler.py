@@ -387,7 +387,7 @@ def build_integration_pipeline(
         env=env,
     )
     if registry is None and env is None and not pipeline.is_empty:
-        from nemesis.pipeline.offload import PipelineRecipe
+        from nemesis.pipeline.compiled import PipelineRecipe
 
         files = "".join(f"{path}={sha}\n" for path, sha in sorted(pipeline.sources.items()))
         key = digest(f"{integration.model_dump_json()}\n{pipelines_dir}\n{files}".encode())

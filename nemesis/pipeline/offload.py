@@ -41,16 +41,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nemesis.broker.port import Message
-from nemesis.pipeline.compiled import Pipeline, PipelineResult, StageMark
+from nemesis.pipeline.compiled import Pipeline, PipelineRecipe, PipelineResult, StageMark
 from nemesis.terminal import inert
 
 if TYPE_CHECKING:
-    from nemesis.config.models import IntegrationConfig
+    pass
 
 # Payloads from this size on are offloaded while an integration's cost is not measured yet.
 OFFLOAD_PIPELINE_BYTES = 64 * 1024
@@ -70,19 +68,6 @@ PARENT_WATCH_S = 1.0
 log = logging.getLogger(__name__)
 
 StageDelta = tuple[int, int, float, list[int]]  # filtered, failed, seconds, buckets
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineRecipe:
-    """How to build an integration's pipeline again, in another process.
-
-    ``key`` tells builds apart: a digest of the config and of the files read.
-    """
-
-    key: str
-    integration: IntegrationConfig
-    pipelines_dir: Path
-    integration_file: Path | None = None
 
 
 class PipelineCost:
