@@ -126,7 +126,8 @@ class Pauses:
 
     def weigh(self, session: PartitionSession, why: Why, count: int, buffer: int) -> None:
         """Pauses or resumes the session for a counted reason, by ``over_buffer``."""
-        paused = self.paused_for(key_of(session), why)
+        reasons = self._reasons.get((session.topic, session.partition, session.id))
+        paused = reasons is not None and why in reasons
         if over_buffer(count, buffer, paused=paused) != paused:
             if paused:
                 self.resume(session, why)

@@ -994,7 +994,7 @@ async def compare_trees(space: Workspace, args: argparse.Namespace) -> None:
         print(
             f"  {'':<19} this / baseline: per CPU second {cpu[BASELINE] / cpu[THIS]:.2f}"
             f" (round by round: {spread}), rates {rate[THIS] / rate[BASELINE]:.2f}"
-            f"  ({fmt([r.rate for r in ours])} / {fmt([r.rate for r in theirs])})"
+            f"  (this {fmt([r.rate for r in ours])}; baseline {fmt([r.rate for r in theirs])})"
         )
 
 
