@@ -151,6 +151,8 @@ class Workspace:
         (root / "nemesis.yaml").write_text(
             f"backend: {backend}\nsingle_host: true\ndata_dir: .\n"
             f"integrations_dir: integrations\npipelines_dir: {REPO / 'pipelines'}\n"
+            # Ports of their own: another proxy on the host (a neighbour's run) has the defaults.
+            f"admin: {{port: {free_port()}}}\nviewer: {{port: {free_port()}}}\n"
             # The viewer starts with every proxy, as in production; a secret made for this
             # run keeps it from warning at each start that it had to make one itself.
             f"auth: {{session_secret: '{secrets.token_urlsafe(48)}'}}\n"
