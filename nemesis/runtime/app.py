@@ -653,7 +653,7 @@ class Proxy:
             try:
                 for flow in flows:
                     await self._prepare_flow(group, flow)
-                shared = await self._open_shared(flows)
+                shared = await self._open_shared(flows, lambda: group.config.delivery.buffer)
             except NemesisError as exc:
                 for flow in flows:
                     group.issues[flow.name] = f"cannot start: {exc}"
@@ -688,11 +688,14 @@ class Proxy:
             await self._sleep_unless_halted(group, delay_s)
             delay_s = min(delay_s * 2, self._supervisor.max_restart_delay_s)
 
-    async def _open_shared(self, flows: list[FlowSpec]) -> SharedReader | None:
+    async def _open_shared(
+        self, flows: list[FlowSpec], buffer: Callable[[], int]
+    ) -> SharedReader | None:
         """One reader over the flows' topics; None when each flow reads its own.
 
         One flow needs no sharing, and a backend that reads one topic per
-        reader says so with NotImplementedError.
+        reader says so with NotImplementedError. ``buffer``: the flows'
+        ``delivery.buffer``, the bound of each one's queue at the shared reader.
         """
         if len(flows) < 2:
             return None
@@ -701,7 +704,7 @@ class Proxy:
             reader = await self.broker.reader(topics, flows[0].consumer)
         except NotImplementedError:
             return None
-        return SharedReader(reader, topics)
+        return SharedReader(reader, topics, buffer)
 
     async def _run_internal(
         self, group: IntegrationGroup, flows: list[FlowSpec], shared: SharedReader | None

@@ -14,9 +14,13 @@ what keeps an idle integration cheap.
 Reading: a flow that wants messages takes them from its queue; when the
 queue is empty, one waiting flow at a time (the *pump*) reads the shared
 reader and hands what it got to each flow's queue by topic, waking the
-flows it fed. A flow that does not read (its buffer is full) keeps at most
-``QUEUE_CAP`` messages queued: past that the sessions of its topic's queued
-messages are paused at the shared reader until its queue is empty again.
+flows it fed. A flow that does not read (its buffer is full) keeps a bounded
+queue: from ``delivery.buffer`` messages queued, the sessions of its queued
+messages are paused at the shared reader (``Why.QUEUED``), until its queue is
+back at half of that (the threshold rule of ``nemesis.runtime.pauses``). The
+shared reader has one record of paused sessions (``SharedReader.pauses``),
+and each flow's runner pauses through it too, so a session the runner paused
+stays paused when the queue drains, and the other way round.
 
 The flows are supervised together (``nemesis.runtime.app``): when one fails,
 the others stop (draining and committing as at any stop), the shared reader
@@ -29,26 +33,26 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from nemesis.broker.port import Message, PartitionSession, TopicReader
 from nemesis.broker.source import AckOrder
-
-# Messages a flow may have queued and not taken before its topic's sessions are paused.
-QUEUE_CAP = 1000
-
-_SessionKey = tuple[str, int, int]
-
-
-def _key(session: PartitionSession) -> _SessionKey:
-    return (session.topic, session.partition, session.id)
+from nemesis.runtime.pauses import Pauses, Why, over_buffer
 
 
 class SharedReader:
-    """A broker reader over several topics, handed out as one ``FlowReader`` per topic."""
+    """A broker reader over several topics, handed out as one ``FlowReader`` per topic.
 
-    def __init__(self, reader: TopicReader, topics: Sequence[str]) -> None:
+    ``buffer`` gives the flows' ``delivery.buffer`` (asked each time: it
+    changes while running), the bound of each flow's queue.
+    """
+
+    def __init__(
+        self, reader: TopicReader, topics: Sequence[str], buffer: Callable[[], int]
+    ) -> None:
         self.reader = reader
+        self.buffer = buffer
+        self.pauses = Pauses(reader)  # every view's and every flow's pauses of the reader
         self._views = {topic: FlowReader(self, topic) for topic in topics}
         self.pump: FlowReader | None = None
         self.reads = 0  # reads of the shared reader (for tests and statistics)
@@ -79,8 +83,7 @@ class SharedReader:
                 fed.add(view)
         for view in fed:
             view.wake()
-            if len(view.queue) > QUEUE_CAP:
-                view.hold()
+            view.hold()
 
     async def close(self, timeout_s: float = 5.0) -> None:
         for view in self._views.values():
@@ -98,12 +101,15 @@ class FlowReader:
         self._event = asyncio.Event()
         self._interrupted = False
         self._closed = False
-        self._held: dict[_SessionKey, PartitionSession] = {}  # paused here: queue too long
-        self._paused: set[_SessionKey] = set()  # paused by the runner (flow control)
 
     @property
     def ack_order(self) -> AckOrder:
         return AckOrder.PREFIX  # a topic of the log: its partitions commit their done prefix
+
+    @property
+    def pauses(self) -> Pauses:
+        """The shared reader's record of paused sessions: the flow's runner pauses through it."""
+        return self._share.pauses
 
     async def receive(self, max_messages: int, timeout_s: float) -> Sequence[Message]:
         """Up to ``max_messages`` of this topic; empty after ``timeout_s`` or an ``interrupt``."""
@@ -134,20 +140,25 @@ class FlowReader:
         queue = self.queue
         count = min(max_messages, len(queue))
         taken = [queue.popleft() for _ in range(count)]
-        if not queue and self._held:
-            held, self._held = self._held, {}
-            for key, session in held.items():
-                if key not in self._paused:
-                    self._share.reader.resume(session)
+        pauses = self._share.pauses
+        if pauses and not over_buffer(len(queue), self._share.buffer(), paused=True):
+            pauses.resume_all(Why.QUEUED, self.topic)
         return taken
 
     def hold(self) -> None:
-        """Pauses the sessions of the queued messages: the flow does not keep up."""
-        for message in self.queue:
+        """Pauses the sessions of the queued messages from a buffer's worth of them: the flow
+        does not keep up."""
+        queue = self.queue
+        pauses = self._share.pauses
+        holding = pauses and any(pauses.sessions(Why.QUEUED, self.topic))
+        if not over_buffer(len(queue), self._share.buffer(), paused=bool(holding)):
+            return
+        seen: PartitionSession | None = None
+        for message in queue:
             session = message.session
-            if session is not None and session.alive and _key(session) not in self._held:
-                self._held[_key(session)] = session
-                self._share.reader.pause(session)
+            if session is not None and session is not seen and session.alive:
+                pauses.pause(session, Why.QUEUED)
+                seen = session
 
     def wake(self) -> None:
         self._event.set()
@@ -167,14 +178,15 @@ class FlowReader:
             await self._share.reader.commit(messages)
 
     def pause(self, session: PartitionSession) -> None:
-        self._paused.add(_key(session))
-        self._share.reader.pause(session)
+        """The port's flow control, as ``pauses.pause(session, Why.UNCOMMITTED)``.
+
+        The runner pauses through ``pauses`` with its reasons; this is for a
+        caller of the source port that gives none.
+        """
+        self._share.pauses.pause(session, Why.UNCOMMITTED)
 
     def resume(self, session: PartitionSession) -> None:
-        key = _key(session)
-        self._paused.discard(key)
-        if key not in self._held:
-            self._share.reader.resume(session)
+        self._share.pauses.resume(session, Why.UNCOMMITTED)
 
     def sessions(self) -> Sequence[PartitionSession]:
         return [s for s in self._share.reader.sessions() if s.topic == self.topic]

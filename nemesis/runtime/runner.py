@@ -30,7 +30,8 @@ Memory is bounded twice: no more than ``delivery.buffer`` messages are
 unfinished at once (intake waits), and no session holds more than
 ``delivery.buffer`` uncommitted messages (done ones included, waiting behind a
 slow or failing one on a log): such a session is paused at the source while
-the others flow on.
+the others flow on. Pauses go through the reader's one record of them
+(``nemesis.runtime.pauses``), with their reason and its threshold rule.
 
 Shutdown: stop reading, let the deliveries in flight finish within the grace
 period (workers take nothing new: what was read and not started stays
@@ -72,6 +73,7 @@ from nemesis.resilience.breaker import BreakerState, CircuitBreaker, is_healthy
 from nemesis.resilience.limits import Flow, FlowLimits
 from nemesis.runtime.acks import AckTracker, PartitionStats, SessionKey, session_key
 from nemesis.runtime.events import EventFactory
+from nemesis.runtime.pauses import Pauses, SharesPauses, Why, key_of
 from nemesis.runtime.policy import failure_of, pipeline_failure
 from nemesis.runtime.retries import (
     FlowSpec,
@@ -230,8 +232,7 @@ class IntegrationRunner:
         self._progress = asyncio.Event()  # set whenever a message finishes or a session is dropped
         self._admitted = asyncio.Event()  # set by every read that admitted messages
         self._commit_lock = asyncio.Lock()
-        self._paused_sessions: dict[tuple[str, int, int], PartitionSession] = {}
-        self._held_back: set[tuple[str, int, int]] = set()  # paused by ``_hold_back``
+        self._pauses: Pauses | None = None  # the reader's record of paused sessions (run)
         # Messages taken from the tracker for a commit the broker has not confirmed yet, by
         # partition session, in offset order: uncommitted until it does (``_uncommitted``),
         # and committed again at the next round when it failed.
@@ -342,7 +343,7 @@ class IntegrationRunner:
             messages_read=self._messages_read,
             last_read_at=self._last_read_at,
             last_commit_at=self._last_commit_at,
-            paused_partitions=len(self._paused_sessions),
+            paused_partitions=self._paused_here(),
             partitions=tuple(self._tracker.statistics()),
             flow=self.flow.name,
             started_at=self._started_at,
@@ -377,6 +378,10 @@ class IntegrationRunner:
         self._settlement.use_source(reader)
         if isinstance(reader, Releases) and self._settlement.policy.releases:
             self._attempt_of = reader.attempt
+        # The reader's one record of paused sessions: the internal flows' shared reader
+        # has one for all of its views; any other source gets its own.
+        pauses = reader.pauses if isinstance(reader, SharesPauses) else Pauses(reader)
+        self._pauses = pauses
         self._call_soon = asyncio.get_running_loop().call_soon
         if self._stopping.is_set():
             reader.interrupt()
@@ -384,9 +389,9 @@ class IntegrationRunner:
         try:
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
-                intake = tasks.create_task(self._intake(reader), name=f"{label}:intake")
+                intake = tasks.create_task(self._intake(reader, pauses), name=f"{label}:intake")
                 helpers = [
-                    tasks.create_task(self._commit_loop(reader), name=f"{label}:commit"),
+                    tasks.create_task(self._commit_loop(reader, pauses), name=f"{label}:commit"),
                     tasks.create_task(self._scheduler.run_timers(), name=f"{label}:timers"),
                 ]
                 if self._settlement.waiting is not None:
@@ -442,7 +447,7 @@ class IntegrationRunner:
                 left,
             )
 
-    async def _intake(self, reader: Source) -> None:
+    async def _intake(self, reader: Source, pauses: Pauses) -> None:
         while not self._stopping.is_set():
             if not self._resumed.is_set():
                 self._state = RunnerState.PAUSED
@@ -458,10 +463,10 @@ class IntegrationRunner:
                 # finished message (each read is a trip to the broker). stop() sets
                 # _progress too, so a plain wait on it is enough.
                 self._progress.clear()
-                if self._free(buffer) < refill and not self._hold_back(reader, buffer, refill):
+                if self._free(buffer) < refill and not self._hold_back(pauses, buffer, refill):
                     await self._progress.wait()
                 continue
-            self._flow_control(reader)
+            self._flow_control(pauses)
             if (
                 self._breaker is not None
                 and self._breaker.state is BreakerState.OPEN
@@ -499,7 +504,7 @@ class IntegrationRunner:
             self._commit_soon.set()
         return buffer - max(self._tracker.unfinished, uncommitted)
 
-    def _hold_back(self, reader: Source, buffer: int, refill: int) -> bool:
+    def _hold_back(self, pauses: Pauses, buffer: int, refill: int) -> bool:
         """Pauses the partitions whose uncommitted messages wait behind an unfinished one.
 
         Called when the flow cannot read for its uncommitted messages: those of
@@ -515,24 +520,24 @@ class IntegrationRunner:
             session = acks.session
             if session is None or not acks.blocked or acks.outstanding < refill:
                 continue
-            key = (session.topic, session.partition, session.id)
-            if key not in self._paused_sessions:
-                reader.pause(session)
-                self._paused_sessions[key] = session
-                self._held_back.add(key)
-                held = True
+            if not pauses.counted_apart(key_of(session)):
+                held = True  # counted apart from now on: room for the others
+            pauses.pause(session, Why.BLOCKED)
         return held
 
     def _uncommitted(self) -> int:
-        """Read and not committed at the broker, in the partitions that are not paused."""
-        paused = self._paused_sessions
+        """Read and not committed at the broker, outside the sessions counted apart (paused)."""
+        pauses = self._pauses
         held = 0
+        if pauses is None or not pauses:
+            return self._tracker.outstanding + sum(map(len, self._unconfirmed.values()))
+        apart = pauses.counted_apart
         for acks in self._tracker.partitions():
             session = acks.session
-            if session is None or (session.topic, session.partition, session.id) not in paused:
+            if session is None or not apart(key_of(session)):
                 held += acks.outstanding
         for key, messages in self._unconfirmed.items():
-            if key not in paused:
+            if not apart(key):
                 held += len(messages)
         return held
 
@@ -570,31 +575,36 @@ class IntegrationRunner:
         self._m_read.inc(admitted)
         self._admitted.set()
 
-    def _flow_control(self, reader: Source) -> None:
-        """Pauses partitions with too much uncommitted behind a slow message; resumes drained."""
-        cap = self.config.delivery.buffer
+    def _flow_control(self, pauses: Pauses) -> None:
+        """Pauses sessions with a buffer of uncommitted messages; resumes the drained and the
+        held back whose first message finished."""
+        buffer = self.config.delivery.buffer
+        unconfirmed = self._unconfirmed
         for acks in self._tracker.partitions():
             session = acks.session
             if session is None:
                 continue
-            key = (session.topic, session.partition, session.id)
+            key = key_of(session)
             # Taken for a commit the broker has not confirmed: still uncommitted.
-            outstanding = acks.outstanding + len(self._unconfirmed.get(key, ()))
-            if key not in self._paused_sessions and outstanding >= cap:
-                reader.pause(session)
-                self._paused_sessions[key] = session
-            elif key in self._held_back:
-                if not acks.blocked and outstanding < cap:  # what held it finished
-                    reader.resume(session)
-                    del self._paused_sessions[key]
-                    self._held_back.discard(key)
-            elif key in self._paused_sessions and outstanding <= cap // 2:
-                reader.resume(session)
-                del self._paused_sessions[key]
-        for key, session in list(self._paused_sessions.items()):
-            if not session.alive:
-                del self._paused_sessions[key]
-                self._held_back.discard(key)
+            outstanding = acks.outstanding
+            if unconfirmed:
+                outstanding += len(unconfirmed.get(key, ()))
+            if pauses.paused_for(key, Why.BLOCKED) and not acks.blocked:
+                pauses.resume(session, Why.BLOCKED)  # what held it back finished
+            pauses.weigh(session, Why.UNCOMMITTED, outstanding, buffer)
+        if pauses:
+            pauses.forget_ended()
+
+    def _paused_here(self) -> int:
+        """This flow's sessions paused behind what it has not finished (counted apart)."""
+        pauses = self._pauses
+        if pauses is None or not pauses:
+            return 0
+        return sum(
+            1
+            for acks in self._tracker.partitions()
+            if acks.session is not None and pauses.counted_apart(key_of(acks.session))
+        )
 
     # --- workers ------------------------------------------------------------
 
@@ -964,7 +974,7 @@ class IntegrationRunner:
 
     # --- commits ------------------------------------------------------------
 
-    async def _commit_loop(self, reader: Source) -> None:
+    async def _commit_loop(self, reader: Source, pauses: Pauses) -> None:
         tracker = self._tracker
         while True:
             # Every interval, or at once when the intake waits for the commit.
@@ -975,8 +985,8 @@ class IntegrationRunner:
             # Shielded: the runs are taken from the tracker before they are sent, so a
             # cancelled commit would lose them; the final commit waits for this one.
             await asyncio.shield(self._commit(reader))
-            self._flow_control(reader)
-            if tracker.outstanding == 0 and not self._paused_sessions and not self._unconfirmed:
+            self._flow_control(pauses)
+            if tracker.outstanding == 0 and not self._unconfirmed and not self._paused_here():
                 # Nothing read and not yet committed, nothing paused: nothing to do until
                 # the next read, so an idle flow (a retry tier, say) does not wake on a timer.
                 self._admitted.clear()

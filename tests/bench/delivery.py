@@ -22,9 +22,15 @@ Prints, on the host it runs on:
       on the same broker (the ceiling of (a) on Kafka); ratios per CPU second:
       Kafka / embedded (target >= 0.8) and Kafka / the bare loop (target >= 0.6).
 
+With `--baseline-tree PATH` (a checkout of other code, today's main say, its
+protos generated) it measures instead (a), (c) and (g) of this tree and of
+that one's proxy, the two taking turns run by run and round by round, and
+prints each one's median and the ratio of this tree to that one, per CPU
+second and in rates.
+
 The handler (tests/bench/fast_handler.py) and the proxy run pinned to different
 cores when the machine has two. Usage: `make bench` or
-`python tests/bench/delivery.py [--messages N] [--workers W]`.
+`python tests/bench/delivery.py [--messages N] [--workers W] [--baseline-tree PATH]`.
 """
 
 from __future__ import annotations
@@ -149,6 +155,8 @@ class Workspace:
         (root / "nemesis.yaml").write_text(
             f"backend: {backend}\nsingle_host: true\ndata_dir: .\n"
             f"integrations_dir: integrations\npipelines_dir: {REPO / 'pipelines'}\n"
+            # Ports of their own: another proxy on the host (a neighbour's run) has the defaults.
+            f"admin: {{port: {free_port()}}}\nviewer: {{port: {free_port()}}}\n"
             # The viewer starts with every proxy, as in production; a secret made for this
             # run keeps it from warning at each start that it had to make one itself.
             f"auth: {{session_secret: '{secrets.token_urlsafe(48)}'}}\n"
@@ -792,6 +800,9 @@ async def main(args: argparse.Namespace) -> None:
     print(f"\nNemesis delivery benchmark ({os.cpu_count()} cores, proxy and handler pinned apart)")
     with tempfile.TemporaryDirectory(prefix="nemesis-bench-") as tmp:
         space = Workspace(Path(tmp))
+        if args.baseline_tree is not None:
+            await compare_trees(space, args)
+            return
         if "delivery" in parts:
             await delivery_part(space, args)
         if "log" in parts:
@@ -1016,6 +1027,84 @@ async def delivery_part(space: Workspace, args: argparse.Namespace) -> None:
     )
 
 
+# With --baseline-tree: the figures compared, each as through_proxy's (messages, workers,
+# batch, pipeline) for a run of --messages.
+COMPARED: dict[str, tuple[int, int, int, str]] = {
+    "(a) 1 msg/request": (1, 0, 1, ""),
+    "(c) batches of 100": (5, 8, 100, ""),
+    "(g) city-filter": (2, 0, 1, "city-filter"),
+}
+THIS, BASELINE = "this tree", "baseline"
+
+
+async def compare_trees(space: Workspace, args: argparse.Namespace) -> None:
+    """(a), (c) and (g) of this tree beside those of ``--baseline-tree``, taking turns.
+
+    Each round runs every figure on both trees, one after the other, the tree
+    that goes first changing from round to round: a neighbour's load, or the
+    log file growing, lands on both. The baseline's proxy imports its own
+    ``nemesis`` (``PYTHONPATH``); this process fills the log with this tree's.
+    """
+    tree: Path = args.baseline_tree
+    handler = Handler()
+    cores = os.sched_getaffinity(0)
+    if (os.cpu_count() or 1) >= 2:
+        os.sched_setaffinity(0, {1})  # beside the handler, as in delivery_part
+    runs: dict[tuple[str, str], list[ProxyRun]] = {
+        (figure, who): [] for figure in COMPARED for who in (THIS, BASELINE)
+    }
+    try:
+        for round_ in range(args.repeat):
+            order = (THIS, BASELINE) if round_ % 2 == 0 else (BASELINE, THIS)
+            for number, (figure, (times, workers, batch, pipeline)) in enumerate(COMPARED.items()):
+                for who in order:
+                    if who == BASELINE:
+                        os.environ["PYTHONPATH"] = str(tree)
+                    try:
+                        run = await through_proxy(
+                            space,
+                            handler,
+                            f"cmp{round_}f{number}{'b' if who == BASELINE else 't'}",
+                            args.messages * times,
+                            workers or args.workers,
+                            batch,
+                            pipeline,
+                        )
+                    finally:
+                        os.environ.pop("PYTHONPATH", None)
+                    runs[figure, who].append(run)
+    finally:
+        handler.close()
+        os.sched_setaffinity(0, cores)
+    print(f"  this tree against {tree}, {args.repeat} rounds, taking turns:")
+    for figure in COMPARED:
+        ours, theirs = runs[figure, THIS], runs[figure, BASELINE]
+        rate = {
+            who: statistics.median(r.rate for r in runs[figure, who]) for who in (THIS, BASELINE)
+        }
+        cpu = {
+            who: statistics.median(r.cpu_us for r in runs[figure, who]) for who in (THIS, BASELINE)
+        }
+        spread = ", ".join(f"{b.cpu_us / t.cpu_us:.2f}" for t, b in zip(ours, theirs, strict=True))
+        print(
+            f"  {figure:<19} this {rate[THIS]:>9,.0f} msg/s ({cpu[THIS]:.1f} us CPU each)"
+            f"  baseline {rate[BASELINE]:>9,.0f} msg/s ({cpu[BASELINE]:.1f} us CPU each)"
+        )
+        print(
+            f"  {'':<19} this / baseline: per CPU second {cpu[BASELINE] / cpu[THIS]:.2f}"
+            f" (round by round: {spread}), rates {rate[THIS] / rate[BASELINE]:.2f}"
+            f"  (this {fmt([r.rate for r in ours])}; baseline {fmt([r.rate for r in theirs])})"
+        )
+
+
+def source_tree(text: str) -> Path:
+    """``--baseline-tree``: a folder holding a ``nemesis`` package."""
+    tree = Path(text).resolve()
+    if not (tree / "nemesis" / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(f"{tree}: no nemesis package there")
+    return tree
+
+
 def print_latency(lat: dict[str, Any]) -> None:
     added_p50 = lat["log_p50"] - lat["direct_p50"]
     added_p99 = lat["log_p99"] - lat["direct_p99"]
@@ -1113,5 +1202,11 @@ if __name__ == "__main__":
         choices=PARTS + OPTIONAL_PARTS,
         help="run only this part (repeatable): delivery = (a)-(c), (f), (g); log = (d);"
         " latency = (e); kafka = (k); sqs = (s). Default: all but kafka and sqs, in that order",
+    )
+    parser.add_argument(
+        "--baseline-tree",
+        type=source_tree,
+        help="a source tree (its protos generated): compare (a), (c) and (g) of its proxy"
+        " with this tree's, taking turns, instead of the parts",
     )
     _run(main(parser.parse_args()))
