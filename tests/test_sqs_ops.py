@@ -32,7 +32,9 @@ from tests.test_sqs_e2e import make_queue, queue_counts, send, sqs_integration
 
 __all__ = ["aws_env", "sqs_server"]
 
-pytestmark = pytest.mark.usefixtures("aws_env")
+# Real servers, moto answering one call at a time: a case waits minutes on a loaded host
+# before it is taken for hung (its own waits bound each step).
+pytestmark = [pytest.mark.usefixtures("aws_env"), pytest.mark.timeout(400)]
 
 aiobotocore_session: Any = pytest.importorskip("aiobotocore.session")
 
