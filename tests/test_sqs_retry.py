@@ -27,6 +27,7 @@ from nemesis.testing import HandlerServer
 from nemesis.testing.ledger import LedgerEntry
 from tests.conftest import Workspace, stop_gracefully
 from tests.sqs_servers import REGION, SqsServer, aws_env, eventually, queue_name, sqs_server
+from tests.test_sqs_e2e import queue_counts
 
 __all__ = ["aws_env", "sqs_server"]
 
@@ -79,20 +80,6 @@ async def send(server: SqsServer, url: str, bodies: list[str], group: str | None
         for body in bodies:
             extra: dict[str, Any] = {} if group is None else {"MessageGroupId": group}
             await client.send_message(QueueUrl=url, MessageBody=body, **extra)
-
-
-async def queue_counts(server: SqsServer, url: str) -> tuple[int, int]:
-    """Visible and in-flight messages of the queue."""
-    async with admin(server) as client:
-        answer = await client.get_queue_attributes(
-            QueueUrl=url,
-            AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
-        )
-    attributes = answer["Attributes"]
-    return (
-        int(attributes["ApproximateNumberOfMessages"]),
-        int(attributes["ApproximateNumberOfMessagesNotVisible"]),
-    )
 
 
 def body_id(entry: LedgerEntry) -> str:
